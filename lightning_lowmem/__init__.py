@@ -1,0 +1,57 @@
+"""lightning_lowmem: make large models train and ship in small GPU memory, measured.
+
+Public names are imported lazily, so ``import lightning_lowmem`` stays fast and optional dependencies
+(torchao, torch-pruning, scikit-learn) load only when the feature that needs them is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0.dev0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # memory core
+    "MemoryReport": "lightning_lowmem.memory",
+    "format_bytes": "lightning_lowmem.memory",
+    "mark_memory": "lightning_lowmem.memory",
+    "measure_memory": "lightning_lowmem.memory",
+    "parse_bytes": "lightning_lowmem.memory",
+    "track_memory": "lightning_lowmem.memory",
+    "estimate_memory": "lightning_lowmem.memory.estimate",
+    "plan_memory": "lightning_lowmem.memory.plan",
+    "Plan": "lightning_lowmem.memory.plan",
+    # callbacks
+    "MemoryMonitor": "lightning_lowmem.callbacks.memory_monitor",
+    "ScheduledPruning": "lightning_lowmem.callbacks.scheduled_pruning",
+    "PostTrainingQuantization": "lightning_lowmem.callbacks.post_training_quantization",
+    "QuantizationAwareTraining": "lightning_lowmem.callbacks.quantization_aware_training",
+    "ActivationCheckpointing": "lightning_lowmem.callbacks.activation_checkpointing",
+    "ActivationCompression": "lightning_lowmem.callbacks.activation_compression",
+    "MemoryEfficientOptimizer": "lightning_lowmem.callbacks.memory_efficient_optimizer",
+    "AutoMicrobatch": "lightning_lowmem.callbacks.auto_microbatch",
+    "LowRankAdapters": "lightning_lowmem.callbacks.low_rank_adapters",
+    # modules, strategies, plugins
+    "DistillationModule": "lightning_lowmem.distillation.module",
+    "LowMemoryStrategy": "lightning_lowmem.strategies.low_memory",
+    "CompressedCheckpointIO": "lightning_lowmem.plugins.compressed_checkpoint_io",
+    # warnings
+    "NoEffectWarning": "lightning_lowmem.warnings",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'lightning_lowmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,96 @@
+"""The one place where lightning_lowmem touches private torch / Lightning attributes.
+
+Each function says which private name it uses and why no public API does the job. When torch grows a
+public equivalent, only this file changes.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread.
+
+    Why private: torch exposes no public "am I inside backward?" query; ``_current_graph_task_id`` is
+    what ``torch.utils.checkpoint`` itself uses for the same question. Returns -1 outside backward.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def move_post_accumulate_grad_hook_first(param: torch.Tensor, handle: Any) -> None:
+    """Make the hook behind ``handle`` run before every other post-accumulate-grad hook of ``param``.
+
+    Why private: ``register_post_accumulate_grad_hook`` has no ``prepend=`` flag, and the memory
+    tracker must see ``param.grad`` before an optimizer-in-backward hook steps and frees it. The hooks
+    live in the ``OrderedDict`` ``param._post_accumulate_grad_hooks`` keyed by ``handle.id``.
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if isinstance(hooks, collections.OrderedDict) and handle.id in hooks:
+        hooks.move_to_end(handle.id, last=False)
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """Return a new ``FakeTensorMode``.
+
+    Why private: FakeTensorMode lives in ``torch._subclasses``; it is the supported way (used by
+    ``torch.export`` and torch's own memory tools) to run real ops on tensors that hold no data.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` is a FakeTensor (see :func:`fake_tensor_mode`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """Exception types fake tensors raise on data-dependent control flow or output shapes.
+
+    Why private: these exception classes are only importable from ``torch._subclasses`` and
+    ``torch.fx.experimental``; the estimator turns them into a clear user-facing error.
+    """
+    errors: list[type[BaseException]] = []
+    try:
+        from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+        errors += [DataDependentOutputException, DynamicOutputShapeException]
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        errors.append(GuardOnDataDependentSymNode)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    try:
+        from torch._subclasses.fake_tensor import UnsupportedFakeTensorException
+
+        errors.append(UnsupportedFakeTensorException)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    return tuple(errors)
+
+
+def cuda_record_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start / stop the CUDA caching allocator's history recording (for OOM snapshots).
+
+    Why private: ``torch.cuda.memory._record_memory_history`` is the documented entry point of the
+    memory-snapshot tool (pytorch.org "Understanding CUDA Memory Usage") but keeps its underscore.
+    """
+    if enabled:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def cuda_dump_snapshot(path: str) -> None:
+    """Write the recorded CUDA allocator history to ``path`` (see :func:`cuda_record_memory_history`)."""
+    torch.cuda.memory._dump_snapshot(path)

@@ -1,0 +1,405 @@
+"""Dispatch-level accounting of live tensor storages, split into categories and phases.
+
+Every op passes through :class:`StorageTracker` (a ``TorchDispatchMode``). Each storage the op creates
+is recorded with its byte size and a category, and a weak reference tells us when it is freed. The
+running total's maximum is the peak; a snapshot of the category totals is kept at that moment.
+
+A storage's category is often learnt *after* it was allocated (a gradient becomes a gradient when
+autograd assigns it to ``.grad``; optimizer state when ``step()`` returns). Relabelling therefore also
+corrects every snapshot taken while the storage was alive, so the breakdown at the peak is exact.
+The same holds for storages that existed before tracking began and are first seen later.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_lowmem import _compat
+from lightning_lowmem.memory.report import CATEGORIES, PHASES, MemoryReport
+
+_ACTIVE: list["StorageTracker"] = []
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator books for a request of ``nbytes`` (512-byte rounding)."""
+    if nbytes <= 0:
+        return 0
+    return max(512, -(-nbytes // 512) * 512)
+
+
+@dataclass
+class _Record:
+    nbytes: int
+    category: str
+    seq: int  # allocation sequence number; 0 = existed before tracking began
+    phase: str
+
+
+@dataclass
+class _Snapshot:
+    total: int = 0
+    seq: int = 0
+    breakdown: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Plain tensors inside ``obj`` (pytrees; tensor subclasses are opened via ``__tensor_flatten__``)."""
+    leaves, _ = tree_flatten(obj)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            yield from _plain_tensors(leaf)
+
+
+def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    if type(tensor) in (torch.Tensor, nn.Parameter) or _compat.is_fake(tensor) or not hasattr(tensor, "__tensor_flatten__"):
+        yield tensor
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        inner = getattr(tensor, name)
+        if isinstance(inner, torch.Tensor):
+            yield from _plain_tensors(inner)
+
+
+def optimizer_state_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
+    """Every plain tensor held in an optimizer's ``state`` (ZeRO / Lightning wrappers unwrapped)."""
+    seen: set[int] = set()
+    stack = [optimizer]
+    while stack:
+        opt = stack.pop()
+        if opt is None or id(opt) in seen:
+            continue
+        seen.add(id(opt))
+        state = getattr(opt, "state", None)
+        if isinstance(state, dict):
+            for value in state.values():
+                yield from iter_tensors(value)
+        for inner in ("optim", "_optimizer", "optimizer"):
+            stack.append(getattr(opt, inner, None))
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live storages on one device type, by category and phase. Use via ``track_memory``.
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``: only storages of this device type are counted.
+        modules: modules whose parameters/buffers are ``parameters`` and whose ``.grad`` are
+            ``gradients``; also used to name modules in ``by_module``.
+        optimizers: optimizers whose ``state`` is ``optimizer_state``. Any optimizer that steps while
+            tracking is found automatically too.
+        round_bytes: maps a storage's byte size to the bytes the device allocator books for it.
+        by_module: record per-module forward peaks (costs a little per module call).
+    """
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        modules: Iterable[nn.Module] = (),
+        optimizers: Iterable[Any] = (),
+        round_bytes: Callable[[int], int] | None = None,
+        by_module: bool = True,
+    ) -> None:
+        super().__init__()
+        self.device = device
+        self.modules = [m for m in modules if m is not None]
+        self.optimizers = [o for o in optimizers if o is not None]
+        self.round_bytes = round_bytes or (lambda n: n)
+        self.track_modules = by_module
+        self._records: dict[int, _Record] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self._current = dict.fromkeys(CATEGORIES, 0)
+        self._total = 0
+        self._seq = itertools.count(1)
+        self._last_seq = 0
+        self._peak = _Snapshot()
+        self._phase_peaks: dict[str, _Snapshot] = {}
+        self._phase = "forward"
+        self._last_phase = "forward"
+        self._forward_keys: list[int] = []
+        self._hooked_params: dict[int, Any] = {}
+        self._handles: list[Any] = []
+        self._module_names: dict[int, str] = {}
+        self._module_stack: list[tuple[str, int]] = []
+        self._module_stats: dict[str, dict[str, int]] = {}
+        self.report: MemoryReport | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "StorageTracker":
+        for module in self.modules:
+            for name, sub in module.named_modules():
+                self._module_names.setdefault(id(sub), name)
+            for param in module.parameters():
+                self._see(param, "parameters")
+                self._hook_param(param)
+            for buffer in module.buffers():
+                self._see(buffer, "parameters")
+        for optimizer in self.optimizers:
+            self._label_optimizer(optimizer)
+        self._handles.append(register_optimizer_step_pre_hook(self._on_step_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._on_step_post))
+        self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_pre))
+        if self.track_modules and self._module_names:
+            self._handles.append(nn.modules.module.register_module_forward_hook(self._on_module_post))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._on_pack, lambda x: x)
+        self._saved_hooks.__enter__()
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _ACTIVE.remove(self)
+            self._saved_hooks.__exit__(*exc)
+            for optimizer in self.optimizers:
+                self._label_optimizer(optimizer)
+            for handle in itertools.chain(self._handles, self._hooked_params.values()):
+                handle.remove()
+            self._handles.clear()
+            self._hooked_params.clear()
+            self.report = self._build_report()
+            # drop weak references so no callback fires into a finished tracker
+            self._refs.clear()
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        phase = self._phase_now()
+        if phase != self._phase:
+            self._enter_phase(phase)
+        for tensor in iter_tensors((args, kwargs)):
+            key = self._key(tensor)
+            if key is None:
+                continue
+            if key not in self._records:
+                self._see(tensor, "parameters" if isinstance(tensor, nn.Parameter) else "other")
+            elif isinstance(tensor, nn.Parameter) and self._records[key].category == "other":
+                self._relabel(key, "parameters")
+            if isinstance(tensor, nn.Parameter):
+                self._hook_param(tensor)
+        out = func(*args, **kwargs)
+        for tensor in iter_tensors(out):
+            self._allocate(tensor)
+        return out
+
+    # ------------------------------------------------------------------ public helpers
+    def mark(self, tensor: torch.Tensor, category: str) -> None:
+        """Label the storage(s) behind ``tensor`` as ``category`` (see :func:`mark_memory`)."""
+        for plain in _plain_tensors(tensor):
+            key = self._key(plain)
+            if key is None:
+                continue
+            if key not in self._records:
+                self._see(plain, category)
+            else:
+                self._relabel(key, category)
+
+    @property
+    def current_bytes(self) -> int:
+        return self._total
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak.total
+
+    # ------------------------------------------------------------------ internals
+    def _key(self, tensor: torch.Tensor) -> int | None:
+        if tensor.device.type != self.device:
+            return None
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse / nested / exotic layouts
+            return None
+        key = id(storage)
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(storage, self._freed_callback(key))
+        return key
+
+    def _freed_callback(self, key: int) -> Callable[[Any], None]:
+        def freed(_: Any) -> None:
+            record = self._records.pop(key, None)
+            self._refs.pop(key, None)
+            if record is not None:
+                self._current[record.category] -= record.nbytes
+                self._total -= record.nbytes
+
+        return freed
+
+    def _storage_bytes(self, tensor: torch.Tensor) -> int:
+        return self.round_bytes(tensor.untyped_storage().nbytes())
+
+    def _allocate(self, tensor: torch.Tensor) -> None:
+        key = self._key(tensor)
+        if key is None:
+            return
+        record = self._records.get(key)
+        nbytes = self._storage_bytes(tensor)
+        if record is not None:
+            if nbytes != record.nbytes:  # resize_ and friends
+                delta = nbytes - record.nbytes
+                record.nbytes = nbytes
+                self._current[record.category] += delta
+                self._total += delta
+                self._update_peaks(next(self._seq))
+            return
+        seq = next(self._seq)
+        self._records[key] = _Record(nbytes, "other", seq, self._phase)
+        self._current["other"] += nbytes
+        self._total += nbytes
+        if self._phase == "forward":
+            self._forward_keys.append(key)
+        self._update_peaks(seq)
+
+    def _see(self, tensor: torch.Tensor, category: str) -> None:
+        """Register a storage that existed before tracking (or was made where we could not see)."""
+        key = self._key(tensor)
+        if key is None or key in self._records:
+            if key is not None:
+                self._relabel(key, category)
+            return
+        nbytes = self._storage_bytes(tensor)
+        self._records[key] = _Record(nbytes, category, 0, "forward")
+        self._current[category] += nbytes
+        self._total += nbytes
+        for snap in self._snapshots():  # it was alive at every snapshot taken so far
+            snap.total += nbytes
+            snap.breakdown[category] += nbytes
+        for stats in self._module_stats.values():
+            stats["peak_bytes"] += nbytes
+        if self._total > self._peak.total:
+            self._update_peaks(self._last_seq)
+
+    def _relabel(self, key: int, category: str) -> None:
+        record = self._records[key]
+        old = record.category
+        if old == category:
+            return
+        record.category = category
+        self._current[old] -= record.nbytes
+        self._current[category] += record.nbytes
+        for snap in self._snapshots():
+            if record.seq <= snap.seq:  # alive when the snapshot was taken: correct it
+                snap.breakdown[old] -= record.nbytes
+                snap.breakdown[category] += record.nbytes
+
+    def _snapshots(self) -> Iterator[_Snapshot]:
+        yield self._peak
+        yield from self._phase_peaks.values()
+
+    def _update_peaks(self, seq: int) -> None:
+        self._last_seq = seq
+        if self._total > self._peak.total:
+            self._peak = _Snapshot(self._total, seq, dict(self._current))
+        phase_peak = self._phase_peaks.get(self._phase)
+        if phase_peak is None or self._total > phase_peak.total:
+            self._phase_peaks[self._phase] = _Snapshot(self._total, seq, dict(self._current))
+        for name, _ in self._module_stack:
+            stats = self._module_stats[name]
+            stats["peak_bytes"] = max(stats["peak_bytes"], self._total)
+
+    def _phase_now(self) -> str:
+        if _compat.in_backward():
+            return "backward"
+        if self._last_phase in ("backward", "optimizer"):
+            return "optimizer"  # after backward, until a module forward starts or a step ends
+        return "forward"
+
+    def _enter_phase(self, phase: str) -> None:
+        if self._phase == "forward" and phase == "backward":
+            # what forward allocated and still holds is what backward needs: activations
+            for key in self._forward_keys:
+                record = self._records.get(key)
+                if record is not None and record.category == "other":
+                    self._relabel(key, "activations")
+            self._forward_keys.clear()
+        elif phase == "forward":
+            self._forward_keys.clear()
+        self._phase = self._last_phase = phase
+        if phase not in self._phase_peaks:
+            self._phase_peaks[phase] = _Snapshot(self._total, self._last_seq, dict(self._current))
+
+    def _on_pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = self._key(tensor)
+        if key is not None and key in self._records and self._records[key].category == "other":
+            self._relabel(key, "activations")
+        return tensor
+
+    def _hook_param(self, param: torch.Tensor) -> None:
+        if id(param) in self._hooked_params or not param.requires_grad:
+            return
+        if param.grad is not None:
+            self._see(param.grad, "gradients")
+        handle = param.register_post_accumulate_grad_hook(self._on_grad)
+        _compat.move_post_accumulate_grad_hook_first(param, handle)
+        self._hooked_params[id(param)] = handle
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.mark(param.grad, "gradients")
+
+    def _label_optimizer(self, optimizer: Any) -> None:
+        for tensor in optimizer_state_tensors(optimizer):
+            self.mark(tensor, "optimizer_state")
+        for group in getattr(optimizer, "param_groups", []):
+            for param in group.get("params", []):
+                if isinstance(param, torch.Tensor):
+                    self.mark(param, "parameters")
+                    self._hook_param(param)
+
+    def _on_step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer not in self.optimizers:
+            self.optimizers.append(optimizer)
+            self._label_optimizer(optimizer)
+
+    def _on_step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._label_optimizer(optimizer)
+        self._last_phase = "forward"
+
+    def _on_module_pre(self, module: nn.Module, args: Any) -> None:
+        if _compat.in_backward():  # checkpoint recomputation: not a new forward
+            return
+        self._last_phase = "forward"  # a module forward starts the forward phase
+        name = self._module_names.get(id(module)) if self.track_modules else None
+        if name is None:
+            return
+        self._module_stats.setdefault(name, {"peak_bytes": 0, "retained_bytes": 0, "calls": 0})
+        self._module_stack.append((name, self._total))
+        stats = self._module_stats[name]
+        stats["peak_bytes"] = max(stats["peak_bytes"], self._total)
+
+    def _on_module_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._module_names.get(id(module))
+        if name is None or not self._module_stack or self._module_stack[-1][0] != name:
+            return
+        _, start_total = self._module_stack.pop()
+        stats = self._module_stats[name]
+        stats["retained_bytes"] += self._total - start_total
+        stats["calls"] += 1
+
+    def _build_report(self) -> MemoryReport:
+        phases = {
+            phase: {"peak_bytes": snap.total, "breakdown": dict(snap.breakdown)}
+            for phase, snap in sorted(self._phase_peaks.items(), key=lambda kv: PHASES.index(kv[0]))
+        }
+        return MemoryReport(
+            peak_bytes=self._peak.total,
+            breakdown=dict(self._peak.breakdown),
+            device=self.device,
+            phases=phases,
+            by_module={name: dict(stats) for name, stats in self._module_stats.items()},
+            end_bytes=self._total,
+        )
+
+
+def active_tracker() -> StorageTracker | None:
+    """The innermost tracker currently running, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None

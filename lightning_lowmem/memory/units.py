@@ -1,0 +1,70 @@
+"""Byte quantities: parse ``"8GiB"``-style budgets and format byte counts for people."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
+    """Turn ``8GiB``, ``"512 MB"``, ``1.5e9`` or ``1024`` into a number of bytes.
+
+    Args:
+        value: an int/float count of bytes, or a string: a number followed by one of
+            B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); case-insensitive.
+        name: the argument name used in error messages.
+
+    Returns:
+        The number of bytes, rounded down to an int.
+
+    Raises:
+        ValueError: the string does not parse or the value is negative.
+        TypeError: ``value`` is neither a number nor a string.
+
+    Example::
+
+        >>> parse_bytes("8GiB")
+        8589934592
+        >>> parse_bytes("1.5 MB")
+        1500000
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"`{name}` must be a byte count or a string like '8GiB', got {type(value).__name__}: {value!r}")
+    if isinstance(value, str):
+        match = _PATTERN.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"`{name}`={value!r} is not a byte size. Use a number with an optional unit from "
+                f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, e.g. '12GiB' or '512MB'."
+            )
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        number = float(value)
+    if number < 0:
+        raise ValueError(f"`{name}` must be >= 0 bytes, got {value!r}")
+    return int(number)
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """Format a byte count with a binary unit, e.g. ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+    sign = "-" if num_bytes < 0 else ""
+    size = abs(float(num_bytes))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{sign}{size:.0f} {unit}" if unit == "B" else f"{sign}{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny models and data, and the `cuda` marker's skip."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("PYTHONHASHSEED", "0")
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+class TinyMLP(nn.Module):
+    """Linear -> ReLU -> Linear -> ReLU -> Linear on 16 features, 4 classes."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, width)
+        self.fc2 = nn.Linear(width, width)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class TinyConvNet(nn.Module):
+    """Conv -> BN -> ReLU -> Conv -> ReLU -> pool -> Linear on (B, 1, 8, 8) images, 4 classes."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(2 * width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.conv2(x))
+        return self.head(self.pool(x).flatten(1))
+
+
+@pytest.fixture
+def tiny_mlp() -> TinyMLP:
+    torch.manual_seed(0)
+    return TinyMLP()
+
+
+@pytest.fixture
+def tiny_convnet() -> TinyConvNet:
+    torch.manual_seed(0)
+    return TinyConvNet()
+
+
+@pytest.fixture
+def tiny_gpt():
+    """A 2-layer CharGPT (n_embd 32, block 16): the smallest real transformer we ship."""
+    from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
+
+    torch.manual_seed(0)
+    return CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+
+
+@pytest.fixture
+def tiny_trainer_kwargs(tmp_path) -> dict:
+    """Trainer arguments for fast CPU runs in a temporary directory."""
+    return dict(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
