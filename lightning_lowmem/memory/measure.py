@@ -21,7 +21,10 @@ def _resolve_device(device: str | torch.device | None, modules: list[nn.Module])
             for tensor in module.parameters():
                 return tensor.device.type
         return "cuda" if torch.cuda.is_available() else "cpu"
-    device_type = torch.device(device).type
+    try:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError):
+        device_type = str(device)
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"`device`={device!r} is not supported; use 'cpu' or 'cuda'.")
     if device_type == "cuda" and not torch.cuda.is_available():
