@@ -12,7 +12,7 @@ from torch import nn
 from lightning_lowmem.memory._tracker import StorageTracker, active_tracker, cuda_block_bytes
 from lightning_lowmem.memory.report import CATEGORIES, MemoryReport
 
-__all__ = ["MemoryTracking", "mark_memory", "measure_memory", "track_memory"]
+__all__ = ["MemoryTracking", "mark_memory", "measure_memory", "state_bytes", "track_memory"]
 
 
 def _resolve_device(device: str | torch.device | None, modules: list[nn.Module]) -> str:
@@ -197,3 +197,38 @@ def mark_memory(tensor: torch.Tensor, category: str) -> None:
     tracker = active_tracker()
     if tracker is not None:
         tracker.mark(tensor, category)
+
+
+def state_bytes(module: nn.Module | None = None, optimizers: list[Any] | tuple[Any, ...] = ()) -> dict[str, int]:
+    """Bytes held right now by ``module``'s parameters (and buffers), their ``.grad`` and optimizer state.
+
+    A cheap walk over known tensors (no tracking), for per-step monitoring. Storages shared between
+    tensors are counted once.
+
+    Example::
+
+        >>> state_bytes(torch.nn.Linear(10, 10))["parameters"]
+        440
+    """
+    from lightning_lowmem.memory._tracker import iter_tensors, optimizer_state_tensors
+
+    seen: set[tuple[str, int]] = set()
+    totals = {"parameters": 0, "gradients": 0, "optimizer_state": 0}
+
+    def add(category: str, tensors: Any) -> None:
+        for tensor in tensors:
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            key = (tensor.device.type, storage.data_ptr() or id(storage))
+            if key not in seen:
+                seen.add(key)
+                totals[category] += storage.nbytes()
+
+    if module is not None:
+        add("parameters", iter_tensors(list(module.parameters()) + list(module.buffers())))
+        add("gradients", iter_tensors([p.grad for p in module.parameters() if p.grad is not None]))
+    for optimizer in optimizers:
+        add("optimizer_state", optimizer_state_tensors(optimizer))
+    return totals

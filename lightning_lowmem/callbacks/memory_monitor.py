@@ -1,0 +1,232 @@
+"""`MemoryMonitor`: where training memory goes, logged per step and summarised at fit end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from typing_extensions import override
+
+from lightning_lowmem import _compat
+from lightning_lowmem.memory import CATEGORIES, MemoryReport, format_bytes, state_bytes, track_memory
+
+PREFIX = "lowmem/memory"
+
+
+class MemoryMonitor(L.Callback):
+    """Log memory figures during training and print a breakdown table when ``fit`` ends.
+
+    Two depths:
+
+    * **cheap**, every ``log_every_n_steps``: CUDA allocator figures (``allocated``, ``max_allocated``,
+      ``reserved``, ``fragmentation`` = reserved - allocated) or, on CPU, process ``rss`` plus the
+      bytes of parameters, gradients and optimizer state (a walk over known tensors, no tracking).
+    * **deep**, on sampled steps: the whole training step (forward, backward, optimizer step) runs
+      under the memory core's tracker, which logs the peak and its breakdown (``parameters``,
+      ``gradients``, ``optimizer_state``, ``activations``, ``other``). This costs Python time per op,
+      so it is sampled: the second training step (the first with optimizer state) and then every
+      ``deep_every_n_steps``.
+
+    Keys are logged under ``lowmem/memory/...`` to every logger of the Trainer, at the step they were
+    measured (as Lightning's ``LearningRateMonitor`` does). ``pl_module.log`` is not used because it
+    repeats a callback's last value on every later step, which would show a deep measurement on steps
+    that never had one.
+
+    Args:
+        log_every_n_steps: cheap figures every this many steps. Default: ``None`` = the Trainer's
+            ``log_every_n_steps``.
+        deep_every_n_steps: deep breakdown every this many steps (besides the second step);
+            ``0`` disables deep steps entirely. Default: ``None`` = only the second step.
+        snapshot_on_oom: on CUDA, record allocator history and write a snapshot file (open it at
+            pytorch.org/memory_viz) when a CUDA out-of-memory error escapes ``fit``. Default: ``False``.
+        snapshot_path: where the snapshot goes. Default: ``<log_dir>/memory_snapshot_oom.pickle``.
+        summary: print a Rich table at fit end on rank zero. Default: ``True``.
+
+    Raises:
+        ValueError: a step interval is not a positive integer.
+
+    Example::
+
+        >>> from lightning_lowmem.demo import DigitsClassifier, DigitsDataModule
+        >>> monitor = MemoryMonitor(log_every_n_steps=1, summary=False)
+        >>> trainer = L.Trainer(max_steps=2, callbacks=[monitor], logger=False, enable_progress_bar=False,
+        ...                     enable_checkpointing=False, enable_model_summary=False)
+        >>> trainer.fit(DigitsClassifier(hidden=32), DigitsDataModule())
+        >>> monitor.last_report.breakdown["optimizer_state"] > 0
+        True
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        deep_every_n_steps: int | None = None,
+        snapshot_on_oom: bool = False,
+        snapshot_path: str | None = None,
+        summary: bool = True,
+    ) -> None:
+        super().__init__()
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps <= 0):
+            raise ValueError(
+                f"`log_every_n_steps` must be a positive int (or None for the Trainer's), got {log_every_n_steps!r}"
+            )
+        if deep_every_n_steps is not None and (not isinstance(deep_every_n_steps, int) or deep_every_n_steps < 0):
+            raise ValueError(
+                f"`deep_every_n_steps` must be an int >= 0 (0 disables deep steps) or None, got {deep_every_n_steps!r}"
+            )
+        self.log_every_n_steps = log_every_n_steps
+        self.deep_every_n_steps = deep_every_n_steps
+        self.snapshot_on_oom = snapshot_on_oom
+        self.snapshot_path = snapshot_path
+        self.summary = summary
+        self.history: list[dict[str, float]] = []
+        self.last_report: MemoryReport | None = None
+        self._deep: contextlib.ExitStack | None = None
+        self._tracking: Any = None
+        self._recording = False
+        self._device = "cpu"
+        self._batch_step = 0
+
+    # ------------------------------------------------------------------ setup / teardown
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._device = trainer.strategy.root_device.type
+        if self.snapshot_on_oom:
+            if self._device == "cuda":
+                _compat.cuda_record_memory_history(True)
+                self._recording = True
+            else:
+                rank_zero_warn(f"MemoryMonitor(snapshot_on_oom=True) needs CUDA; this run is on {self._device!r}.")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop_deep()
+        if self._recording:
+            _compat.cuda_record_memory_history(False)
+            self._recording = False
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop_deep()
+        if self._recording and isinstance(exception, torch.OutOfMemoryError):
+            path = self.snapshot_path or os.path.join(
+                trainer.log_dir or trainer.default_root_dir, "memory_snapshot_oom.pickle"
+            )
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            _compat.cuda_dump_snapshot(path)
+            rank_zero_warn(f"CUDA out of memory: allocator snapshot written to {path} (view at pytorch.org/memory_viz)")
+
+    # ------------------------------------------------------------------ per step
+    def _is_deep_step(self, step: int) -> bool:
+        if self.deep_every_n_steps == 0:
+            return False
+        if step == 1:
+            return True
+        return bool(self.deep_every_n_steps) and step > 0 and step % self.deep_every_n_steps == 0
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_step = trainer.global_step
+        if trainer.sanity_checking or not self._is_deep_step(trainer.global_step) or self._deep is not None:
+            return
+        self._deep = contextlib.ExitStack()
+        self._tracking = self._deep.enter_context(
+            track_memory(pl_module, list(trainer.optimizers), device=self._device, by_module=False)
+        )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = self._batch_step
+        record: dict[str, float] = {}
+        if self._deep is not None:
+            self._stop_deep()
+            report = self._tracking.report
+            self._tracking = None
+            self.last_report = report
+            record["peak"] = report.peak_bytes
+            record.update({category: report.breakdown[category] for category in CATEGORIES})
+        every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        if record or step % every == 0:
+            record.update(self._cheap_figures(trainer, pl_module))
+        if record:
+            metrics = {f"{PREFIX}/{key}": float(value) for key, value in record.items()}
+            record["step"] = step
+            self.history.append(record)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _cheap_figures(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        if self._device == "cuda":
+            allocated = torch.cuda.memory_allocated()
+            reserved = torch.cuda.memory_reserved()
+            return {
+                "allocated": allocated,
+                "max_allocated": torch.cuda.max_memory_allocated(),
+                "reserved": reserved,
+                "fragmentation": max(0, reserved - allocated),
+            }
+        import psutil
+
+        figures: dict[str, float] = {"rss": psutil.Process(os.getpid()).memory_info().rss}
+        state = state_bytes(pl_module, list(trainer.optimizers))
+        figures["model_state"] = sum(state.values())
+        return figures
+
+    def _stop_deep(self) -> None:
+        if self._deep is not None:
+            deep, self._deep = self._deep, None
+            deep.close()
+
+    # ------------------------------------------------------------------ summary
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.summary:
+            self._print_summary()
+
+    @rank_zero_only
+    def _print_summary(self) -> None:
+        from rich.console import Console
+
+        table = self.summary_table()
+        if table is None:
+            rank_zero_info("MemoryMonitor: no step was measured.")
+            return
+        Console().print(table)
+
+    def summary_table(self) -> Any:
+        """A Rich table of the last deep breakdown and the largest cheap figures, or ``None``."""
+        if self.last_report is None and not self.history:
+            return None
+        if self.last_report is not None:
+            table = self.last_report.to_table(title=f"Training step memory ({self._device})")
+        else:
+            from rich.table import Table
+
+            table = Table(title=f"Training memory ({self._device})")
+            table.add_column("what", style="bold")
+            table.add_column("bytes", justify="right")
+            table.add_column("share", justify="right")
+        for key in ("rss", "model_state", "max_allocated", "reserved", "fragmentation"):
+            values = [record[key] for record in self.history if key in record]
+            if values:
+                table.add_row(f"max {key} (per-step)", format_bytes(max(values)), "")
+        return table
+
+    # ------------------------------------------------------------------ resume
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": list(self.history),
+            "last_report": self.last_report.to_dict() if self.last_report is not None else None,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))
+        last = state_dict.get("last_report")
+        self.last_report = MemoryReport(**last) if last else None
