@@ -1,0 +1,317 @@
+"""`estimate_memory`: a training step's peak memory, predicted without allocating.
+
+The real step (forward, loss, backward, optimizer step) runs on a copy of the model whose parameters are
+*fake* tensors (torch's ``FakeTensorMode``): every op computes shapes and dtypes but no data, so a
+7B-parameter model "runs" on a laptop. The memory core's tracker counts the fake storages exactly as it
+counts real ones, so the estimate shares its categories with :func:`measure_memory`.
+
+Techniques are applied with the same functional transforms the callbacks use (checkpointing,
+compression, optimizers, LoRA), so the estimate cannot drift from what training does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_lowmem import _compat
+from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
+from lightning_lowmem.memory.report import MemoryReport
+
+__all__ = ["PRECISIONS", "EstimationError", "TrainingConfig", "estimate_memory"]
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+CUDA_CONTEXT_BYTES = 500 * 2**20
+"""Typical CUDA context + kernels per process (driver memory, invisible to the caching allocator;
+300 MiB-1 GiB depending on GPU, driver and loaded libraries)."""
+
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""cuBLAS workspace torch allocates through the caching allocator on the first matmul (Hopper default;
+8 MiB on older GPUs). Counted by ``torch.cuda.max_memory_allocated``."""
+
+
+class EstimationError(RuntimeError):
+    """The step could not be run on fake tensors (e.g. data-dependent control flow)."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """One technique mix: what a training step is estimated (or planned) with.
+
+    Attributes:
+        precision: one of ``PRECISIONS`` (Lightning's names). Default: ``"32-true"``.
+        activation_checkpointing: a policy for ``functional.checkpointing.checkpoint_`` (``"auto"``,
+            a class name, a pattern or every-k int) or ``None``. Default: ``None``.
+        activation_compression: ``"bf16"``, ``"int8"`` or ``None``. Default: ``None``.
+        optimizer: a name for ``functional.optimizers.build_optimizer``. Default: ``"adamw"``.
+        micro_batch_size: split each batch into micro-batches of this size (gradient accumulation
+            keeps the effective batch), or ``None``. Default: ``None``.
+        lora: keyword arguments for ``functional.lora.apply_lora_`` (e.g. ``{"r": 8}``;
+            ``{"r": 8, "quantize_base": "int8"}`` for QLoRA) or ``None``. Default: ``None``.
+    """
+
+    precision: str = "32-true"
+    activation_checkpointing: str | int | None = None
+    activation_compression: str | None = None
+    optimizer: str = "adamw"
+    micro_batch_size: int | None = None
+    lora: tuple[tuple[str, Any], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"`precision`={self.precision!r} is unknown; choose one of {list(PRECISIONS)}")
+        if self.activation_compression not in (None, "bf16", "int8", "cpu"):
+            raise ValueError(
+                f"`activation_compression`={self.activation_compression!r} is unknown; choose None, 'bf16', 'int8' or 'cpu'"
+            )
+        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size <= 0):
+            raise ValueError(f"`micro_batch_size` must be a positive int or None, got {self.micro_batch_size!r}")
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", tuple(sorted(self.lora.items())))
+
+    def describe(self) -> str:
+        """A short human label, e.g. ``bf16-true + ckpt(auto) + int8 acts + adamw8bit + mb 4``."""
+        parts = [self.precision]
+        if self.lora:
+            lora = dict(self.lora)
+            parts.append(("q" if lora.get("quantize_base") else "") + f"lora(r={lora.get('r', 8)})")
+        if self.activation_checkpointing is not None:
+            parts.append(f"ckpt({self.activation_checkpointing})")
+        if self.activation_compression:
+            parts.append(f"{self.activation_compression} acts")
+        parts.append(self.optimizer)
+        if self.micro_batch_size:
+            parts.append(f"mb {self.micro_batch_size}")
+        return " + ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "activation_checkpointing": self.activation_checkpointing,
+            "activation_compression": self.activation_compression,
+            "optimizer": self.optimizer,
+            "micro_batch_size": self.micro_batch_size,
+            "lora": dict(self.lora) if self.lora else None,
+        }
+
+
+# ----------------------------------------------------------------------------- fake copies
+def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inside a FakeTensorMode: an uninitialised fake CPU tensor shaped like ``tensor``."""
+    dtype = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+    if tensor.is_contiguous():
+        return torch.empty(tensor.shape, dtype=dtype, device="cpu")
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device="cpu")
+
+
+def _fake_module(module: nn.Module, dtype: torch.dtype | None, fake_mode: Any) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are fake; nothing real is copied."""
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        for param in module.parameters():
+            memo[id(param)] = nn.Parameter(_fake_like(param, dtype), requires_grad=param.requires_grad)
+        for buffer in module.buffers():
+            memo[id(buffer)] = _fake_like(buffer, dtype)
+    for value in vars(module).values():  # never copy (or log into) a Trainer the module is attached to
+        if type(value).__name__ == "Trainer":
+            memo[id(value)] = None
+    return copy.deepcopy(module, memo)
+
+
+def _split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
+    sizes = {leaf.shape[0] for leaf in _tensor_leaves(batch) if leaf.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"cannot split the batch into micro-batches: tensors disagree on dim 0 sizes {sorted(sizes)}")
+    total = sizes.pop()
+    chunks = math.ceil(total / micro_batch_size)
+    return [
+        tree_map(
+            lambda t: t[i * micro_batch_size : (i + 1) * micro_batch_size] if isinstance(t, torch.Tensor) and t.dim() else t,
+            batch,
+        )
+        for i in range(chunks)
+    ]
+
+
+def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+
+
+def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss used when none is given: a LightningModule's ``training_step``, else ``module(x).sum()``.
+
+    A plain module's forward output (the first tensor when the batch is a tuple / list) is reduced with
+    a float ``sum``; give ``loss_fn`` to estimate a specific loss (e.g. cross-entropy saves softmax).
+    """
+    if hasattr(module, "training_step") and callable(getattr(module, "training_step")):
+        out = module.training_step(batch, 0)
+        if isinstance(out, dict):
+            out = out["loss"]
+        return out
+    inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+    out = module(inputs)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.float().sum()
+
+
+# ----------------------------------------------------------------------------- the estimate
+def estimate_memory(
+    module: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    optimizer: str = "adamw",
+    precision: str = "32-true",
+    device: str = "cuda",
+    steps: int = 2,
+    activation_checkpointing: str | int | None = None,
+    activation_compression: str | None = None,
+    micro_batch_size: int | None = None,
+    lora: dict[str, Any] | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    config: TrainingConfig | None = None,
+) -> MemoryReport:
+    """Predict the peak memory of one training step without allocating any tensor data.
+
+    Args:
+        module: the model (real, on ``meta``, or on any device; it is not modified or moved).
+        batch: one batch as the model's ``training_step`` (or ``loss_fn``) takes it; tensors may live on
+            ``meta``. Only shapes and dtypes are used.
+        loss_fn: ``loss_fn(module, batch) -> loss``. Default: :func:`default_loss` (a LightningModule's
+            own ``training_step`` under automatic optimization).
+        optimizer: optimizer name (see ``functional.optimizers.available_optimizers()``). Default: ``"adamw"``.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
+            Mixed precision runs CPU autocast as a stand-in for CUDA autocast. Default: ``"32-true"``.
+        device: ``"cuda"`` applies the caching allocator's 512-byte block rounding and lists the CUDA
+            context and cuBLAS workspace in ``report.overheads``; ``"cpu"`` counts exact bytes.
+            Default: ``"cuda"``.
+        steps: optimizer steps to run; the last one is reported (the second step is the first with
+            optimizer state). Default: 2.
+        activation_checkpointing, activation_compression, micro_batch_size, lora: techniques, see
+            :class:`TrainingConfig`. Default: off.
+        optimizer_kwargs: extra optimizer arguments (``lr`` ...). Default: none.
+        config: a :class:`TrainingConfig` that replaces the technique arguments above.
+
+    Returns:
+        A :class:`MemoryReport` with ``source="estimated"``; ``report.meta["config"]`` is the config.
+
+    Raises:
+        EstimationError: the step cannot run on fake tensors (data-dependent control flow or output
+            shapes); the message says what was tried.
+        ValueError: an unknown precision / technique / device.
+
+    Example::
+
+        >>> from lightning_lowmem.demo import CharLM
+        >>> model = CharLM(n_layer=2, n_embd=64, block_size=32)
+        >>> batch = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long))
+        >>> report = estimate_memory(model, batch, device="cpu")
+        >>> report.breakdown["optimizer_state"] > 2 * 4 * 64 * 64
+        True
+    """
+    if config is None:
+        config = TrainingConfig(
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+            activation_compression=activation_compression,
+            optimizer=optimizer,
+            micro_batch_size=micro_batch_size,
+            lora=tuple(sorted(lora.items())) if lora else None,
+        )
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
+    loss_fn = loss_fn or default_loss
+    true_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(config.precision)
+    autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(config.precision)
+    tracker = StorageTracker(device="cpu", round_bytes=cuda_block_bytes if device == "cuda" else None, by_module=False)
+
+    fake_mode = _compat.fake_tensor_mode()
+    try:
+        model = _fake_module(module, true_dtype, fake_mode)
+        with fake_mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.train()
+            _apply_model_techniques(model, config)
+            fake_batch = tree_map(lambda t: _fake_like(t, true_dtype) if isinstance(t, torch.Tensor) else t, batch)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = _build_optimizer(config.optimizer, params, optimizer_kwargs or {})
+            tracker.modules = [model]
+            tracker.optimizers = [opt]
+            for step in range(steps):
+                context = tracker if step == steps - 1 else contextlib.nullcontext()
+                with context:
+                    _train_step(model, fake_batch, loss_fn, opt, config, autocast_dtype)
+    except _compat.data_dependent_errors() as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise EstimationError(
+            f"estimate_memory could not run {type(module).__name__}'s training step on fake tensors: the step "
+            f"depends on tensor *values* (data-dependent control flow or output shape: {first_line}). "
+            f"Tried: FakeTensorMode on CPU, config [{config.describe()}], {steps} step(s). Make the control "
+            f"flow depend on shapes only, pass a `loss_fn` that avoids it, or measure a real small step "
+            f"with `measure_memory`."
+        ) from err
+
+    report = tracker.report
+    assert report is not None
+    report.source = "estimated"
+    report.device = device
+    report.meta = {"config": config.to_dict(), "steps": steps, "label": config.describe()}
+    if device == "cuda":
+        report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
+    return report
+
+
+def _build_optimizer(name: str, params: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    from lightning_lowmem.functional.optimizers import build_optimizer
+
+    return build_optimizer(name, params, **kwargs)
+
+
+def _apply_model_techniques(model: nn.Module, config: TrainingConfig) -> None:
+    if config.lora:
+        from lightning_lowmem.functional.lora import apply_lora_
+
+        apply_lora_(model, **dict(config.lora))
+    if config.activation_checkpointing is not None:
+        from lightning_lowmem.functional.checkpointing import checkpoint_
+
+        checkpoint_(model, config.activation_checkpointing)
+
+
+def _train_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer: Any,
+    config: TrainingConfig,
+    autocast_dtype: torch.dtype | None,
+) -> None:
+    micro_batches = _split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
+    for micro_batch in micro_batches:
+        with contextlib.ExitStack() as stack:
+            if config.activation_compression:
+                from lightning_lowmem.functional.compression import compress_activations
+
+                stack.enter_context(compress_activations(config.activation_compression))
+            with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+                loss = loss_fn(model, micro_batch)
+            (loss / len(micro_batches)).backward()
+        del loss
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,156 @@
+"""estimate_memory: fake-tensor estimates agree with real measurements; clear errors."""
+
+from __future__ import annotations
+
+import resource
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_lowmem.memory import measure_memory
+from lightning_lowmem.memory.estimate import EstimationError, TrainingConfig, estimate_memory
+from lightning_lowmem.demo import CharLM, DigitsClassifier
+
+
+def _real_peak(module: nn.Module, batch, config: TrainingConfig) -> int:
+    """Measure the same step for real: the estimator's own step function on real tensors."""
+    from lightning_lowmem.functional.optimizers import build_optimizer
+    from lightning_lowmem.memory.estimate import _apply_model_techniques, _train_step, default_loss
+
+    dtype = {"bf16-true": torch.bfloat16}.get(config.precision)
+    autocast = {"bf16-mixed": torch.bfloat16}.get(config.precision)
+    if dtype is not None:
+        module = module.to(dtype)
+        batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    _apply_model_techniques(module, config)
+    optimizer = build_optimizer(config.optimizer, [p for p in module.parameters() if p.requires_grad])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train_step(module, batch, default_loss, optimizer, config, autocast)
+        report = measure_memory(_train_step, module, batch, default_loss, optimizer, config, autocast, module=module)
+    return report.peak_bytes
+
+
+def _charlm():
+    torch.manual_seed(0)
+    return CharLM(n_layer=2, n_head=2, n_embd=64, block_size=32)
+
+
+def _digits():
+    torch.manual_seed(0)
+    return DigitsClassifier(arch="cnn", hidden=16)
+
+
+def _charlm_batch(batch_size: int):
+    x = torch.randint(0, 256, (batch_size, 32))
+    return (x, torch.roll(x, -1, dims=1))
+
+
+def _digits_batch(batch_size: int):
+    return (torch.rand(batch_size, 1, 8, 8), torch.randint(0, 10, (batch_size,)))
+
+
+CASES = [
+    ("charlm", 8, TrainingConfig()),
+    ("charlm", 16, TrainingConfig()),
+    ("charlm", 8, TrainingConfig(precision="bf16-true")),
+    ("charlm", 8, TrainingConfig(precision="bf16-mixed")),
+    ("charlm", 16, TrainingConfig(optimizer="sgd")),
+    ("charlm", 16, TrainingConfig(micro_batch_size=4)),
+    ("digits", 32, TrainingConfig()),
+    ("digits", 128, TrainingConfig(precision="bf16-true")),
+]
+
+
+@pytest.mark.parametrize(("workload", "batch_size", "config"), CASES, ids=[f"{w}-{b}-{c.describe()}" for w, b, c in CASES])
+def test_estimate_within_5_percent_of_measured(workload, batch_size, config):
+    make_model, make_batch = {"charlm": (_charlm, _charlm_batch), "digits": (_digits, _digits_batch)}[workload]
+    batch = make_batch(batch_size)
+    estimate = estimate_memory(make_model(), batch, device="cpu", config=config)
+    real = _real_peak(make_model(), batch, config)
+    assert estimate.peak_bytes == pytest.approx(real, rel=0.05)
+    assert estimate.source == "estimated" and sum(estimate.breakdown.values()) == estimate.peak_bytes
+
+
+def test_estimate_allocates_nothing_for_a_large_model_on_meta():
+    from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
+
+    with torch.device("meta"):
+        model = CharGPT(GPTConfig(n_layer=8, n_embd=1024, n_head=8, block_size=256))  # ~100M parameters
+    batch = torch.empty(2, 256, dtype=torch.long, device="meta")
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = estimate_memory(model, batch, loss_fn=lambda m, b: F.cross_entropy(m(b).flatten(0, 1), b.flatten()))
+    n_params = sum(p.numel() for p in model.parameters())
+    assert report.breakdown["parameters"] == pytest.approx(4 * n_params, rel=0.01)
+    assert report.breakdown["optimizer_state"] == pytest.approx(8 * n_params, rel=0.01)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    assert grown < 0.25 * report.peak_bytes  # the 1.6 GB of model state was never allocated
+
+
+def test_cuda_target_rounds_and_lists_overheads():
+    model = nn.Linear(3, 3)  # 36 + 12 bytes: each storage rounds up to a 512-byte block on CUDA
+    batch = torch.zeros(1, 3)
+    cpu = estimate_memory(model, batch, device="cpu")
+    cuda = estimate_memory(model, batch, device="cuda")
+    assert cuda.peak_bytes > cpu.peak_bytes
+    assert cuda.breakdown["parameters"] == 2 * 512
+    assert {"cuda_context", "cublas_workspace"} == set(cuda.overheads)
+
+
+def test_data_dependent_control_flow_gives_a_clear_error():
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:  # depends on values: fake tensors have none
+                return self.fc(x)
+            return x
+
+    with pytest.raises(EstimationError, match=r"depends on tensor \*values\*.*Tried: FakeTensorMode on CPU"):
+        estimate_memory(Gate(), torch.randn(2, 4), device="cpu")
+
+
+def test_real_module_is_untouched():
+    model = _charlm()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    estimate_memory(model, _charlm_batch(4), device="cpu", precision="bf16-true")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert next(model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"precision": "fp8"}, ValueError, "`precision`='fp8' is unknown"),
+        ({"device": "tpu"}, ValueError, "`device`='tpu' is not supported"),
+        ({"steps": 0}, ValueError, "`steps` must be an int >= 1, got 0"),
+        ({"activation_compression": "zip"}, ValueError, "`activation_compression`='zip' is unknown"),
+        ({"optimizer": "lion"}, ValueError, "`optimizer`='lion' is unknown"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        estimate_memory(nn.Linear(2, 2), torch.zeros(1, 2), **kwargs)
+
+
+@pytest.mark.cuda
+def test_cuda_estimate_within_10_percent_of_allocator():
+    model = _charlm()
+    batch = _charlm_batch(16)
+    estimate = estimate_memory(model, batch, device="cuda")
+    model = model.cuda()
+    batch = tuple(t.cuda() for t in batch)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        torch.cuda.reset_peak_memory_stats()
+        model.training_step(batch, 0).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    real = torch.cuda.max_memory_allocated()
+    assert estimate.peak_bytes + estimate.overheads["cublas_workspace"] == pytest.approx(real, rel=0.10)
