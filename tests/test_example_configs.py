@@ -1,0 +1,31 @@
+"""Every example config runs `lowmem fit --config X --trainer.fast_dev_run=true`, and the config
+Lightning auto-saves for a (short, real) run reloads and runs again — the trap of `ModelPruning`, whose
+saved config cannot be reloaded. (Lightning saves no config under `fast_dev_run`, hence the short run.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_lowmem.cli import main
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
+SHORT_RUN = [
+    "--trainer.max_epochs=1",
+    "--trainer.max_steps=2",
+    "--trainer.limit_train_batches=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.val_check_interval=1.0",
+    "--trainer.enable_progress_bar=false",
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_example_config_runs_and_its_saved_config_reloads(config, tmp_path):
+    main(["fit", "--config", str(config), "--trainer.fast_dev_run=true", f"--trainer.default_root_dir={tmp_path / 'dev'}"])
+    short = tmp_path / "short"
+    main(["fit", "--config", str(config), *SHORT_RUN, f"--trainer.default_root_dir={short}"])
+    saved = sorted(short.rglob("config.yaml"))
+    assert saved, f"Lightning saved no config.yaml for {config.name}"
+    main(["fit", "--config", str(saved[0]), "--trainer.fast_dev_run=true", f"--trainer.default_root_dir={tmp_path / 'again'}"])
