@@ -250,7 +250,7 @@ def estimate_memory(
             _apply_model_techniques(model, config)
             fake_batch = tree_map(lambda t: _fake_like(t, true_dtype) if isinstance(t, torch.Tensor) else t, batch)
             params = [p for p in model.parameters() if p.requires_grad]
-            opt = _build_optimizer(config.optimizer, params, optimizer_kwargs or {})
+            opt = _build_optimizer(config.optimizer, params, _optimizer_kwargs(config.optimizer, device, optimizer_kwargs))
             tracker.modules = [model]
             tracker.optimizers = [opt]
             for step in range(steps):
@@ -275,6 +275,15 @@ def estimate_memory(
     if device == "cuda":
         report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
     return report
+
+
+def _optimizer_kwargs(name: str, device: str, user_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """On CUDA, torch's Adam/AdamW/SGD default to the ``foreach`` kernels (with their temporaries);
+    on CPU, and for fake CPU tensors, to the per-tensor loop. Mirror the target device's default."""
+    kwargs = dict(user_kwargs or {})
+    if device == "cuda" and name in ("adamw", "adam", "sgd"):
+        kwargs.setdefault("foreach", True)
+    return kwargs
 
 
 def _build_optimizer(name: str, params: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
