@@ -94,3 +94,13 @@ def cuda_record_memory_history(enabled: bool, max_entries: int = 100_000) -> Non
 def cuda_dump_snapshot(path: str) -> None:
     """Write the recorded CUDA allocator history to ``path`` (see :func:`cuda_record_memory_history`)."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (the root of a chain of views), or ``None``.
+
+    Why private: ``Tensor._base`` is the only way to learn that a saved tensor such as ``weight.t()``
+    (what ``addmm`` saves for a Linear) is a view of a parameter; activation compression must leave
+    parameters exact and must not copy them.
+    """
+    return tensor._base
