@@ -1,0 +1,282 @@
+"""Activation checkpointing on a plain ``nn.Module``: ``checkpoint_`` wraps chosen submodules in place.
+
+A wrapped submodule keeps no activations for backward: its forward runs under non-reentrant
+``torch.utils.checkpoint.checkpoint`` and is recomputed during backward. Only the submodule's inputs
+are kept. Gradients are bit-identical to an unwrapped run (same ops, same order, RNG state replayed).
+
+The wrap replaces the submodule's ``forward`` by an instance attribute, so parameter names,
+``state_dict`` keys and module hooks stay exactly as they were; ``uncheckpoint_`` removes it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_lowmem.warnings import NoEffectWarning
+
+__all__ = ["CheckpointPolicy", "CheckpointReport", "checkpoint_", "checkpointed_modules", "resolve_policy", "uncheckpoint_"]
+
+CheckpointPolicy = Union[str, int, type, tuple, list]
+"""``"auto"``, a class name (``"Block"``), an fnmatch / regex pattern on module names (``"h.*"``,
+``r"h\\.[0-2]"``), an int ``k`` (every k-th repeated block), a module class, or a tuple / list of these."""
+
+
+@dataclass
+class CheckpointReport:
+    """What :func:`checkpoint_` did.
+
+    Attributes:
+        policy: the policy as given (``repr`` for classes).
+        wrapped: fully qualified names of the submodules now checkpointed (``""`` is the root).
+    """
+
+    policy: str
+    wrapped: list[str] = field(default_factory=list)
+
+    @property
+    def num_wrapped(self) -> int:
+        return len(self.wrapped)
+
+
+class _CheckpointedForward:
+    """The ``forward`` a wrapped module gets: run the original forward under ``checkpoint``.
+
+    A small class rather than a closure so that ``copy.deepcopy`` and ``pickle`` of the model work
+    (the reference to ``module`` follows the copy).
+    """
+
+    def __init__(self, module: nn.Module, original: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.original = original  # an instance-level forward that existed before, else None
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # eval / inference: nothing is saved, nothing to recompute
+            return self._run(*args, **kwargs)
+        return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+
+
+def _is_checkpointed(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
+
+
+def checkpointed_modules(module: nn.Module) -> list[str]:
+    """Names of the submodules of ``module`` currently wrapped by :func:`checkpoint_`."""
+    return [name for name, sub in module.named_modules() if _is_checkpointed(sub)]
+
+
+def _repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of ``nn.ModuleList`` s whose class repeats, of the class holding most parameters."""
+    candidates: dict[type, list[tuple[str, nn.Module]]] = {}
+    for list_name, sub in module.named_modules():
+        if not isinstance(sub, nn.ModuleList):
+            continue
+        counts = Counter(type(child) for child in sub)
+        for index, child in enumerate(sub):
+            if counts[type(child)] >= 2:
+                name = f"{list_name}.{index}" if list_name else str(index)
+                candidates.setdefault(type(child), []).append((name, child))
+
+    def size(item: tuple[type, list[tuple[str, nn.Module]]]) -> int:
+        return sum(p.numel() for _, child in item[1] for p in child.parameters())
+
+    if not candidates:
+        return []
+    _, blocks = max(candidates.items(), key=size)
+    return blocks
+
+
+def _class_matches(sub: nn.Module, name: str) -> bool:
+    cls = type(sub)
+    return name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def _match_names(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """Submodules whose name matches ``pattern`` as fnmatch; if none does, as a full-match regex."""
+    named = list(module.named_modules())
+    by_glob = [(n, m) for n, m in named if fnmatch.fnmatchcase(n, pattern)]
+    if by_glob:
+        return by_glob
+    try:
+        regex = re.compile(pattern)
+    except re.error:
+        return []
+    return [(n, m) for n, m in named if regex.fullmatch(n)]
+
+
+def _select(module: nn.Module, policy: Any) -> list[tuple[str, nn.Module]]:
+    """Every (name, submodule) the policy picks, outer modules first."""
+    if isinstance(policy, (tuple, list)) and not (policy and all(isinstance(p, type) for p in policy)):
+        chosen: dict[int, tuple[str, nn.Module]] = {}
+        for item in policy:
+            for name, sub in _select(module, item):
+                chosen.setdefault(id(sub), (name, sub))
+        return list(chosen.values())
+    if isinstance(policy, type) or isinstance(policy, (tuple, list)):
+        classes = tuple(policy) if isinstance(policy, (tuple, list)) else (policy,)
+        return [(n, m) for n, m in module.named_modules() if isinstance(m, classes)]
+    if isinstance(policy, int):
+        return _repeated_blocks(module)[::policy]
+    if policy == "auto":
+        return _repeated_blocks(module)
+    if policy.isdigit():
+        return _repeated_blocks(module)[:: int(policy)]
+    by_class = [(n, m) for n, m in module.named_modules() if _class_matches(m, policy)]
+    if by_class:
+        return by_class
+    return _match_names(module, policy)
+
+
+def resolve_policy(module: nn.Module, policy: CheckpointPolicy) -> list[str]:
+    """Names of the submodules ``policy`` selects in ``module`` (outermost only), without wrapping.
+
+    Raises:
+        TypeError: ``policy`` is not a str, int, module class or a tuple / list of these.
+        ValueError: an int policy is < 1, or a string policy is empty.
+    """
+    _validate_policy(policy)
+    selected = _select(module, policy)
+    names = sorted({name for name, _ in selected}, key=lambda n: (n.count("."), n))
+    outermost: list[str] = []
+    for name in names:  # a module inside an already-chosen one is recomputed anyway: skip it
+        if not any(name == o or name.startswith(f"{o}.") or o == "" for o in outermost):
+            outermost.append(name)
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    return sorted(outermost, key=order.__getitem__)
+
+
+def _validate_policy(policy: Any) -> None:
+    allowed = "'auto', a class name, a module-name pattern, an int k >= 1, a module class, or a list of these"
+    if isinstance(policy, bool):
+        raise TypeError(f"`policy`={policy!r} is a bool; use {allowed}")
+    if isinstance(policy, int):
+        if policy < 1:
+            raise ValueError(f"`policy`={policy} must be >= 1 (checkpoint every k-th repeated block); use {allowed}")
+        return
+    if isinstance(policy, str):
+        if not policy.strip():
+            raise ValueError(f"`policy`={policy!r} is empty; use {allowed}")
+        return
+    if isinstance(policy, type):
+        if not issubclass(policy, nn.Module):
+            raise TypeError(f"`policy`={policy!r} is not an nn.Module subclass; use {allowed}")
+        return
+    if isinstance(policy, (tuple, list)) and policy:
+        for item in policy:
+            if isinstance(item, (tuple, list)):
+                raise TypeError(f"`policy`={policy!r} nests lists; use {allowed}")
+            _validate_policy(item)
+        return
+    raise TypeError(f"`policy`={policy!r} ({type(policy).__name__}) is not supported; use {allowed}")
+
+
+def _describe(policy: Any) -> str:
+    if isinstance(policy, type):
+        return policy.__name__
+    if isinstance(policy, (tuple, list)):
+        return "[" + ", ".join(_describe(p) for p in policy) + "]"
+    return repr(policy)
+
+
+def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto") -> CheckpointReport:
+    """Wrap the submodules of ``module`` chosen by ``policy`` with activation checkpointing, in place.
+
+    Each chosen submodule runs under non-reentrant ``torch.utils.checkpoint.checkpoint`` while
+    gradients are enabled (under ``torch.no_grad`` it runs as usual). When the policy picks both a
+    module and one inside it, only the outer one is wrapped. Modules already wrapped are left alone.
+
+    Args:
+        module: the model; changed in place.
+        policy: which submodules to wrap. Default: ``"auto"``.
+
+            * ``"auto"``: the children of ``nn.ModuleList`` s whose class repeats, of the class that
+              holds the most parameters (the transformer blocks of a GPT).
+            * an int ``k`` (or a digit string): every k-th of those blocks, starting with the first
+              (``1`` = all of them; ``2`` = blocks 0, 2, 4, ...).
+            * a class name (``"Block"``; also the qualified name): every submodule of that class.
+            * otherwise a pattern on module names, as ``fnmatch`` (``"h.*"``, ``"*.mlp"``); when no
+              name matches that way, as a full-match regex (``r"h\\.[0-2]"``).
+            * a module class, a tuple of classes, or a list mixing any of the above (union).
+
+    Returns:
+        A :class:`CheckpointReport` listing the newly wrapped names.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or ``policy`` has an unsupported type.
+        ValueError: ``policy`` is an int < 1 or an empty string.
+
+    Warns:
+        NoEffectWarning: the policy matched no submodule (the warning names the policy).
+
+    Example::
+
+        >>> from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
+        >>> model = CharGPT(GPTConfig(n_layer=4, n_embd=32, n_head=2, block_size=16))
+        >>> checkpoint_(model, 2).wrapped
+        ['h.0', 'h.2']
+        >>> uncheckpoint_(model)
+        ['h.0', 'h.2']
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
+    report = CheckpointReport(policy=_describe(policy))
+    names = resolve_policy(module, policy)
+    if not names:
+        warnings.warn(
+            f"activation checkpointing policy {_describe(policy)} matched no submodule of "
+            f"{type(module).__name__}; nothing is checkpointed. Use a class name (e.g. 'Block'), a name "
+            "pattern (e.g. 'layers.*') or 'auto'.",
+            NoEffectWarning,
+            stacklevel=2,
+        )
+        return report
+    for name in names:
+        sub = module.get_submodule(name)
+        if _is_checkpointed(sub):
+            continue
+        sub.forward = _CheckpointedForward(sub, sub.__dict__.get("forward"))
+        report.wrapped.append(name)
+    return report
+
+
+def uncheckpoint_(module: nn.Module, names: list[str] | None = None) -> list[str]:
+    """Undo :func:`checkpoint_` in place; returns the names of the submodules unwrapped.
+
+    The original ``forward`` (class method, or an instance attribute that existed before) is restored.
+
+    Args:
+        module: the model.
+        names: only these submodules (e.g. ``report.wrapped`` of one ``checkpoint_`` call).
+            Default: ``None`` = every wrapped submodule.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
+    only = None if names is None else set(names)
+    undone = []
+    for name, sub in module.named_modules():
+        if only is not None and name not in only:
+            continue
+        wrapper = sub.__dict__.get("forward")
+        if isinstance(wrapper, _CheckpointedForward):
+            if wrapper.original is not None:
+                sub.forward = wrapper.original
+            else:
+                del sub.forward
+            undone.append(name)
+    return undone

@@ -1,0 +1,216 @@
+"""Compress the tensors autograd saves for backward: ``compress_activations`` and ``exact_activations``.
+
+Inside ``compress_activations(mode)`` every tensor an op saves for backward passes through a pack hook
+(``torch.autograd.graph.saved_tensors_hooks``) that stores a smaller copy, and the original is freed
+once forward drops it. Backward unpacks the copy. Parameters (and views of them), non-float tensors,
+tensors under ``min_bytes`` and anything inside ``exact_activations()`` are kept as they are.
+
+Modes:
+
+* ``"bf16"``: 32/64-bit floats are kept as bfloat16 (2 bytes per element; 16-bit inputs are kept).
+* ``"int8"``: int8 with one float32 scale per row of the last dimension (symmetric, round to nearest).
+* ``"cpu"``: offload to host memory. On CUDA: a pinned buffer filled on a side stream, copied back
+  when backward needs it. On a CPU device the tensor already lives in host memory, so this mode is a
+  no-op (the tensor is kept, not copied).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from lightning_lowmem import _compat
+
+__all__ = ["COMPRESSION_MODES", "CompressionStats", "compress_activations", "exact_activations"]
+
+COMPRESSION_MODES: tuple[str, ...] = ("bf16", "int8", "cpu")
+DEFAULT_MIN_BYTES = 1 << 16  # 64 KiB: below this the bookkeeping costs more than it saves
+
+_local = threading.local()
+
+
+def _exact_depth() -> int:
+    return getattr(_local, "exact_depth", 0)
+
+
+@contextlib.contextmanager
+def exact_activations() -> Iterator[None]:
+    """Opt-out region: tensors saved for backward inside it are kept exact, even inside
+    :func:`compress_activations`. Nests; costs nothing outside a compression region.
+
+    Example::
+
+        >>> layer = torch.nn.Linear(512, 512)
+        >>> with compress_activations("int8", min_bytes=0) as stats:
+        ...     with exact_activations():
+        ...         out = torch.tanh(layer(torch.randn(64, 512)))
+        >>> stats.packed
+        0
+    """
+    _local.exact_depth = _exact_depth() + 1
+    try:
+        yield
+    finally:
+        _local.exact_depth -= 1
+
+
+@dataclass
+class CompressionStats:
+    """Counts of one compression region (cumulative when a stats object is reused).
+
+    Attributes:
+        packed: tensors stored compressed (or offloaded).
+        kept: tensors saved as they were (parameters, small, non-float, exact region, no-op mode).
+        bytes_in: bytes of the packed tensors before packing.
+        bytes_out: bytes kept on the tensors' device for them (0 for offloaded tensors).
+    """
+
+    packed: int = 0
+    kept: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """``bytes_in / bytes_out`` (``inf`` when everything packed was offloaded, 1.0 when nothing was)."""
+        if self.bytes_in == 0:
+            return 1.0
+        return self.bytes_in / self.bytes_out if self.bytes_out else float("inf")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _is_parameter_like(tensor: torch.Tensor) -> bool:
+    if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    base = _compat.view_base(tensor)
+    return base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad))
+
+
+def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8: ``tensor ≈ q * scale``; rows are the last dimension (if it has >= 16)."""
+    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 0 and tensor.shape[-1] >= 16 else tensor.reshape(1, -1)
+    rows = rows.float()  # (R, N)
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # (R, 1)
+    quantized = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)  # (R, N)
+    return quantized, scale
+
+
+class _Packer:
+    """The pack / unpack pair of one :func:`compress_activations` region."""
+
+    def __init__(self, mode: str, min_bytes: int, stats: CompressionStats) -> None:
+        self.mode = mode
+        self.min_bytes = min_bytes
+        self.stats = stats
+        self._side_streams: dict[torch.device, Any] = {}
+
+    def _keep(self, tensor: torch.Tensor) -> bool:
+        if _exact_depth() > 0 or not tensor.is_floating_point() or _nbytes(tensor) < self.min_bytes:
+            return True
+        if _is_parameter_like(tensor):
+            return True
+        if self.mode == "bf16" and tensor.element_size() <= 2:
+            return True
+        return self.mode == "cpu" and tensor.device.type == "cpu"  # already in host memory: no-op
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if self._keep(tensor):
+            self.stats.kept += 1
+            return tensor
+        self.stats.packed += 1
+        self.stats.bytes_in += _nbytes(tensor)
+        if self.mode == "bf16":
+            packed = tensor.to(torch.bfloat16)
+            self.stats.bytes_out += _nbytes(packed)
+            return ("bf16", packed, tensor.dtype)
+        if self.mode == "int8":
+            quantized, scale = _quantize_int8(tensor)
+            self.stats.bytes_out += _nbytes(quantized) + _nbytes(scale)
+            return ("int8", quantized, scale, tensor.dtype, tensor.shape)
+        return self._offload(tensor)
+
+    def _offload(self, tensor: torch.Tensor) -> Any:
+        if _compat.is_fake(tensor) or tensor.device.type != "cuda":  # estimator: a plain move is exact enough
+            return ("host", tensor.to("cpu"), tensor.device)
+        stream = self._side_streams.get(tensor.device)
+        if stream is None:
+            stream = self._side_streams[tensor.device] = torch.cuda.Stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))  # tensor is fully written
+        with torch.cuda.stream(stream):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        tensor.record_stream(stream)  # the allocator must not reuse its memory before the copy ends
+        return ("pinned", host, copied, tensor.device)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        kind = packed[0]
+        if kind == "bf16":
+            _, data, dtype = packed
+            return data.to(dtype)
+        if kind == "int8":
+            _, quantized, scale, dtype, shape = packed
+            return (quantized.float() * scale).to(dtype).reshape(shape)
+        if kind == "host":
+            _, host, device = packed
+            return host.to(device)
+        _, host, copied, device = packed  # "pinned"
+        torch.cuda.current_stream(device).wait_event(copied)
+        return host.to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def compress_activations(
+    mode: str = "int8", min_bytes: int = DEFAULT_MIN_BYTES, stats: CompressionStats | None = None
+) -> Iterator[CompressionStats]:
+    """Store the tensors saved for backward inside this block compressed (or offloaded).
+
+    Only the forward pass needs to run inside the block: what was packed is unpacked by backward
+    wherever it runs. Tensors saved by regions wrapped with activation checkpointing are not saved at
+    all (only the checkpointed region's inputs are, and those are compressed).
+
+    Args:
+        mode: ``"bf16"``, ``"int8"`` or ``"cpu"`` (see the module docstring). Default: ``"int8"``.
+        min_bytes: tensors smaller than this are kept as they are. Default: 65536 (64 KiB).
+        stats: a :class:`CompressionStats` to add counts to (e.g. one per training run). Default: a new one.
+
+    Yields:
+        The :class:`CompressionStats` being filled.
+
+    Raises:
+        ValueError: ``mode`` is unknown or ``min_bytes`` is negative.
+        TypeError: ``min_bytes`` is not an int.
+
+    Example::
+
+        >>> mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+        >>> with compress_activations("bf16", min_bytes=0) as stats:
+        ...     loss = mlp(torch.randn(128, 256)).square().mean()
+        >>> loss.backward()
+        >>> stats.packed, stats.ratio
+        (4, 2.0)
+    """
+    if mode not in COMPRESSION_MODES:
+        raise ValueError(f"`mode`={mode!r} is unknown; choose one of {list(COMPRESSION_MODES)}")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
+        raise TypeError(f"`min_bytes` must be an int (bytes), got {type(min_bytes).__name__}: {min_bytes!r}")
+    if min_bytes < 0:
+        raise ValueError(f"`min_bytes`={min_bytes} must be >= 0 (0 packs every float tensor)")
+    stats = stats if stats is not None else CompressionStats()
+    packer = _Packer(mode, min_bytes, stats)
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        yield stats
