@@ -1,0 +1,302 @@
+"""`PostTrainingQuantization`: quantize at the end of ``fit``, optionally within an accuracy tolerance."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_lowmem.functional.quantization import (
+    MODES,
+    QuantizationReport,
+    _apply_config,
+    measure_latency,
+    quantizable_layers,
+    quantize_,
+    search_float_fallback,
+    torchao_config,
+)
+from lightning_lowmem.memory.measure import state_bytes
+from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
+
+__all__ = ["PostTrainingQuantization", "load_quantized_checkpoint"]
+
+CHECKPOINT_KEY = "lowmem_quantization"
+_CALLBACK_MODES = [mode for mode in MODES if mode != "int8_static"]
+
+
+def _is_quantized(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and type(tensor) not in (torch.Tensor, nn.Parameter)
+
+
+def _first_input(batch: Any) -> tuple[Any, ...]:
+    return (batch[0],) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+class PostTrainingQuantization(L.Callback):
+    """Quantize the model's ``nn.Linear`` layers with torchao at the end of ``fit``.
+
+    With ``monitor`` and ``tolerance``, the quantized model is evaluated on the validation loader;
+    while the drop of ``monitor`` exceeds ``tolerance``, the layers whose quantization alone hurts
+    the metric most (measured, one evaluation per layer) are kept in float. If no mix meets the
+    tolerance the model is left entirely in float (never half-converted). A before/after table (size,
+    CPU latency per batch, metric, layers kept in float) is printed and kept in :attr:`summary`.
+
+    Checkpoints: the quantized weights are saved as torchao tensors. When the same callback is in a
+    Trainer that loads such a checkpoint (``fit/validate/test(ckpt_path=...)``), it quantizes the
+    matching layers before the weights load. Without a Trainer use :func:`load_quantized_checkpoint`.
+
+    Args:
+        mode: ``"int8_dynamic"``, ``"int8_weight_only"``, ``"int4_weight_only"`` (CUDA) or
+            ``"intx4_weight_only"``. Static int8 needs an exported graph: use
+            :func:`lightning_lowmem.functional.quantization_static.quantize_static`. Default: ``"int8_dynamic"``.
+        skip_modules: names of submodules kept in float. Default: ``()``.
+        filter_fn: ``filter_fn(layer, fqn) -> bool``; not YAML-serialisable, prefer ``skip_modules``
+            in configs. Default: ``None``.
+        monitor: a metric logged in ``validation_step`` (e.g. ``"val_acc"``). Default: ``None``.
+        tolerance: largest allowed drop of ``monitor`` (in its units). Needs ``monitor``. Default: ``None``.
+        monitor_mode: ``"max"`` if higher ``monitor`` is better, ``"min"`` otherwise. Default: ``"max"``.
+        group_size: group length of the int4 modes. Default: ``32``.
+        latency_batches: batches timed for the latency column (``0`` disables). Default: ``10``.
+
+    Raises:
+        ValueError: unknown ``mode`` / ``monitor_mode``, ``tolerance`` without ``monitor`` or < 0.
+
+    Example::
+
+        >>> callback = PostTrainingQuantization("int8_weight_only", monitor="val_acc", tolerance=0.01)
+    """
+
+    def __init__(
+        self,
+        mode: str = "int8_dynamic",
+        *,
+        skip_modules: Sequence[str] = (),
+        filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        monitor: str | None = None,
+        tolerance: float | None = None,
+        monitor_mode: str = "max",
+        group_size: int = 32,
+        latency_batches: int = 10,
+    ) -> None:
+        if mode == "int8_static":
+            raise ValueError(
+                "`mode`='int8_static' is not available in the callback (it turns the model into an exported "
+                "graph); call lightning_lowmem.functional.quantization_static.quantize_static(model, ...) instead."
+            )
+        if mode not in _CALLBACK_MODES:
+            raise ValueError(f"`mode`={mode!r} is not a known quantization mode; choose one of {_CALLBACK_MODES}.")
+        if tolerance is not None and monitor is None:
+            raise ValueError(f"`tolerance`={tolerance!r} needs `monitor` (the logged metric to keep within it).")
+        if tolerance is not None and (not isinstance(tolerance, (int, float)) or tolerance < 0):
+            raise ValueError(f"`tolerance` must be a number >= 0, got {tolerance!r}.")
+        if monitor_mode not in ("max", "min"):
+            raise ValueError(f"`monitor_mode`={monitor_mode!r} must be 'max' or 'min'.")
+        if isinstance(skip_modules, str):
+            raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
+        self.mode = mode
+        self.skip_modules = list(skip_modules)
+        self.filter_fn = filter_fn
+        self.monitor = monitor
+        self.tolerance = tolerance
+        self.monitor_mode = monitor_mode
+        self.group_size = group_size
+        self.latency_batches = latency_batches
+        self.quantized: list[str] = []
+        self.summary: dict[str, Any] = {}
+        self._hook_handle: Any = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.mode)
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._hook_handle is None:
+            self._hook_handle = pl_module.register_load_state_dict_pre_hook(self._quantize_before_load)
+
+    def _quantize_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Quantize the layers whose incoming weights are torchao tensors, so they load in place."""
+        names = [
+            fqn
+            for fqn in quantizable_layers(module, self.mode, group_size=self.group_size)
+            if _is_quantized(state_dict.get(f"{prefix}{fqn}.weight"))
+        ]
+        if names:
+            _apply_config(module, torchao_config(self.mode, group_size=self.group_size), names)
+            self.quantized = sorted(set(self.quantized) | set(names))
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._hook_handle is not None:
+            self._hook_handle.remove()
+            self._hook_handle = None
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.quantized:
+            checkpoint[CHECKPOINT_KEY] = {"mode": self.mode, "group_size": self.group_size, "quantized": self.quantized}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "group_size": self.group_size, "quantized": list(self.quantized)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.quantized = list(state_dict.get("quantized", []))
+
+    # --- quantization ----------------------------------------------------------------------------------
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.quantize(trainer, pl_module)
+
+    def quantize(self, trainer: L.Trainer, pl_module: L.LightningModule) -> QuantizationReport | None:
+        """Quantize ``pl_module`` now (called at fit end; callable on demand, e.g. before ``test``)."""
+        candidates = quantizable_layers(
+            pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size
+        )
+        if not candidates:
+            if not self.quantized:
+                warnings.warn(
+                    f"PostTrainingQuantization(mode={self.mode!r}) found no quantizable nn.Linear layer in "
+                    f"{type(pl_module).__name__}: the model stays in float.",
+                    NoEffectWarning,
+                    stacklevel=2,
+                )
+            return None
+        loader = self._loader(trainer)
+        batch = next(iter(loader)) if loader is not None else None
+        before = self._measure(pl_module, batch)
+        result = None
+        chosen = candidates
+        if self.monitor is not None and self.tolerance is not None:
+            if loader is None:
+                raise ValueError(f"`monitor`={self.monitor!r} needs a validation loader to evaluate on; none is attached.")
+            result = search_float_fallback(
+                candidates,
+                lambda names: self._evaluate(trainer, pl_module, loader, names),
+                tolerance=self.tolerance,
+                higher_is_better=self.monitor_mode == "max",
+            )
+            before["metric"] = result.baseline
+            if not result.met:
+                drops = ", ".join(f"{n}: {d:.4g}" for n, d in result.sensitivity.items())
+                warnings.warn(
+                    f"PostTrainingQuantization: no configuration keeps {self.monitor!r} within tolerance "
+                    f"{self.tolerance} of {result.baseline:.4g} (per-layer drops: {drops}); the model is left in float.",
+                    LowMemWarning,
+                    stacklevel=2,
+                )
+                self.summary = {"met": False, "before": before, "after": None, "kept_float": candidates}
+                rank_zero_info(self._table(before, None, candidates))
+                return None
+            chosen = result.quantized
+        report = quantize_(pl_module, self.mode, filter_fn=lambda _, fqn: fqn in chosen, group_size=self.group_size)
+        self.quantized = sorted(set(self.quantized) | set(report.converted))
+        after = self._measure(pl_module, batch)
+        if result is not None:
+            after["metric"] = result.metric
+        kept = [name for name in candidates if name not in chosen]
+        self.summary = {"met": True, "before": before, "after": after, "kept_float": kept, "report": report}
+        rank_zero_info(self._table(before, after, kept))
+        if trainer.logger is not None:
+            trainer.logger.log_metrics(
+                {"lowmem/quantization/size_ratio": before["bytes"] / max(1, after["bytes"]),
+                 "lowmem/quantization/kept_float": float(len(kept))},
+                step=trainer.global_step,
+            )
+        return report
+
+    def _loader(self, trainer: L.Trainer) -> Any:
+        for loader in (trainer.val_dataloaders, trainer.train_dataloader):
+            if isinstance(loader, (list, tuple)):
+                loader = loader[0] if loader else None
+            if loader is not None:
+                return loader
+        return None
+
+    def _measure(self, pl_module: L.LightningModule, batch: Any) -> dict[str, Any]:
+        figures: dict[str, Any] = {"bytes": state_bytes(pl_module)["parameters"], "latency_s": float("nan")}
+        if batch is not None and self.latency_batches > 0:
+            was_training = pl_module.training
+            pl_module.eval()
+            device = next(pl_module.parameters()).device
+            inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in _first_input(batch))
+            figures["latency_s"] = measure_latency(pl_module, inputs, repeats=self.latency_batches, warmup=2)
+            pl_module.train(was_training)
+        return figures
+
+    def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule, loader: Any, names: Sequence[str]) -> float:
+        """``monitor`` of ``pl_module`` with exactly ``names`` quantized; the float weights come back after."""
+        originals = {name: pl_module.get_submodule(name).weight for name in names}
+        if names:
+            _apply_config(pl_module, torchao_config(self.mode, group_size=self.group_size), list(names))
+        try:
+            accelerator = "gpu" if next(pl_module.parameters()).device.type == "cuda" else "cpu"
+            evaluator = L.Trainer(
+                accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, callbacks=[],
+            )  # fmt: skip
+            results = evaluator.validate(pl_module, dataloaders=loader, verbose=False)
+        finally:
+            for name, weight in originals.items():
+                layer = pl_module.get_submodule(name)
+                layer.weight = weight
+                layer.__dict__.pop("extra_repr", None)  # torchao patches the instance's extra_repr
+            pl_module.trainer = trainer
+        metrics = results[0] if results else {}
+        if self.monitor not in metrics:
+            raise ValueError(
+                f"`monitor`={self.monitor!r} was never logged during validation; logged metrics: {sorted(metrics)}. "
+                "Log it in validation_step with self.log(...)."
+            )
+        return float(metrics[self.monitor])
+
+    def _table(self, before: dict[str, Any], after: dict[str, Any] | None, kept: list[str]) -> str:
+        rows = [f"PostTrainingQuantization ({self.mode})", f"{'':10} {'size':>12} {'latency/batch':>14} {'metric':>10}"]
+        for label, figures in (("float", before), ("quantized", after)):
+            if figures is None:
+                rows.append(f"{label:10} {'(not applied: tolerance not met)':>38}")
+                continue
+            metric = figures.get("metric")
+            rows.append(
+                f"{label:10} {format_bytes(figures['bytes']):>12} {figures['latency_s'] * 1e3:>11.3f} ms "
+                f"{(f'{metric:.4f}' if metric is not None else '-'):>10}"
+            )
+        rows.append(f"layers kept in float: {kept or 'none'}")
+        return "\n".join(rows)
+
+
+def load_quantized_checkpoint(
+    model_class: type[L.LightningModule], checkpoint_path: str, *, map_location: Any = "cpu", weights_only: bool | None = None, **kwargs: Any
+) -> L.LightningModule:
+    """Rebuild a LightningModule from a checkpoint saved after :class:`PostTrainingQuantization`.
+
+    Builds ``model_class(**hyper_parameters, **kwargs)``, quantizes the layers the checkpoint records
+    with the recorded mode, then loads the weights (a float checkpoint loads as float).
+
+    Args:
+        model_class: the LightningModule class (it must save its hyper-parameters).
+        checkpoint_path: the ``.ckpt`` file.
+        map_location: passed to ``torch.load``. Default: ``"cpu"``.
+        weights_only: passed to ``torch.load``; torchao registers its tensor classes as safe globals,
+            so ``True`` works for the quantized weights. Default: ``None`` (torch's default).
+        **kwargs: override hyper-parameters.
+    """
+    checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=weights_only)
+    model = model_class(**{**checkpoint.get("hyper_parameters", {}), **kwargs})
+    spec = checkpoint.get(CHECKPOINT_KEY)
+    if spec:
+        _apply_config(model, torchao_config(spec["mode"], group_size=spec["group_size"]), spec["quantized"])
+    model.load_state_dict(checkpoint["state_dict"])
+    return model
