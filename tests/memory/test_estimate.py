@@ -61,6 +61,9 @@ CASES = [
     ("charlm", 8, TrainingConfig(precision="bf16-mixed")),
     ("charlm", 16, TrainingConfig(optimizer="sgd")),
     ("charlm", 16, TrainingConfig(micro_batch_size=4)),
+    ("charlm", 16, TrainingConfig(activation_checkpointing="auto")),
+    ("charlm", 16, TrainingConfig(activation_compression="int8")),
+    ("charlm", 32, TrainingConfig(precision="bf16-true", activation_checkpointing="auto", activation_compression="bf16")),
     ("digits", 32, TrainingConfig()),
     ("digits", 128, TrainingConfig(precision="bf16-true")),
 ]
