@@ -307,7 +307,7 @@ def apply_lora_(
         >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         >>> report = apply_lora_(model, r=4, target=["0", "2"])
         >>> report.wrapped, report.trainable_params
-        (['0', '2'], 192)
+        (['0', '2'], 336)
     """
     _validate(r, alpha, dropout, quantize_base)
     existing = lora_layers(module)

@@ -1,0 +1,174 @@
+"""`LowRankAdapters`: fine-tune with LoRA / QLoRA adapters; checkpoints hold the adapters only."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_lowmem.functional.lora import (
+    ADAPTER_SUFFIXES,
+    ALL_LINEAR,
+    LoraReport,
+    _validate,
+    apply_lora_,
+    lora_config,
+    lora_layers,
+    merged_state_dict,
+)
+
+PREFIX = "lowmem/lora"
+
+
+class LowRankAdapters(L.Callback):
+    """Wrap chosen linear layers with LoRA adapters at ``setup`` and train only the adapters.
+
+    At ``setup`` (before ``configure_optimizers`` runs) every matching ``nn.Linear`` / Hugging Face
+    ``Conv1D`` of the LightningModule gets a trainable low-rank update and every other parameter is
+    frozen (see :func:`lightning_lowmem.functional.lora.apply_lora_`). At fit start frozen parameters
+    are taken out of the optimizers' param groups, so only adapters appear there. Checkpoints keep only
+    the adapter tensors (the base model is rebuilt from its own pretrained weights), the callback's
+    state records the adapter settings, and resuming restores adapters and optimizer state exactly.
+    :func:`lightning_lowmem.functional.lora.load_adapters` puts a checkpoint's adapters into a fresh
+    base model.
+
+    Args:
+        r: adapter rank, > 0. Default: 8.
+        alpha: the update is scaled by ``alpha / r``. Default: 16.0.
+        dropout: dropout on the adapters' input, in [0, 1). Default: 0.0.
+        target: ``"all-linear"`` (every linear layer but output heads such as ``lm_head``) or layer
+            name patterns / class names (``["c_attn", "c_proj"]``, ``"h.*.mlp.*"``, ``"Conv1D"``);
+            each pattern must match a layer. Default: ``"all-linear"``.
+        quantize_base: ``None``, ``"int8"`` or ``"int4"``: hold the wrapped layers' frozen weights
+            quantized (QLoRA, via torchao). Default: ``None``.
+        save_base_weights: also keep the frozen base weights in checkpoints. Default: ``False``.
+        merged_weights_path: when set, at the end of ``fit`` write the merged float weights (loadable
+            with ``strict=True`` into the un-wrapped LightningModule) to this file. Default: ``None``.
+
+    Raises:
+        ValueError: bad ``r``, ``alpha``, ``dropout``, ``quantize_base``, ``target``; at ``setup``, a
+            pattern that matches no layer (the message lists layer names).
+
+    Example::
+
+        >>> from lightning_lowmem.demo import CharLM
+        >>> model = CharLM(n_layer=1, n_embd=32, n_head=2, block_size=16)
+        >>> callback = LowRankAdapters(r=4, target=["c_attn", "c_proj"])
+        >>> trainer = L.Trainer(max_steps=1, callbacks=[callback], logger=False, enable_progress_bar=False,
+        ...                     enable_checkpointing=False, enable_model_summary=False)
+        >>> callback.setup(trainer, model, "fit")
+        >>> callback.report.trainable_params, sum(p.requires_grad for p in model.parameters())
+        (1408, 6)
+    """
+
+    def __init__(
+        self,
+        r: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        target: str | list[str] = ALL_LINEAR,
+        quantize_base: str | None = None,
+        save_base_weights: bool = False,
+        merged_weights_path: str | None = None,
+    ) -> None:
+        _validate(r, alpha, dropout, quantize_base)
+        if isinstance(target, (list, tuple)):
+            if not target or not all(isinstance(t, (str, type)) for t in target):
+                raise ValueError(f"`target` must be a non-empty list of layer name patterns / class names, got {target!r}")
+            target = list(target)
+        elif not isinstance(target, (str, type)):
+            raise ValueError(
+                f"`target` must be '{ALL_LINEAR}', a layer name pattern or a list of them, got {type(target).__name__}: {target!r}"
+            )
+        if merged_weights_path is not None and not isinstance(merged_weights_path, (str, os.PathLike)):
+            raise ValueError(f"`merged_weights_path` must be a file path or None, got {merged_weights_path!r}")
+        self.r = r
+        self.alpha = float(alpha)
+        self.dropout = float(dropout)
+        self.target = target
+        self.quantize_base = quantize_base
+        self.save_base_weights = bool(save_base_weights)
+        self.merged_weights_path = merged_weights_path
+        self.report: LoraReport | None = None
+        self.removed_from_optimizers = 0
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if lora_layers(pl_module):  # a second fit / validate on the same wrapped module
+            config = lora_config(pl_module)
+            if config["r"] != self.r:
+                raise ValueError(f"the module already has adapters of rank {config['r']}, this callback has r={self.r}")
+        else:
+            self.report = apply_lora_(
+                pl_module, r=self.r, alpha=self.alpha, dropout=self.dropout, target=self.target,
+                quantize_base=self.quantize_base,
+            )  # fmt: skip
+            rank_zero_info(
+                f"LowRankAdapters: {len(self.report.wrapped)} layers wrapped (r={self.r}, alpha={self.alpha:g}"
+                f"{', base ' + self.quantize_base if self.quantize_base else ''}); trainable parameters "
+                f"{self.report.trainable_params:,} of {self.report.total_params:,} "
+                f"({100 * self.report.trainable_fraction:.2f}%)"
+            )
+        if not self.save_base_weights:
+            pl_module.strict_loading = False  # adapter-only checkpoints lack the (pretrained) base keys
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Runs after configure_optimizers and before optimizer state is restored on resume, so
+        # dropping frozen parameters here keeps saved and restored param groups aligned.
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                kept = [p for p in group["params"] if p.requires_grad]
+                self.removed_from_optimizers += len(group["params"]) - len(kept)
+                group["params"] = kept
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in pl_module.parameters())
+        metrics = {
+            f"{PREFIX}/trainable_params": float(trainable),
+            f"{PREFIX}/total_params": float(total),
+            f"{PREFIX}/trainable_fraction": trainable / max(total, 1),
+        }
+        for logger in trainer.loggers:  # once per fit: a logger call, not pl_module.log's per-step repeat
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if not self.save_base_weights:
+            state = checkpoint["state_dict"]
+            checkpoint["state_dict"] = {k: v for k, v in state.items() if k.endswith(ADAPTER_SUFFIXES)}
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.merged_weights_path is None:
+            return
+        state = merged_state_dict(pl_module)
+        if trainer.is_global_zero:
+            os.makedirs(os.path.dirname(os.path.abspath(self.merged_weights_path)), exist_ok=True)
+            torch.save(state, self.merged_weights_path)
+            rank_zero_info(f"LowRankAdapters: merged weights written to {self.merged_weights_path}")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"lora_config": {"r": self.r, "alpha": self.alpha, "dropout": self.dropout,
+                                "quantize_base": self.quantize_base,
+                                "target": self.report.wrapped if self.report else self.target}}  # fmt: skip
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("lora_config", {})
+        for name in ("r", "alpha", "quantize_base"):
+            if name in saved and saved[name] != getattr(self, name):
+                raise ValueError(
+                    f"checkpoint adapters were trained with {name}={saved[name]!r} but this LowRankAdapters has "
+                    f"{name}={getattr(self, name)!r}; use the same settings to resume."
+                )
+
+
+__all__ = ["LowRankAdapters"]
