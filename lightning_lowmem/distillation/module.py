@@ -151,8 +151,9 @@ class DistillationModule(L.LightningModule):
         get_loss(loss)  # raises for an unknown name
         self.save_hyperparameters(ignore=["student", "teacher"])
         self.student = student
-        self._teacher_source = teacher
-        self._teacher_slot: list[nn.Module] = []  # a plain list: the teacher is never a registered child
+        # plain lists: the teacher (and its source) must never become a registered child
+        self._teacher_source_slot: list[Any] = [teacher] if teacher is not None else []
+        self._teacher_slot: list[nn.Module] = []
         self._cache: TeacherCache | None = None
         self._teacher_val_acc: float | None = None
 
@@ -184,8 +185,8 @@ class DistillationModule(L.LightningModule):
     @property
     def teacher(self) -> nn.Module | None:
         """The frozen teacher, built from its source on first access; ``None`` once a cache replaced it."""
-        if not self._teacher_slot and self._teacher_source is not None and self._cache is None:
-            self._teacher_slot.append(self._prepare_teacher(self._teacher_source))
+        if not self._teacher_slot and self._teacher_source_slot and self._cache is None:
+            self._teacher_slot.append(self._prepare_teacher(self._teacher_source_slot[0]))
         return self._teacher_slot[0] if self._teacher_slot else None
 
     def _prepare_teacher(self, source: nn.Module | Callable[[], nn.Module]) -> nn.Module:
@@ -262,7 +263,7 @@ class DistillationModule(L.LightningModule):
         """
         path = Path(self.hparams.teacher_cache)
         if not path.exists() and build:
-            if self._teacher_source is None:
+            if not self._teacher_source_slot:
                 raise ValueError(f"missing teacher: no cache at {str(path)!r} and no `teacher` to build it from")
             rank_zero_info(f"[DistillationModule] building the teacher cache {path} for {len(dataset)} samples")
             teacher = self.teacher
