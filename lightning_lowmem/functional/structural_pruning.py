@@ -1,0 +1,253 @@
+"""Physical (structural) pruning: remove whole channels / FFN units with Torch-Pruning's dependency graph.
+
+The module really shrinks (fewer parameters, faster matmuls), coupled layers (BatchNorm, the next
+layer's input) are sliced with it, and an optimizer passed in is rebound: its param groups point at
+the new parameters and every state tensor (momentum, Adam moments) is sliced like its parameter, so
+training continues where it was instead of silently updating the old, detached tensors.
+
+``import torch_pruning`` happens inside :func:`prune_structural_` (``pip install 'lightning-lowmem[prune]'``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_lowmem.warnings import NoEffectWarning
+
+__all__ = ["StructuralPruningReport", "pruned_shapes", "prune_structural_", "restore_shapes_"]
+
+# residual-stream layers: removing their channels would cut the width every block shares
+_RESIDUAL_TYPES = (nn.Embedding, nn.LayerNorm)
+_HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads")
+
+
+@dataclass
+class StructuralPruningReport:
+    """What :func:`prune_structural_` removed."""
+
+    params_before: int
+    params_after: int
+    removed_channels: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def param_ratio(self) -> float:
+        """``params_after / params_before``."""
+        return self.params_after / max(self.params_before, 1)
+
+
+def _import_torch_pruning() -> Any:
+    try:
+        import torch_pruning
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "structural pruning needs Torch-Pruning: pip install 'lightning-lowmem[prune]' (or torch-pruning)"
+        ) from err
+    return torch_pruning
+
+
+def _default_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Conv / Linear layers except the last one (the output) and attention projections (head-shaped)."""
+    layers: list[tuple[str, nn.Module]] = []
+    attention_children: set[int] = set()
+    for _, sub in model.named_modules():
+        if any(isinstance(getattr(sub, a, None), int) for a in _HEAD_ATTRS):
+            attention_children.update(id(c) for c in sub.children())
+    for fqn, sub in model.named_modules():
+        if isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and id(sub) not in attention_children:
+            layers.append((fqn, sub))
+    return layers[:-1]
+
+
+def _out_dim(module: nn.Module) -> int:
+    return module.weight.shape[0]
+
+
+def prune_structural_(
+    model: nn.Module,
+    ratio: float,
+    example_inputs: Any,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    norm: float = 2,
+    importance: Callable[[nn.Module], torch.Tensor] | None = None,
+) -> StructuralPruningReport:
+    """Remove ``ratio`` of the output channels of each prunable layer, in place.
+
+    Each candidate layer's output channels are ranked by the ``norm`` of their weights (zeroed weights
+    from mask pruning rank lowest); the lowest are removed with every coupled slice Torch-Pruning's
+    dependency graph finds. Groups that touch the residual stream (``nn.Embedding`` / ``nn.LayerNorm``)
+    are skipped, so for a transformer the FFN hidden units shrink and the model width stays.
+
+    Args:
+        model: the model; changed in place.
+        ratio: fraction of output channels to remove per layer, in [0, 1).
+        example_inputs: an input ``model(example_inputs)`` accepts (used to trace the graph).
+        optimizer: rebound to the new parameters, its state sliced. Default: ``None``.
+        filter_fn: ``filter_fn(module, fqn)`` chooses root layers. Default: ``None`` = every Conv/Linear
+            except the last layer and attention projections.
+        norm: ``p`` of the channel norm. Default: 2.
+        importance: ``importance(layer) -> (out_channels,)`` scores overriding the norm. Default: ``None``.
+
+    Returns:
+        A :class:`StructuralPruningReport`.
+
+    Raises:
+        ValueError: ``ratio`` outside [0, 1).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        >>> prune_structural_(model, 0.5, torch.randn(1, 8)).params_after, model[0].out_features
+        (90, 8)
+    """
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio < 1.0:
+        raise ValueError(f"`ratio`={ratio!r} must be a float in [0, 1) (fraction of channels to remove per layer)")
+    tp = _import_torch_pruning()
+    params_before = sum(p.numel() for p in model.parameters())
+    report = StructuralPruningReport(params_before, params_before)
+    if ratio == 0:
+        return report
+    if filter_fn is None:
+        candidates = _default_candidates(model)
+    else:
+        candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and filter_fn(m, n)]
+    was_training = model.training
+    model.eval()
+    with torch.enable_grad():  # Torch-Pruning traces the graph through autograd
+        graph = tp.DependencyGraph().build_dependency(model, example_inputs=example_inputs)
+    plans = []
+    for fqn, layer in candidates:
+        channels = _out_dim(layer)
+        n_remove = int(round(ratio * channels))
+        if n_remove == 0 or n_remove >= channels:
+            continue
+        scores = importance(layer) if importance is not None else torch.linalg.vector_norm(layer.weight.detach().flatten(1).float(), ord=norm, dim=1)
+        idxs = torch.topk(scores.cpu(), n_remove, largest=False).indices.sort().values.tolist()
+        group = graph.get_pruning_group(layer, graph.get_pruner_of_module(layer).prune_out_channels, idxs=idxs)
+        if any(isinstance(dep.target.module, _RESIDUAL_TYPES) for dep, _ in group):
+            continue
+        if graph.check_pruning_group(group):
+            plans.append((fqn, group, n_remove))
+
+    names_before = dict(model.named_parameters())
+    with torch.no_grad():
+        saved = _trace_parameters(model)  # each parameter's data now holds its own flat indices
+        try:
+            for fqn, group, n_remove in plans:
+                group.prune()
+                report.removed_channels[fqn] = n_remove
+        finally:
+            kept_index = _restore_parameters(model, saved)
+    model.train(was_training)
+    if optimizer is not None:
+        _rebind_optimizer(optimizer, names_before, dict(model.named_parameters()), kept_index)
+    report.params_after = sum(p.numel() for p in model.parameters())
+    if not report.removed_channels:
+        warnings.warn("prune_structural_ removed nothing (no prunable group found)", NoEffectWarning, stacklevel=2)
+    return report
+
+
+def _trace_parameters(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Swap each parameter's data for float64 flat indices so that, after slicing, we know what was kept."""
+    saved = {}
+    for name, param in model.named_parameters():
+        saved[name] = (param, param.data)
+        param.data = torch.arange(param.numel(), dtype=torch.float64, device=param.device).view(param.shape)
+        param.grad = None
+    return saved
+
+
+def _restore_parameters(model: nn.Module, saved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Put real values back (gathered by the traced indices); return ``{name: kept flat indices}``."""
+    kept: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        old_param, old_data = saved.get(name, (None, None))
+        if old_data is None:
+            continue
+        index = param.data.flatten().long()  # (new numel,)
+        kept[name] = index
+        param.data = old_data.flatten()[index].view(param.shape).clone()
+        if old_param is not param:  # Torch-Pruning made a new Parameter: the old one gets its data back
+            old_param.data = old_data
+    return kept
+
+
+def _rebind_optimizer(
+    optimizer: torch.optim.Optimizer,
+    before: dict[str, torch.Tensor],
+    after: dict[str, nn.Parameter],
+    kept_index: dict[str, torch.Tensor],
+) -> None:
+    """Point param groups at the new parameters and slice their state like the parameters were sliced."""
+    old_to_name = {id(p): n for n, p in before.items()}
+    for group in optimizer.param_groups:
+        new_params = []
+        for old in group["params"]:
+            name = old_to_name.get(id(old))
+            new = after.get(name) if name is not None else None
+            if new is None:
+                new_params.append(old)
+                continue
+            state = optimizer.state.pop(old, None)
+            if state:
+                optimizer.state[new] = {
+                    key: value.flatten()[kept_index[name].to(value.device)].view(new.shape).clone()
+                    if isinstance(value, torch.Tensor) and value.shape == old.shape and value.dim() > 0
+                    else value
+                    for key, value in state.items()
+                }
+            new_params.append(new)
+        group["params"] = new_params
+
+
+def pruned_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Shapes of every parameter and buffer: save them with the weights to rebuild the pruned architecture."""
+    shapes = {name: list(t.shape) for name, t in model.named_parameters()}
+    shapes.update({name: list(t.shape) for name, t in model.named_buffers() if t is not None})
+    return shapes
+
+
+_SIZE_ATTRS = {
+    nn.Linear: (("out_features", "weight", 0), ("in_features", "weight", 1)),
+    nn.Conv1d: (("out_channels", "weight", 0), ("in_channels", "weight", 1)),
+    nn.Conv2d: (("out_channels", "weight", 0), ("in_channels", "weight", 1)),
+    nn.Conv3d: (("out_channels", "weight", 0), ("in_channels", "weight", 1)),
+    nn.BatchNorm1d: (("num_features", "weight", 0),),
+    nn.BatchNorm2d: (("num_features", "weight", 0),),
+}
+
+
+@torch.no_grad()
+def restore_shapes_(model: nn.Module, shapes: dict[str, Sequence[int]]) -> nn.Module:
+    """Resize an unpruned model's parameters/buffers to ``shapes`` so a pruned ``state_dict`` loads into it.
+
+    Example::
+
+        >>> pruned = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        >>> _ = prune_structural_(pruned, 0.5, torch.randn(1, 8))
+        >>> fresh = restore_shapes_(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), pruned_shapes(pruned))
+        >>> fresh.load_state_dict(pruned.state_dict())
+        <All keys matched successfully>
+    """
+    for fqn, sub in model.named_modules():
+        prefix = f"{fqn}." if fqn else ""
+        for pname, param in list(sub.named_parameters(recurse=False)):
+            shape = shapes.get(prefix + pname)
+            if shape is not None and list(param.shape) != list(shape):
+                setattr(sub, pname, nn.Parameter(torch.zeros(shape, dtype=param.dtype, device=param.device), param.requires_grad))
+        for bname, buf in list(sub.named_buffers(recurse=False)):
+            shape = shapes.get(prefix + bname)
+            if buf is not None and shape is not None and list(buf.shape) != list(shape):
+                setattr(sub, bname, torch.zeros(shape, dtype=buf.dtype, device=buf.device))
+        for attr, pname, dim in _SIZE_ATTRS.get(type(sub), ()):
+            tensor = getattr(sub, pname, None)
+            if tensor is not None:
+                size = tensor.shape[dim] * (getattr(sub, "groups", 1) if attr == "in_channels" else 1)
+                setattr(sub, attr, size)
+    return model
