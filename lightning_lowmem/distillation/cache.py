@@ -8,8 +8,8 @@ Files written for a cache at ``path`` (e.g. ``teacher_cache.npy``):
 * ``path + ".indices.npy"`` — the top-k class indices (top-k mode only);
 * ``path + ".json"`` — metadata: sample count, dataset fingerprint, shapes, ``top_k``, teacher accuracy.
 
-Batches find their rows by a hash of each sample's input bytes (computed on CPU before the batch moves
-to the device), so shuffling, samplers and DDP need no change to the data pipeline. A cache whose
+Batches find their rows by a hash of each sample's input bytes (from one CPU copy of the batch inputs),
+so shuffling, samplers and DDP need no change to the data pipeline. A cache whose
 sample count or fingerprint differs from the dataset is refused with :class:`StaleCacheError`.
 """
 

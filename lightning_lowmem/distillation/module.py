@@ -290,13 +290,6 @@ class DistillationModule(L.LightningModule):
         if accuracy is not None:
             rank_zero_info(f"[DistillationModule] teacher accuracy on the cached training set: {accuracy:.4f}")
 
-    @override
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if self._cache is not None and self.trainer is not None and self.trainer.training:
-            rows = torch.tensor(self._cache.rows(batch_keys(batch[0])), dtype=torch.long)
-            return [*batch, rows]  # rows of the cache, looked up on CPU before the batch moves
-        return batch
-
     def _positions(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return targets != self.hparams.ignore_index  # (B,) or (B, T)
 
@@ -335,13 +328,13 @@ class DistillationModule(L.LightningModule):
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self._cache is not None:
-            *batch, rows = batch
         inputs, targets = batch[0], batch[1]
         self._ensure_recorders()
         student_logits = self(inputs)
         if self._cache is not None:
-            teacher_logits = self._cache.logits(rows.tolist(), device=student_logits.device)
+            # rows found by hashing each input's bytes: one small device-to-host copy of the inputs
+            rows = self._cache.rows(batch_keys(inputs.detach().cpu()))
+            teacher_logits = self._cache.logits(rows, device=student_logits.device)
         else:
             teacher_logits = self.teacher_logits(inputs)
         check_logit_shapes(student_logits, teacher_logits)
