@@ -146,8 +146,8 @@ def _num_to_prune(amount: Amount, total: int, already: int, relative: bool) -> i
 
 def _channel_scores(weight: torch.Tensor, mask: torch.Tensor, dim: int, norm: float, random: bool, gen) -> torch.Tensor:
     """One score per slice along ``dim``; fully pruned slices score -inf so they stay pruned."""
-    w = weight.detach().movedim(dim, 0).flatten(1).float()  # (channels, rest)
-    alive = mask.movedim(dim, 0).flatten(1).any(dim=1)  # (channels,)
+    w = weight.detach().movedim(dim, 0).reshape(weight.shape[dim], -1).float()  # (channels, rest)
+    alive = mask.movedim(dim, 0).reshape(mask.shape[dim], -1).any(dim=1)  # (channels,)
     scores = torch.rand(w.shape[0], generator=gen) if random else torch.linalg.vector_norm(w, ord=norm, dim=1)
     return scores.to(w.device).masked_fill(~alive, float("-inf"))
 

@@ -72,7 +72,7 @@ def prune_structural_(
     ratio: float,
     example_inputs: Any,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     norm: float = 2,
     importance: Callable[[nn.Module], torch.Tensor] | None = None,
@@ -88,7 +88,7 @@ def prune_structural_(
         model: the model; changed in place.
         ratio: fraction of output channels to remove per layer, in [0, 1).
         example_inputs: an input ``model(example_inputs)`` accepts (used to trace the graph).
-        optimizer: rebound to the new parameters, its state sliced. Default: ``None``.
+        optimizer: optimizer(s) rebound to the new parameters, their state sliced. Default: ``None``.
         filter_fn: ``filter_fn(module, fqn)`` chooses root layers. Default: ``None`` = every Conv/Linear
             except the last layer and attention projections.
         norm: ``p`` of the channel norm. Default: 2.
@@ -145,8 +145,9 @@ def prune_structural_(
         finally:
             kept_index = _restore_parameters(model, saved)
     model.train(was_training)
-    if optimizer is not None:
-        _rebind_optimizer(optimizer, names_before, dict(model.named_parameters()), kept_index)
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or ())
+    for opt in optimizers:
+        _rebind_optimizer(opt, names_before, dict(model.named_parameters()), kept_index)
     report.params_after = sum(p.numel() for p in model.parameters())
     if not report.removed_channels:
         warnings.warn("prune_structural_ removed nothing (no prunable group found)", NoEffectWarning, stacklevel=2)
