@@ -138,10 +138,10 @@ class StorageTracker(TorchDispatchMode):
             for name, sub in module.named_modules():
                 self._module_names.setdefault(id(sub), name)
             for param in module.parameters():
-                self._see(param, "parameters")
+                self.mark(param, "parameters")  # opens tensor subclasses (e.g. quantized weights)
                 self._hook_param(param)
             for buffer in module.buffers():
-                self._see(buffer, "parameters")
+                self.mark(buffer, "parameters")
         for optimizer in self.optimizers:
             self._label_optimizer(optimizer)
         self._handles.append(register_optimizer_step_pre_hook(self._on_step_pre))
@@ -337,7 +337,7 @@ class StorageTracker(TorchDispatchMode):
         if id(param) in self._hooked_params or not param.requires_grad:
             return
         if param.grad is not None:
-            self._see(param.grad, "gradients")
+            self.mark(param.grad, "gradients")
         handle = param.register_post_accumulate_grad_hook(self._on_grad)
         _compat.move_post_accumulate_grad_hook_first(param, handle)
         self._hooked_params[id(param)] = handle
