@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
+from torch.nn.utils import prune as torch_prune
 from typing_extensions import override
 
 from lightning_lowmem.functional.pruning import (
@@ -36,7 +37,7 @@ def _method_name(pruning_fn: Any) -> Any:
         if name not in METHODS:
             raise ValueError(f"`pruning_fn`={pruning_fn!r} is unknown; choose one of {list(METHODS)}")
         return name
-    if isinstance(pruning_fn, type) and issubclass(pruning_fn, torch.nn.utils.prune.BasePruningMethod):
+    if isinstance(pruning_fn, type) and issubclass(pruning_fn, torch_prune.BasePruningMethod):
         return pruning_fn
     if callable(pruning_fn) and getattr(pruning_fn, "__name__", None) in _TORCH_FUNCTION_NAMES:
         return pruning_fn.__name__
