@@ -1,0 +1,186 @@
+"""compress_activations / exact_activations: bounded gradient error, charlm loss, memory cut, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_lowmem.demo.charlm import CharGPT, CharLMDataModule, GPTConfig
+from lightning_lowmem.functional.compression import (
+    CompressionStats,
+    _quantize_int8,
+    compress_activations,
+    exact_activations,
+)
+from lightning_lowmem.memory import measure_memory
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops on a shared CPU run ~20x faster single-threaded (no waiting for a busy second core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _gpt(n_layer: int = 2, n_embd: int = 32, block_size: int = 16) -> CharGPT:
+    torch.manual_seed(0)
+    return CharGPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=n_embd, block_size=block_size))
+
+
+def _loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    targets = idx.roll(-1, 1) if targets is None else targets
+    logits = model(idx)  # (B, T, V)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _flat_grad(model: nn.Module, idx: torch.Tensor, mode: str | None, min_bytes: int = 0) -> tuple[torch.Tensor, CompressionStats]:
+    model.zero_grad(set_to_none=True)
+    stats = CompressionStats()
+    if mode is None:
+        loss = _loss(model, idx)
+    else:
+        with compress_activations(mode, min_bytes=min_bytes, stats=stats):
+            loss = _loss(model, idx)
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()]), stats
+
+
+@pytest.mark.parametrize(("mode", "bound", "ratio"), [("bf16", 0.01, 2.0), ("int8", 0.05, 3.0)])
+def test_relative_gradient_error_is_bounded(tiny_gpt, mode, bound, ratio):
+    idx = torch.randint(0, 256, (8, 16))
+    exact, _ = _flat_grad(tiny_gpt, idx, None)
+    approx, stats = _flat_grad(tiny_gpt, idx, mode)
+    error = ((approx - exact).norm() / exact.norm()).item()
+    assert 0 < error < bound
+    assert stats.packed > 10
+    assert stats.ratio >= ratio
+
+
+def test_cpu_mode_on_a_cpu_device_is_a_no_op(tiny_gpt):
+    idx = torch.randint(0, 256, (4, 16))
+    exact, _ = _flat_grad(tiny_gpt, idx, None)
+    same, stats = _flat_grad(tiny_gpt, idx, "cpu")
+    assert torch.equal(same, exact)
+    assert stats.packed == 0 and stats.kept > 0
+
+
+def test_parameters_and_their_views_are_never_packed():
+    layer = nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    with compress_activations("int8", min_bytes=0) as stats:
+        out = layer(x * 1.0)  # addmm saves its input (packed) and weight.t() (a parameter view: kept)
+    out.sum().backward()
+    assert (stats.packed, stats.kept) == (1, 1)
+    assert stats.bytes_in == x.numel() * 4
+
+
+def test_small_and_non_float_tensors_are_kept():
+    emb = nn.Embedding(256, 64)
+    idx = torch.randint(0, 256, (4, 8))  # int64 indices: saved, never packed
+    with compress_activations("bf16", min_bytes=1 << 20) as stats:
+        out = torch.tanh(emb(idx))  # (4, 8, 64) fp32 = 8 KiB < min_bytes
+    out.sum().backward()
+    assert stats.packed == 0 and stats.kept >= 2
+
+
+def test_exact_activations_opts_out(tiny_gpt):
+    idx = torch.randint(0, 256, (4, 16))
+    exact, _ = _flat_grad(tiny_gpt, idx, None)
+    tiny_gpt.zero_grad(set_to_none=True)
+    with compress_activations("int8", min_bytes=0) as stats, exact_activations():
+        loss = _loss(tiny_gpt, idx)
+    loss.backward()
+    assert stats.packed == 0
+    assert torch.equal(torch.cat([p.grad.flatten() for p in tiny_gpt.parameters()]), exact)
+
+
+def test_int8_roundtrip_error_is_within_half_a_step_per_row():
+    x = torch.randn(32, 64) * torch.logspace(-3, 3, 32).unsqueeze(1)  # rows of very different scale
+    quantized, scale = _quantize_int8(x)
+    assert quantized.dtype == torch.int8 and scale.shape == (32, 1)
+    assert ((quantized.float() * scale - x).abs() <= scale / 2 + 1e-6 * x.abs()).all()
+
+
+def test_int8_cuts_charlm_activation_bytes_2_5x():
+    model = _gpt(n_layer=6, n_embd=64, block_size=64)
+    idx = torch.randint(0, 256, (16, 64))
+
+    def step(mode: str | None) -> None:
+        if mode is None:
+            _loss(model, idx).backward()
+            return
+        with compress_activations(mode, min_bytes=1 << 14):
+            loss = _loss(model, idx)
+        loss.backward()
+
+    base = measure_memory(step, None, module=model)
+    model.zero_grad(set_to_none=True)
+    packed = measure_memory(step, "int8", module=model)
+    ratio = base.breakdown["activations"] / packed.breakdown["activations"]
+    assert ratio >= 2.5, f"activations {base.breakdown['activations']} -> {packed.breakdown['activations']}"
+
+
+def _train_losses(mode: str | None, steps: int) -> list[float]:
+    data = CharLMDataModule(block_size=32, batch_size=16, max_chars=60_000)
+    data.setup("fit")
+    model = _gpt(n_layer=2, n_embd=64, block_size=32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    losses = []
+    for step, (x, y) in enumerate(data.train_dataloader()):
+        if step == steps:
+            break
+        if mode is None:
+            loss = _loss(model, x, y)
+        else:
+            with compress_activations(mode, min_bytes=0):
+                loss = _loss(model, x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_charlm_training_loss_stays_within_2_percent():
+    steps = 60
+    base = _train_losses(None, steps)
+    assert base[-1] < 0.7 * base[0]  # it learns
+    tail = sum(base[-10:]) / 10
+    for mode in ("bf16", "int8"):
+        losses = _train_losses(mode, steps)
+        assert abs(sum(losses[-10:]) / 10 - tail) / tail < 0.02, (mode, losses[-10:], base[-10:])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(mode="fp8"), ValueError, r"`mode`='fp8' is unknown; choose one of \['bf16', 'int8', 'cpu'\]"),
+        (dict(mode="int8", min_bytes=-1), ValueError, r"`min_bytes`=-1 must be >= 0"),
+        (dict(mode="int8", min_bytes=1.5), TypeError, r"`min_bytes` must be an int \(bytes\), got float"),
+        (dict(mode="int8", min_bytes=True), TypeError, r"`min_bytes` must be an int \(bytes\), got bool"),
+    ],
+)
+def test_bad_input_raises(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        with compress_activations(**kwargs):
+            pass
+
+
+def test_estimate_memory_uses_the_same_transforms():
+    """The estimator runs checkpoint_ / compress_activations on fake tensors: same cuts as measured."""
+    from lightning_lowmem.memory.estimate import estimate_memory
+
+    model = _gpt(n_layer=2, n_embd=64, block_size=64)
+    idx = torch.randint(0, 256, (16, 64))
+    plain = estimate_memory(model, idx, loss_fn=_loss, device="cpu", steps=1)
+    int8 = estimate_memory(model, idx, loss_fn=_loss, device="cpu", steps=1, activation_compression="int8")
+    both = estimate_memory(
+        model, idx, loss_fn=_loss, device="cpu", steps=1, activation_compression="int8", activation_checkpointing="auto"
+    )
+    assert plain.breakdown["activations"] >= 2.5 * int8.breakdown["activations"]
+    assert int8.breakdown["activations"] > both.breakdown["activations"]
