@@ -53,10 +53,6 @@ class ActivationCheckpointing(L.Callback):
         self.wrapped: list[str] = []
         self._module: L.LightningModule | None = None
 
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(policy=repr(self.policy))
-
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self._module is not None:
