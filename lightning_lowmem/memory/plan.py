@@ -94,6 +94,8 @@ class Plan:
         candidates: all evaluated candidates, in the order they were tried.
         budget_bytes: the budget asked for.
         usable_bytes: the budget less the safety margin (and device overheads for CUDA).
+        baseline: the configuration as the user asked for it (precision + optimizer, no technique),
+            always estimated, so a plan shows what it saves.
     """
 
     chosen: Candidate
@@ -101,6 +103,7 @@ class Plan:
     budget_bytes: int
     usable_bytes: int
     device: str = "cuda"
+    baseline: Candidate | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -118,6 +121,7 @@ class Plan:
             "budget_bytes": self.budget_bytes,
             "usable_bytes": self.usable_bytes,
             "device": self.device,
+            "baseline": self.baseline.to_dict() if self.baseline else None,
             "candidates": [c.to_dict() for c in self.candidates],
             "notes": self.notes,
         }
@@ -136,10 +140,14 @@ class Plan:
         table.add_column("fits?", justify="center")
         for candidate in self.candidates:
             chosen = candidate is self.chosen
+            if candidate is self.baseline and not chosen:
+                candidate_label = candidate.config.describe() + " (as configured)"
+            else:
+                candidate_label = candidate.config.describe()
             peak = candidate.predicted_peak_bytes
             fits = "-" if candidate.fits is None else ("yes" if candidate.fits else "no")
             table.add_row(
-                ("[bold green]> " if chosen else "  ") + candidate.config.describe() + ("[/]" if chosen else ""),
+                ("[bold green]> " if chosen else "  ") + candidate_label + ("[/]" if chosen else ""),
                 format_bytes(peak) if peak is not None else (candidate.error or "-"),
                 f"{candidate.slowdown:.2f}x",
                 fits,
@@ -290,7 +298,9 @@ def plan_memory(
         )
 
     evaluated: dict[TrainingConfig, Candidate] = {}
-    leanest = evaluate(_leanest(configs))
+    baseline = evaluate(TrainingConfig(precision=precision, optimizer=optimizer))  # as the user configured it
+    evaluated[baseline.config] = baseline
+    leanest = evaluated.get(_leanest(configs)) or evaluate(_leanest(configs))
     evaluated[leanest.config] = leanest
     if leanest.report is not None and not leanest.fits:
         # the leanest guess should be the smallest; check the next-leanest few before giving up
@@ -316,7 +326,11 @@ def plan_memory(
         candidates.append(chosen)
     if leanest not in candidates:
         candidates.append(leanest)
-    return Plan(chosen=chosen, candidates=candidates, budget_bytes=budget_bytes, usable_bytes=usable, device=device)
+    if baseline not in candidates:
+        candidates.insert(0, baseline)
+    return Plan(
+        chosen=chosen, candidates=candidates, budget_bytes=budget_bytes, usable_bytes=usable, device=device, baseline=baseline
+    )
 
 
 def _leanness(config: TrainingConfig) -> tuple:
