@@ -46,6 +46,9 @@ class LowRankAdapters(L.Callback):
         quantize_base: ``None``, ``"int8"`` or ``"int4"``: hold the wrapped layers' frozen weights
             quantized (QLoRA, via torchao). Default: ``None``.
         save_base_weights: also keep the frozen base weights in checkpoints. Default: ``False``.
+        base_weights_path: a file with the pretrained base weights (a Lightning checkpoint or a plain
+            state dict of the LightningModule), loaded with ``strict=True`` at ``setup`` before the
+            adapters are added; for YAML configs, where the model is built from init args. Default: ``None``.
         merged_weights_path: when set, at the end of ``fit`` write the merged float weights (loadable
             with ``strict=True`` into the un-wrapped LightningModule) to this file. Default: ``None``.
 
@@ -73,6 +76,7 @@ class LowRankAdapters(L.Callback):
         target: str | list[str] = ALL_LINEAR,
         quantize_base: str | None = None,
         save_base_weights: bool = False,
+        base_weights_path: str | None = None,
         merged_weights_path: str | None = None,
     ) -> None:
         _validate(r, alpha, dropout, quantize_base)
@@ -84,14 +88,16 @@ class LowRankAdapters(L.Callback):
             raise ValueError(
                 f"`target` must be '{ALL_LINEAR}', a layer name pattern or a list of them, got {type(target).__name__}: {target!r}"
             )
-        if merged_weights_path is not None and not isinstance(merged_weights_path, (str, os.PathLike)):
-            raise ValueError(f"`merged_weights_path` must be a file path or None, got {merged_weights_path!r}")
+        for name, path in (("base_weights_path", base_weights_path), ("merged_weights_path", merged_weights_path)):
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                raise ValueError(f"`{name}` must be a file path or None, got {type(path).__name__}: {path!r}")
         self.r = r
         self.alpha = float(alpha)
         self.dropout = float(dropout)
         self.target = target
         self.quantize_base = quantize_base
         self.save_base_weights = bool(save_base_weights)
+        self.base_weights_path = base_weights_path
         self.merged_weights_path = merged_weights_path
         self.report: LoraReport | None = None
         self.removed_from_optimizers = 0
@@ -103,6 +109,11 @@ class LowRankAdapters(L.Callback):
             if config["r"] != self.r:
                 raise ValueError(f"the module already has adapters of rank {config['r']}, this callback has r={self.r}")
         else:
+            if self.base_weights_path is not None:
+                if not os.path.isfile(self.base_weights_path):
+                    raise FileNotFoundError(f"`base_weights_path`={self.base_weights_path!r} is not a file")
+                payload = torch.load(self.base_weights_path, map_location="cpu", weights_only=True)
+                pl_module.load_state_dict(payload.get("state_dict", payload), strict=True)
             self.report = apply_lora_(
                 pl_module, r=self.r, alpha=self.alpha, dropout=self.dropout, target=self.target,
                 quantize_base=self.quantize_base,

@@ -147,3 +147,17 @@ def test_bad_arguments_and_mismatched_resume(tiny_trainer_kwargs):
         _fit(_charlm(), tiny_trainer_kwargs, [LowRankAdapters(target=["q_proj"])], max_steps=1)
     with pytest.raises(ValueError, match="trained with r=8 but this LowRankAdapters has r=4"):
         LowRankAdapters(r=4).load_state_dict({"lora_config": {"r": 8, "alpha": 16.0, "quantize_base": None}})
+
+
+def test_base_weights_path_loads_pretrained_weights_before_wrapping(tiny_trainer_kwargs, tmp_path):
+    pretrained = _charlm(seed=3)
+    torch.save({"state_dict": pretrained.state_dict()}, tmp_path / "base.ckpt")
+    model = _charlm(seed=0)
+    LowRankAdapters(r=4, base_weights_path=str(tmp_path / "base.ckpt")).setup(L.Trainer(**tiny_trainer_kwargs), model, "fit")
+    assert torch.equal(model.model.h[1].mlp.c_fc.weight, pretrained.model.h[1].mlp.c_fc.weight)
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(model(tokens), pretrained(tokens), atol=0, rtol=0)  # B = 0: pretrained output
+    with pytest.raises(FileNotFoundError, match="`base_weights_path`='missing.ckpt' is not a file"):
+        LowRankAdapters(base_weights_path="missing.ckpt").setup(L.Trainer(**tiny_trainer_kwargs), _charlm(), "fit")
+    with pytest.raises(ValueError, match="`base_weights_path` must be a file path or None, got int"):
+        LowRankAdapters(base_weights_path=3)
