@@ -193,3 +193,28 @@ def test_bad_input(kwargs, error, match):
 def test_unknown_parameter_name_fails_at_setup(tiny_trainer_kwargs):
     with pytest.raises(ValueError, match=r"`parameter_names` contains \['kernel'\], which no module has; parameter names present: \['bias', 'weight'\]"):
         _fit(ScheduledPruning(parameter_names=["kernel"]), tiny_trainer_kwargs)
+
+
+class _SaveMasks(L.Callback):
+    """Writes each rank's masks to disk at the end of fit (before nothing is made permanent)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        masks = [get_mask(m).clone() for m in pl_module.net if isinstance(m, nn.Linear)]
+        torch.save(masks, os.path.join(self.directory, f"rank{trainer.global_rank}.pt"))
+
+
+def test_ddp_two_cpu_processes_have_identical_masks(tmp_path):
+    pruning = ScheduledPruning("random_unstructured", schedule="linear", target_sparsity=0.6, end_step=2,
+                               parameter_names=["weight"], make_pruning_permanent=False, seed=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, limit_train_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[pruning, _SaveMasks(str(tmp_path))],
+    )
+    trainer.fit(TinyModule())
+    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
+    assert sum(int((~m).sum()) for m in rank0) == round(0.6 * sum(m.numel() for m in rank0))
