@@ -127,6 +127,10 @@ def test_apply_lora_under_fake_tensors():
         tokens = mode.from_tensor(TOKENS)
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
         assert layer.lora_B.grad is not None and layer.weight.grad is None
+        qlora = CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16))
+        apply_lora_(qlora, r=8, quantize_base="int8")  # QLoRA too: int8 storages stay fake
+        assert _compat.is_fake(qlora.h[1].mlp.c_fc.weight.qdata)
+        assert qlora(tokens).shape == (2, 16, 256)
     assert (report.trainable_params, report.total_params) == (real.trainable_params, real.total_params)
 
 
