@@ -85,7 +85,8 @@ class ScheduledPruning(Callback):
         method: alias of ``pruning_fn`` (e.g. ``"nm"``). Default: ``None``.
         n, m: N:M pattern for ``"nm"``: keep ``n`` of every ``m`` along the input dim. Default: 2, 4.
         structural: at the end of the schedule, physically remove the pruned channels / FFN units
-            (Torch-Pruning) and rebind the optimizer. Default: ``False``.
+            (Torch-Pruning) and rebind the optimizer. Without ``parameters_to_prune`` only the layers it can
+            cut are masked (every Conv/Linear but the last, no attention projection). Default: ``False``.
         structural_ratio: fraction of channels removed per layer; ``None`` = the final sparsity.
             Default: ``None``.
         seed: seed of the random methods' generator (same on every rank). Default: 0.
@@ -210,6 +211,10 @@ class ScheduledPruning(Callback):
             else:
                 pairs.append(tuple(item))
         names = self.parameter_names
+        if not pairs and self.structural:  # mask only the channels structural removal can cut
+            from lightning_lowmem.functional.structural_pruning import _default_candidates
+
+            pairs = [(layer, "weight") for _, layer in _default_candidates(pl_module)]
         if not pairs:  # ModelPruning prunes only the names each module has; error if a name exists nowhere
             present = {n.rsplit(".", 1)[-1] for n, _ in pl_module.named_parameters()}
             missing = [n for n in names if n not in present]
