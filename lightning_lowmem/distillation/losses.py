@@ -249,7 +249,7 @@ class FeatureRecorder:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
         >>> with FeatureRecorder(model, ["0"]) as recorder:
         ...     _ = model(torch.zeros(2, 4))
-        >>> tuple(recorder.features["0"].shape)
+        ...     print(tuple(recorder.features["0"].shape))
         (2, 8)
     """
 
