@@ -164,7 +164,7 @@ class _Packer:
             return data.to(dtype)
         if kind == "int8":
             _, quantized, scale, dtype, shape = packed
-            return (quantized.float() * scale).to(dtype).reshape(shape)
+            return quantized.float().mul_(scale).to(dtype).reshape(shape)  # one fp32 temporary, not two
         if kind == "host":
             _, host, device = packed
             return host.to(device)
