@@ -17,8 +17,9 @@ class ActivationCheckpointing(L.Callback):
     """Wrap submodules of the LightningModule with non-reentrant activation checkpointing for ``fit``.
 
     Works with any single-process or DDP strategy and any precision (``bf16-mixed`` included):
-    the wrap is applied in ``setup`` (before the strategy wraps the model) and changes no parameter
-    names, so checkpoints saved with it load without it and the other way round. Gradients are
+    the wrap is applied in place in ``on_fit_start`` (after ``configure_model``, so lazily built layers
+    are found) and changes no parameter names, so checkpoints saved with it load without it and the
+    other way round. Gradients are
     bit-identical to a run without it; each wrapped submodule's forward runs twice (once more in
     backward), typically +20-35% step time for "all blocks". Undone in ``teardown``.
 
@@ -52,10 +53,13 @@ class ActivationCheckpointing(L.Callback):
         self.policy = policy
         self.wrapped: list[str] = []
         self._module: L.LightningModule | None = None
+        self._restored_wrapped: list[str] | None = None
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit" or self._module is not None:
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after `configure_model` (so lazily built layers exist); the wrap is in place, so a strategy
+        # wrapper around the model (DDP) calls the wrapped submodules as they are
+        if self._module is not None:
             return
         report = checkpoint_(pl_module, self.policy)
         self.wrapped = report.wrapped
@@ -63,10 +67,18 @@ class ActivationCheckpointing(L.Callback):
         if report.wrapped:
             shown = ", ".join(report.wrapped[:6]) + (", ..." if len(report.wrapped) > 6 else "")
             rank_zero_info(f"ActivationCheckpointing(policy={report.policy}): {len(report.wrapped)} modules: {shown}")
+        if self._restored_wrapped is not None and self._restored_wrapped != self.wrapped:
+            warnings.warn(
+                f"ActivationCheckpointing: the checkpoint was trained with modules {self._restored_wrapped} wrapped, "
+                f"this run wraps {self.wrapped} (policy {self.policy!r}). Weights load either way; only memory "
+                "and speed differ.",
+                LowMemWarning,
+                stacklevel=2,
+            )
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._module is not None and stage == "fit":
+        if self._module is not None:
             uncheckpoint_(self._module, self.wrapped)
             self._module = None
 
@@ -76,12 +88,4 @@ class ActivationCheckpointing(L.Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("wrapped", [])
-        if self._module is not None and saved != self.wrapped:
-            warnings.warn(
-                f"ActivationCheckpointing: the checkpoint was trained with modules {saved} wrapped, this run "
-                f"wraps {self.wrapped} (policy {self.policy!r}). Weights load either way; only memory and "
-                "speed differ.",
-                LowMemWarning,
-                stacklevel=2,
-            )
+        self._restored_wrapped = list(state_dict.get("wrapped", []))  # compared in on_fit_start

@@ -78,3 +78,26 @@ def test_policy_matching_nothing_warns(tiny_trainer_kwargs):
 def test_bad_policy_raises_at_construction(policy, error, match):
     with pytest.raises(error, match=match):
         ActivationCheckpointing(policy=policy)
+
+
+class LazyCharLM(CharLM):
+    """Builds its network in ``configure_model`` (as large-model code does), not in ``__init__``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        del self.model
+
+    def configure_model(self) -> None:
+        from lightning_lowmem.demo.charlm import CharGPT
+
+        if not hasattr(self, "model"):
+            self.model = CharGPT(self.config)
+
+
+def test_finds_layers_built_in_configure_model(tiny_trainer_kwargs):
+    callback = ActivationCheckpointing(policy="auto")
+    model = LazyCharLM(n_layer=2, n_embd=32, n_head=2, block_size=16)
+    trainer = L.Trainer(max_steps=1, limit_val_batches=0, callbacks=[callback], **tiny_trainer_kwargs)
+    trainer.fit(model, CharLMDataModule(block_size=16, batch_size=4, max_chars=20_000))
+    assert callback.wrapped == ["model.h.0", "model.h.1"]
+    assert checkpointed_modules(model) == []
