@@ -196,3 +196,46 @@ def test_student_must_be_a_module_and_differ_from_teacher(tiny_mlp):
         DistillationModule(None, Wide())
     with pytest.raises(ValueError, match="`teacher` and `student` are the same object"):
         DistillationModule(tiny_mlp, tiny_mlp)
+
+
+class _SaveStudent(L.Callback):
+    """Writes each rank's student weights and teacher presence at the end of fit."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        state = {k: v.clone() for k, v in pl_module.student.state_dict().items()}
+        torch.save({"student": state, "teacher_held": pl_module.teacher is not None},
+                   f"{self.directory}/rank{trainer.global_rank}.pt")
+
+
+def test_ddp_two_cpu_processes_with_cached_teacher(tmp_path):
+    """Rank 0 builds the cache, both ranks read it after a barrier and release the teacher."""
+    cached = True
+    torch.manual_seed(0)
+    options = {"teacher_cache": str(tmp_path / "cache.npy")} if cached else {}
+    module = DistillationModule(nn.Linear(16, 4), Wide(), **options)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[_SaveStudent(str(tmp_path))],
+    )
+    trainer.fit(module, loaders()[0])
+    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(rank0["student"][k], rank1["student"][k]) for k in rank0["student"])  # DDP in sync
+    assert rank0["teacher_held"] is (not cached) and rank1["teacher_held"] is (not cached)
+    assert (tmp_path / "cache.npy").exists() is cached
+
+
+def test_pruning_callback_prunes_the_student_only(tiny_mlp, tiny_trainer_kwargs):
+    from lightning.pytorch.callbacks import ModelPruning
+
+    teacher = Wide()
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    module = DistillationModule(tiny_mlp, teacher)
+    fit(module, tiny_trainer_kwargs, steps=2, callbacks=[ModelPruning("l1_unstructured", amount=0.5, verbose=0)])
+    weights = list(tiny_mlp.parameters())  # global L1 over weights and biases: 50% of all of them
+    zeros = sum(int((w == 0).sum()) for w in weights)
+    assert zeros == round(0.5 * sum(w.numel() for w in weights))
+    assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
