@@ -172,3 +172,17 @@ def test_mask_overhead_at_most_1_1_bytes_per_weight_vs_torch_prune():
 def test_bad_input(tiny_mlp, kwargs, error, match):
     with pytest.raises(error, match=match):
         prune_(tiny_mlp, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "module_name",
+    ["lightning_lowmem.functional.pruning", "lightning_lowmem.functional.structural_pruning", "lightning_lowmem.schedules",
+     "lightning_lowmem.callbacks.scheduled_pruning"],
+)
+def test_docstring_examples_run(module_name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module(module_name)
+    result = doctest.testmod(module, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
