@@ -134,6 +134,24 @@ def test_cubic_schedule_exact_at_every_step(tiny_trainer_kwargs):
     assert seen[max(seen)] == round(final * num_weights)
 
 
+def test_logs_total_and_per_layer_sparsity(tiny_trainer_kwargs):
+    from lightning.pytorch.loggers import CSVLogger
+
+    pruning = ScheduledPruning(schedule="linear", target_sparsity=0.5, end_step=2, parameter_names=["weight"])
+    _, trainer = _fit(pruning, tiny_trainer_kwargs, logger=CSVLogger(tiny_trainer_kwargs["default_root_dir"]), log_every_n_steps=1)
+    assert float(trainer.callback_metrics["lowmem/sparsity/total"]) == pytest.approx(0.5, abs=1e-3)
+    assert "lowmem/sparsity/net.2.weight" in trainer.callback_metrics
+
+
+def test_lottery_ticket_rewinds_unpruned_weights_to_their_initial_values(tiny_trainer_kwargs):
+    model = TinyModule()
+    initial = [w.detach().clone() for w in _linear_weights(model)]
+    _fit(ScheduledPruning(parameter_names=["weight"], amount=0.5, use_lottery_ticket_hypothesis=True), tiny_trainer_kwargs, model)
+    for weight, start in zip(_linear_weights(model), initial):
+        kept = weight != 0
+        assert torch.equal(weight[kept], start[kept])
+
+
 @pytest.mark.parametrize("pruning_fn", ["l1_unstructured", "random_unstructured"])
 def test_resume_mid_schedule_ends_with_identical_masks_and_weights(tiny_trainer_kwargs, tmp_path, pruning_fn):
     def pruning():
