@@ -21,7 +21,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _fit(callbacks: list, trainer_kwargs: dict, steps: int = 3, ckpt_path: str | None = None, **extra) -> tuple[CharLM, L.Trainer]:
+def _fit(
+    callbacks: list, trainer_kwargs: dict, steps: int = 3, ckpt_path: str | None = None, **extra
+) -> tuple[CharLM, L.Trainer]:
     L.seed_everything(0, verbose=False)
     model = CharLM(n_layer=2, n_embd=32, n_head=2, block_size=16, dropout=0.1)
     data = CharLMDataModule(block_size=16, batch_size=4, max_chars=20_000)

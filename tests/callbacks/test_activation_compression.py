@@ -34,7 +34,8 @@ def _fit(callback, trainer_kwargs: dict, steps: int = 3, model_cls=CharLM, ckpt_
     L.seed_everything(0, verbose=False)
     model = model_cls(n_layer=2, n_embd=32, n_head=2, block_size=16)
     data = CharLMDataModule(block_size=16, batch_size=8, max_chars=20_000)
-    trainer = L.Trainer(max_steps=steps, limit_val_batches=0, callbacks=[callback], log_every_n_steps=1, **{**trainer_kwargs, **extra})
+    kwargs = {**trainer_kwargs, **extra}
+    trainer = L.Trainer(max_steps=steps, limit_val_batches=0, callbacks=[callback], log_every_n_steps=1, **kwargs)
     trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer
 
@@ -46,7 +47,9 @@ def _hooks_are_released() -> bool:
     return torch.equal(x.grad, x.exp())
 
 
-@pytest.mark.parametrize(("mode", "precision", "min_ratio"), [("int8", "32-true", 3.0), ("bf16", "32-true", 1.9), ("int8", "bf16-mixed", 1.8)])
+@pytest.mark.parametrize(
+    ("mode", "precision", "min_ratio"), [("int8", "32-true", 3.0), ("bf16", "32-true", 1.9), ("int8", "bf16-mixed", 1.8)]
+)
 def test_packs_during_training_logs_and_releases(tiny_trainer_kwargs, mode, precision, min_ratio):
     callback = ActivationCompression(mode=mode, min_bytes=0)
     trainer = _fit(callback, tiny_trainer_kwargs, precision=precision)

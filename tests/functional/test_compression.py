@@ -37,7 +37,9 @@ def _loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor | None = No
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def _flat_grad(model: nn.Module, idx: torch.Tensor, mode: str | None, min_bytes: int = 0) -> tuple[torch.Tensor, CompressionStats]:
+def _flat_grad(
+    model: nn.Module, idx: torch.Tensor, mode: str | None, min_bytes: int = 0
+) -> tuple[torch.Tensor, CompressionStats]:
     model.zero_grad(set_to_none=True)
     stats = CompressionStats()
     if mode is None:
