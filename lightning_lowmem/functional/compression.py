@@ -2,8 +2,9 @@
 
 Inside ``compress_activations(mode)`` every tensor an op saves for backward passes through a pack hook
 (``torch.autograd.graph.saved_tensors_hooks``) that stores a smaller copy, and the original is freed
-once forward drops it. Backward unpacks the copy. Parameters (and views of them), non-float tensors,
-tensors under ``min_bytes`` and anything inside ``exact_activations()`` are kept as they are.
+once forward drops it. Backward unpacks the copy. Parameters (and views of them; also any other leaf
+tensor that requires grad), non-float tensors, tensors under ``min_bytes`` and anything inside
+``exact_activations()`` are kept as they are.
 
 Modes:
 
