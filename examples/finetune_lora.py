@@ -30,8 +30,8 @@ warnings.filterwarnings("ignore", ".*Enum subclass.*")
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
 METHODS = {  # name -> (learning rate, LowRankAdapters arguments or None for full fine-tuning)
     "full": (1e-3, None),
-    "lora": (3e-3, dict(r=8, alpha=16)),
-    "qlora": (3e-3, dict(r=8, alpha=16, quantize_base="int8")),
+    "lora": (6e-3, dict(r=8, alpha=16)),
+    "qlora": (6e-3, dict(r=8, alpha=16, quantize_base="int8")),
 }
 
 
