@@ -145,7 +145,9 @@ class ScheduledPruning(Callback):
             if isinstance(amount, bool) or not isinstance(amount, (int, float)):
                 raise TypeError(f"`amount`={amount!r} must be a float in [0, 1], an int >= 0 or a callable(epoch)")
             if isinstance(amount, int) and amount < 0:
-                raise ValueError(f"`amount`={amount} must be >= 0 when an int (a number of weights); allowed: int >= 0 or float in [0, 1]")
+                raise ValueError(
+                    f"`amount`={amount} must be >= 0 when an int (a number of weights); allowed: int >= 0 or float in [0, 1]"
+                )
             if isinstance(amount, float) and not 0.0 <= amount <= 1.0:
                 raise ValueError(f"`amount`={amount} must be in [0, 1] when a float; allowed: int >= 0 or float in [0, 1]")
         if self.method == "nm" and (not isinstance(n, int) or not isinstance(m, int) or not 1 <= n < m):
@@ -153,17 +155,25 @@ class ScheduledPruning(Callback):
         if verbose not in (0, 1, 2):
             raise ValueError(f"`verbose`={verbose!r} must be 0, 1 or 2")
         if schedule is not None and isinstance(schedule, str) and schedule not in SCHEDULES:
-            raise ValueError(f"`schedule`={schedule!r} is unknown; choose one of {list(SCHEDULES)} or pass a callable(step)")
+            raise ValueError(
+                f"`schedule`={schedule!r} is unknown; choose one of {list(SCHEDULES)} or pass a callable(step)"
+            )
         self.step_mode = schedule is not None or target_sparsity is not None
         final = target_sparsity if target_sparsity is not None else amount
-        if self.step_mode and (callable(final) or isinstance(final, bool) or not isinstance(final, float) or not 0 <= final <= 1):
-            if not (callable(schedule) and not isinstance(schedule, str)):
-                raise ValueError(f"`target_sparsity`={final!r} must be a float in [0, 1] for a step schedule")
+        custom_schedule = callable(schedule) and not isinstance(schedule, str)
+        valid_final = isinstance(final, float) and 0.0 <= final <= 1.0
+        if self.step_mode and not custom_schedule and not valid_final:
+            raise ValueError(f"`target_sparsity`={final!r} must be a float in [0, 1] for a step schedule")
         self.final_sparsity = final
         self._schedule_args = dict(
-            schedule=schedule or "cubic", start_step=start_step, end_step=end_step, frequency=frequency, initial_sparsity=initial_sparsity
+            schedule=schedule or "cubic",
+            start_step=start_step,
+            end_step=end_step,
+            frequency=frequency,
+            initial_sparsity=initial_sparsity,
         )
         self.schedule: Callable[[int], float] | None = None
+        self.end_step: int | None = end_step
         if self.step_mode and end_step is not None:
             self.schedule = self._build_schedule(end_step)  # validates start/end/frequency now
         elif not isinstance(start_step, int) or start_step < 0:
@@ -192,12 +202,17 @@ class ScheduledPruning(Callback):
 
     def _build_schedule(self, end_step: int) -> Callable[[int], float]:
         args = self._schedule_args
-        return build_schedule(args["schedule"], self.final_sparsity if not callable(self.final_sparsity) else 0.0,
-                              args["start_step"], end_step, args["frequency"], args["initial_sparsity"])
+        self.end_step = end_step
+        final = self.final_sparsity if not callable(self.final_sparsity) else 0.0
+        return build_schedule(
+            args["schedule"], final, args["start_step"], end_step, args["frequency"], args["initial_sparsity"]
+        )
 
-    @property
-    def end_step(self) -> int | None:
-        return getattr(self.schedule, "end_step", self._schedule_args["end_step"])
+    def _is_pruning_step(self, step: int) -> bool:
+        start, frequency = self._schedule_args["start_step"], self._schedule_args["frequency"]
+        if not start <= step <= self.end_step:
+            return False
+        return (step - start) % frequency == 0 or step == self.end_step
 
     def _resolve_targets(self, pl_module: L.LightningModule) -> list[tuple[str, nn.Module, str]]:
         pairs = []
@@ -207,7 +222,9 @@ class ScheduledPruning(Callback):
                 try:
                     pairs.append((pl_module.get_submodule(fqn), pname))
                 except AttributeError as err:
-                    raise ValueError(f"`parameters_to_prune` entry {item!r} names no submodule of {type(pl_module).__name__}") from err
+                    raise ValueError(
+                        f"`parameters_to_prune` entry {item!r} names no submodule of {type(pl_module).__name__}"
+                    ) from err
             else:
                 pairs.append(tuple(item))
         names = self.parameter_names
@@ -219,7 +236,10 @@ class ScheduledPruning(Callback):
             present = {n.rsplit(".", 1)[-1] for n, _ in pl_module.named_parameters()}
             missing = [n for n in names if n not in present]
             if missing:
-                raise ValueError(f"`parameter_names` contains {missing}, which no module has; parameter names present: {sorted(present)}")
+                raise ValueError(
+                    f"`parameter_names` contains {missing}, which no module has;"
+                    f" parameter names present: {sorted(present)}"
+                )
         return collect_prunable(pl_module, names, None, pairs or None)
 
     @override
@@ -230,17 +250,32 @@ class ScheduledPruning(Callback):
         if self.step_mode and self.schedule is None:
             last = int(trainer.estimated_stepping_batches) if trainer.max_steps != -1 or trainer.max_epochs else 0
             if last <= self._schedule_args["start_step"]:
-                raise ValueError(f"`end_step`=None resolves to the run's last step {last}, which is not > `start_step`; set `end_step`")
+                raise ValueError(
+                    f"`end_step`=None resolves to the run's last step {last}, which is not > `start_step`; set `end_step`"
+                )
             self.schedule = self._build_schedule(last)
         if self.structural and trainer.world_size > 1:
-            raise ValueError("`structural=True` is not supported with more than one process (DDP holds the old parameters)")
+            raise ValueError(
+                "`structural=True` is not supported with more than one process (DDP holds the old parameters)"
+            )
 
-    def _prune(self, trainer: L.Trainer, pl_module: L.LightningModule, amount: float | int, relative: bool, tag: int, on_step: bool) -> None:
-        generator = torch.Generator().manual_seed(self.seed + tag)
+    def _prune(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, amount: float | int, relative: bool, tag: int, on_step: bool
+    ) -> None:
+        generator = torch.Generator().manual_seed(self.seed + tag)  # same on every rank
+        use_global = self.use_global_unstructured and isinstance(self.method, str) and self.method != "nm"
         report = prune_(
-            pl_module, amount, self.method, global_=self.use_global_unstructured and self.method != "nm" and isinstance(self.method, str),
-            parameters_to_prune=[(sub, p) for _, sub, p in self._targets], n=self.n, m=self.m, dim=self.pruning_dim,
-            norm=self.pruning_norm, relative=relative, generator=generator,
+            pl_module,
+            amount,
+            self.method,
+            global_=use_global,
+            parameters_to_prune=[(sub, p) for _, sub, p in self._targets],
+            n=self.n,
+            m=self.m,
+            dim=self.pruning_dim,
+            norm=self.pruning_norm,
+            relative=relative,
+            generator=generator,
         )
         if trainer.world_size > 1:  # every rank keeps rank 0's masks (random methods, float ties)
             for _, sub, pname in self._targets:
@@ -277,22 +312,24 @@ class ScheduledPruning(Callback):
             self._original = {f"{f}.{p}": getattr(s, p).detach().clone() for f, s, p in self._targets}
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.structural and self._example_input is None:
             x = batch[0] if isinstance(batch, (tuple, list)) else batch
             self._example_input = x[:1].detach().clone()
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         apply_masks_(pl_module)  # after the optimizer step: pruned weights stay exactly zero
         if not self.step_mode or self.structural_done:
             return
         step = trainer.global_step
         if step == self.last_pruned_step or step < self._schedule_args["start_step"]:
             return
-        is_step = self.schedule.is_pruning_step(step) if hasattr(self.schedule, "is_pruning_step") else (
-            step <= self.end_step and (step - self._schedule_args["start_step"]) % self._schedule_args["frequency"] == 0)
-        if not is_step:
+        if not self._is_pruning_step(step):
             return
         target = float(self.schedule(step))
         if not 0.0 <= target <= 1.0:

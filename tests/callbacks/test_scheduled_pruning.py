@@ -236,3 +236,11 @@ def test_ddp_two_cpu_processes_have_identical_masks(tmp_path):
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
     assert sum(int((~m).sum()) for m in rank0) == round(0.6 * sum(m.numel() for m in rank0))
+
+
+def test_callable_schedule_runs_to_the_last_step_when_end_step_is_none(tiny_trainer_kwargs):
+    pruning = ScheduledPruning(schedule=lambda step: 0.1 * step, parameter_names=["weight"])
+    model, _ = _fit(pruning, tiny_trainer_kwargs)  # 4 steps: the last one prunes to 0.4
+    assert pruning.end_step == 4
+    weights = _linear_weights(model)
+    assert sum(int((w == 0).sum()) for w in weights) == round(0.4 * sum(w.numel() for w in weights))
