@@ -262,7 +262,8 @@ def prune_(
             weight = getattr(sub, pname)
             nm = _nm_mask(weight, masks[(fqn, pname)], weight_dims(sub, pname)[1] if weight.dim() > 1 else 0, n, m)
             if nm is None:
-                warnings.warn(f"{fqn}.{pname} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned", NoEffectWarning, stacklevel=2)
+                message = f"{fqn}.{pname} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
+                warnings.warn(message, NoEffectWarning, stacklevel=2)
                 continue
             masks[(fqn, pname)] = nm
     elif structured:
@@ -366,7 +367,10 @@ def remove_pruning_(module: nn.Module) -> int:
 
 def layer_sparsity(module: nn.Module) -> dict[str, float]:
     """Fraction of zeros of each masked tensor (or, without masks, of each leaf module's ``weight``)."""
-    result = {f"{fqn}.{pname}" if fqn else pname: float((getattr(sub, pname) == 0).float().mean()) for fqn, sub, pname, _ in _masked(module)}
+    result = {
+        f"{fqn}.{pname}" if fqn else pname: float((getattr(sub, pname) == 0).float().mean())
+        for fqn, sub, pname, _ in _masked(module)
+    }
     if result:
         return result
     return {

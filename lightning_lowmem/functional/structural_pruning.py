@@ -116,7 +116,8 @@ def prune_structural_(
     if filter_fn is None:
         candidates = _default_candidates(model)
     else:
-        candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and filter_fn(m, n)]
+        layer_types = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+        candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, layer_types) and filter_fn(m, n)]
     was_training = model.training
     model.eval()
     with torch.enable_grad():  # Torch-Pruning traces the graph through autograd
@@ -127,7 +128,10 @@ def prune_structural_(
         n_remove = int(round(ratio * channels))
         if n_remove == 0 or n_remove >= channels:
             continue
-        scores = importance(layer) if importance is not None else torch.linalg.vector_norm(layer.weight.detach().flatten(1).float(), ord=norm, dim=1)
+        if importance is not None:
+            scores = importance(layer)
+        else:
+            scores = torch.linalg.vector_norm(layer.weight.detach().flatten(1).float(), ord=norm, dim=1)  # (out,)
         idxs = torch.topk(scores.cpu(), n_remove, largest=False).indices.sort().values.tolist()
         group = graph.get_pruning_group(layer, graph.get_pruner_of_module(layer).prune_out_channels, idxs=idxs)
         if any(isinstance(dep.target.module, _RESIDUAL_TYPES) for dep, _ in group):
@@ -241,7 +245,8 @@ def restore_shapes_(model: nn.Module, shapes: dict[str, Sequence[int]]) -> nn.Mo
         for pname, param in list(sub.named_parameters(recurse=False)):
             shape = shapes.get(prefix + pname)
             if shape is not None and list(param.shape) != list(shape):
-                setattr(sub, pname, nn.Parameter(torch.zeros(shape, dtype=param.dtype, device=param.device), param.requires_grad))
+                resized = torch.zeros(shape, dtype=param.dtype, device=param.device)
+                setattr(sub, pname, nn.Parameter(resized, param.requires_grad))
         for bname, buf in list(sub.named_buffers(recurse=False)):
             shape = shapes.get(prefix + bname)
             if buf is not None and shape is not None and list(buf.shape) != list(shape):
