@@ -1,0 +1,168 @@
+"""quantize_ modes, static pt2e, QAT prepare/convert, serialization and the float-fallback search."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_lowmem.functional.quantization import (
+    available_modes,
+    convert_qat_,
+    dequantize_,
+    prepare_qat_,
+    quantize_,
+    quantized_copy,
+    search_float_fallback,
+)
+from lightning_lowmem.functional.quantization_static import quantize_static
+from lightning_lowmem.warnings import NoEffectWarning
+
+warnings.filterwarnings("ignore", module="torchao")
+
+
+def wide_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+
+
+def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((output - reference).detach().norm() / reference.detach().norm())
+
+
+# mode, weight class name, max relative error, min size ratio
+IN_PLACE_CASES = [
+    ("int8_dynamic", "Int8Tensor", 0.03, 3.8),
+    ("int8_weight_only", "Int8Tensor", 0.03, 3.8),
+    ("intx4_weight_only", "IntxUnpackedToInt8Tensor", 0.15, 3.3),  # int4 values, int8 storage + group scales
+]
+
+
+@pytest.mark.parametrize(("mode", "weight_type", "max_error", "min_ratio"), IN_PLACE_CASES)
+def test_mode_converts_linears_stays_close_and_shrinks(mode, weight_type, max_error, min_ratio):
+    model = wide_mlp()
+    inputs = torch.randn(16, 256)
+    reference = model(inputs)
+    report = quantize_(model, mode)
+    assert report.converted == ["0", "2"]
+    assert [type(model[i].weight).__name__ for i in (0, 2)] == [weight_type, weight_type]
+    assert relative_error(model(inputs), reference) < max_error
+    assert report.size_ratio > min_ratio
+    assert report.module is model
+
+
+def test_static_int8_converts_all_linears_and_shrinks():
+    model = wide_mlp()
+    batches = [torch.randn(16, 256) for _ in range(4)]
+    reference = model(batches[0])
+    report = quantize_(model, "int8_static", calibration_data=batches)
+    assert report.converted == ["0", "2"]
+    int8_weights = [t for t in report.module.state_dict().values() if t.dtype == torch.int8]
+    assert len(int8_weights) == 2
+    assert relative_error(report.module(batches[0]), reference) < 0.05
+    assert report.size_ratio > 3.5
+    assert isinstance(model[0].weight, nn.Parameter) and model[0].weight.dtype == torch.float32  # input untouched
+
+
+def test_static_skip_modules_keeps_layer_float():
+    model = wide_mlp()
+    batches = [torch.randn(8, 256) for _ in range(2)]
+    report = quantize_static(model, (batches[0],), batches, skip_modules=["2"])
+    assert report.converted == ["0"]
+    assert sum(t.dtype == torch.int8 for t in report.module.state_dict().values()) == 1
+
+
+def test_filter_fn_and_skip_modules_choose_layers():
+    model = wide_mlp()
+    assert quantize_(model, "int8_weight_only", skip_modules=["0"]).converted == ["2"]
+    model = wide_mlp()
+    assert quantize_(model, "int8_weight_only", filter_fn=lambda layer, fqn: layer.out_features == 256).converted == ["0"]
+    assert type(model[2].weight) is nn.Parameter
+
+
+def test_int4_weight_only_says_cpu_is_unsupported():
+    assert "int4_weight_only" not in available_modes("cpu")
+    assert {"int8_dynamic", "int8_weight_only", "intx4_weight_only", "int8_static"} <= set(available_modes("cpu"))
+    with pytest.raises(ValueError, match="no CPU kernel.*intx4_weight_only"):
+        quantize_(wide_mlp(), "int4_weight_only")
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="`mode`='int3' is not a known quantization mode"):
+        quantize_(wide_mlp(), "int3")
+    with pytest.raises(ValueError, match="needs `calibration_data`"):
+        quantize_(wide_mlp(), "int8_static")
+    with pytest.raises(ValueError, match="`group_size` must be a positive int"):
+        quantize_(wide_mlp(), "intx4_weight_only", group_size=0)
+    with pytest.raises(TypeError, match="`skip_modules` must be a list"):
+        quantize_(wide_mlp(), "int8_dynamic", skip_modules="0")
+
+
+def test_no_quantizable_layer_warns_and_changes_nothing(tiny_convnet):
+    tiny_convnet.head = nn.Identity()
+    with pytest.warns(NoEffectWarning, match="no quantizable nn.Linear"):
+        report = quantize_(tiny_convnet, "int8_dynamic")
+    assert report.converted == [] and report.bytes_after == report.bytes_before
+
+
+@pytest.mark.parametrize("mode", ["int8_dynamic", "int8_weight_only", "intx4_weight_only"])
+def test_save_load_gives_identical_outputs(mode):
+    model = wide_mlp()
+    quantize_(model, mode)
+    inputs = torch.randn(4, 256)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    restored = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+    quantize_(restored, mode)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(restored(inputs), model(inputs))
+
+
+def test_dequantize_restores_float_weights():
+    model = wide_mlp()
+    quantize_(model, "int8_weight_only")
+    assert dequantize_(model) == ["0", "2"]
+    assert type(model[0].weight) is nn.Parameter and model[0].weight.requires_grad
+
+
+def test_qat_prepare_then_convert_matches_fake_quantized_outputs():
+    from torchao.quantization.qat import FakeQuantizedLinear
+
+    model = wide_mlp()
+    weight = model[0].weight
+    assert prepare_qat_(model, "intx4_weight_only") == ["0", "2"]
+    assert isinstance(model[0], FakeQuantizedLinear) and model[0].weight is weight  # same Parameter
+    inputs = torch.randn(4, 256)
+    fake_quantized = model(inputs)
+    fake_quantized.sum().backward()
+    assert weight.grad is not None
+    report = convert_qat_(model, "intx4_weight_only")
+    assert report.converted == ["0", "2"] and type(model[0]) is nn.Linear
+    assert type(model[0].weight).__name__ == "IntxUnpackedToInt8Tensor"
+    assert torch.allclose(model(inputs), fake_quantized, atol=1e-5)
+
+
+def test_search_keeps_most_sensitive_layer_float():
+    drops = {"a": 0.05, "b": 0.001, "c": 0.002}  # metric = 1 - sum of drops of the quantized layers
+    result = search_float_fallback(list(drops), lambda names: 1.0 - sum(drops[n] for n in names), tolerance=0.01)
+    assert result.met and result.kept_float == ["a"] and sorted(result.quantized) == ["b", "c"]
+    assert result.sensitivity["a"] == pytest.approx(0.05)
+    assert result.baseline - result.metric <= 0.01
+
+
+def test_search_with_zero_tolerance_refuses_and_quantizes_nothing():
+    drops = {"a": 0.05, "b": 0.001}
+    result = search_float_fallback(list(drops), lambda names: 1.0 - sum(drops[n] for n in names), tolerance=0.0)
+    assert not result.met and result.quantized == [] and result.kept_float == ["a", "b"]
+    with pytest.raises(ValueError, match="`tolerance` must be >= 0"):
+        search_float_fallback(["a"], lambda names: 1.0, tolerance=-1)
+
+
+def test_quantized_copy_leaves_original_float():
+    model = wide_mlp()
+    clone = quantized_copy(model, "int8_weight_only", ["2"])
+    assert type(clone[2].weight).__name__ == "Int8Tensor" and type(model[2].weight) is nn.Parameter
