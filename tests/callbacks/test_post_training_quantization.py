@@ -1,0 +1,123 @@
+"""PostTrainingQuantization: conversion at fit end, accuracy tolerance, checkpoints, bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_lowmem.callbacks.post_training_quantization import PostTrainingQuantization, load_quantized_checkpoint
+from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
+
+warnings.filterwarnings("ignore", module="torchao")
+
+
+class ErrorModule(L.LightningModule):
+    """Linear 64 -> 64 -> 4; ``val_err`` = MSE to the float model's own outputs (0 before quantizing)."""
+
+    def __init__(self, outlier: float = 50.0, log_metric: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(64, 64)
+        self.fc2 = nn.Linear(64, 4)
+        with torch.no_grad():
+            self.fc2.weight[:, ::32] = outlier  # one outlier per int4 group: large int4 errors
+        inputs = torch.randn(32, 64)
+        with torch.no_grad():
+            targets = self(inputs)
+        self.data = TensorDataset(inputs, targets)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch[0]), batch[1]) * 0.0  # keep the weights (and the reference) fixed
+
+    def validation_step(self, batch, batch_idx):
+        if self.hparams.log_metric:
+            self.log("val_err", F.mse_loss(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=16)
+
+    def val_dataloader(self):
+        return DataLoader(self.data, batch_size=16)
+
+
+def fit(callback, tiny_trainer_kwargs, module=None, **kwargs):
+    module = module or ErrorModule()
+    trainer = L.Trainer(callbacks=[callback], max_steps=1, num_sanity_val_steps=0, **{**tiny_trainer_kwargs, **kwargs})
+    trainer.fit(module)
+    return trainer, module
+
+
+def test_quantizes_all_linears_at_fit_end(tiny_trainer_kwargs):
+    callback = PostTrainingQuantization("int8_weight_only", latency_batches=2)
+    _, module = fit(callback, tiny_trainer_kwargs)
+    assert callback.quantized == ["fc1", "fc2"]
+    assert type(module.fc1.weight).__name__ == "Int8Tensor"
+    assert callback.summary["after"]["bytes"] < callback.summary["before"]["bytes"] / 2.5
+
+
+def test_tight_tolerance_keeps_sensitive_layer_float(tiny_trainer_kwargs):
+    callback = PostTrainingQuantization("intx4_weight_only", monitor="val_err", monitor_mode="min", tolerance=2.5)
+    _, module = fit(callback, tiny_trainer_kwargs)
+    # measured drops: fc1 alone ~1.8, fc2 alone ~2.1, both ~4.3
+    assert callback.summary["met"] and callback.summary["kept_float"] == ["fc2"]
+    assert type(module.fc2.weight) is nn.Parameter and type(module.fc1.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    drop = callback.summary["after"]["metric"] - callback.summary["before"]["metric"]
+    assert 0 < drop <= 2.5
+
+
+def test_zero_tolerance_refuses_and_leaves_model_float(tiny_trainer_kwargs):
+    callback = PostTrainingQuantization("intx4_weight_only", monitor="val_err", monitor_mode="min", tolerance=0.0)
+    with pytest.warns(LowMemWarning, match="no configuration keeps 'val_err' within tolerance"):
+        _, module = fit(callback, tiny_trainer_kwargs)
+    assert not callback.summary["met"] and callback.quantized == []
+    assert all(type(p) is nn.Parameter for p in module.parameters())  # nothing half-converted
+
+
+def test_monitor_never_logged_raises(tiny_trainer_kwargs):
+    callback = PostTrainingQuantization("int8_dynamic", monitor="val_acc", tolerance=0.01)
+    with pytest.raises(ValueError, match="`monitor`='val_acc' was never logged"):
+        fit(callback, tiny_trainer_kwargs, module=ErrorModule(log_metric=False))
+
+
+def test_no_quantizable_layer_warns(tiny_trainer_kwargs):
+    callback = PostTrainingQuantization("int8_dynamic", skip_modules=["fc1", "fc2"])
+    with pytest.warns(NoEffectWarning, match="found no quantizable nn.Linear"):
+        fit(callback, tiny_trainer_kwargs)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="`mode`='int2' is not a known"):
+        PostTrainingQuantization("int2")
+    with pytest.raises(ValueError, match="`tolerance`=0.01 needs `monitor`"):
+        PostTrainingQuantization(tolerance=0.01)
+    with pytest.raises(ValueError, match="`monitor_mode`='up' must be"):
+        PostTrainingQuantization(monitor_mode="up")
+    with pytest.raises(ValueError, match="int8_static.*quantize_static"):
+        PostTrainingQuantization("int8_static")
+
+
+@pytest.mark.parametrize("mode", ["int8_dynamic", "intx4_weight_only"])
+def test_checkpoint_restores_quantized_model(mode, tiny_trainer_kwargs, tmp_path):
+    callback = PostTrainingQuantization(mode, latency_batches=0)
+    trainer, module = fit(callback, tiny_trainer_kwargs)
+    path = str(tmp_path / "quantized.ckpt")
+    trainer.save_checkpoint(path)
+    inputs = torch.randn(4, 64)
+    expected = module(inputs)
+    # Lightning's own ckpt_path loading passes a callable map_location, which torch cannot use to
+    # rebuild tensor subclasses: load_quantized_checkpoint is the supported path (see docs).
+    loaded = load_quantized_checkpoint(ErrorModule, path, weights_only=False)
+    assert torch.allclose(loaded(inputs), expected, atol=1e-6)
