@@ -96,7 +96,9 @@ def quantize_static(
     for fqn in excluded:
         quantizer.set_module_name_qconfig(fqn, None)
     with torch.no_grad():
-        exported = torch.export.export(module, tuple(example_inputs)).module()
+        # the batch dimension stays dynamic so the converted module takes any batch size
+        dynamic = tuple({0: torch.export.Dim.AUTO} if isinstance(x, torch.Tensor) else None for x in example_inputs)
+        exported = torch.export.export(module, tuple(example_inputs), dynamic_shapes=dynamic).module()
         prepared = prepare_pt2e(exported, quantizer)
         for batch in batches:  # calibration: observers record activation ranges
             prepared(*batch)
