@@ -1,0 +1,227 @@
+"""CompressedCheckpointIO: exact round trips, size on a 90%-sparse charlm, corrupt files, crash safety."""
+
+from __future__ import annotations
+
+import doctest
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_lowmem.plugins import compressed_checkpoint_io
+from lightning_lowmem.plugins.compressed_checkpoint_io import CheckpointCorruptError, CompressedCheckpointIO
+
+
+def _tensors(obj, prefix=""):
+    """Flatten every tensor of a nested checkpoint to {path: tensor}."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    found = {}
+    for key, value in items:
+        found.update(_tensors(value, f"{prefix}/{key}"))
+    return found
+
+
+def _checkpoint():
+    torch.manual_seed(0)
+    sparse = torch.randn(128, 64) * (torch.rand(128, 64) > 0.9)
+    return {
+        "state_dict": {"w_sparse": sparse, "w_dense": torch.randn(32, 32), "tied": sparse,
+                       "bf16": (torch.randn(64, 64) * (torch.rand(64, 64) > 0.5)).bfloat16(),
+                       "count": torch.tensor(5, dtype=torch.int64), "mask": torch.rand(40, 40) > 0.5},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": sparse * 0.1}},
+                              "param_groups": [{"lr": 1e-3, "params": [0]}]}],
+        "epoch": 2, "global_step": 40, "pytorch-lightning_version": "2.6.6", "callbacks": {"x": {"best": None}},
+    }
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "none"])
+def test_round_trip_every_tensor_equal(tmp_path, codec):
+    checkpoint = _checkpoint()
+    checkpoint_io = CompressedCheckpointIO(codec=codec)
+    path = tmp_path / "a.ckpt"
+    checkpoint_io.save_checkpoint(checkpoint, path)
+    loaded = checkpoint_io.load_checkpoint(path)
+    expected, got = _tensors(checkpoint), _tensors(loaded)
+    assert expected.keys() == got.keys()
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    assert loaded["epoch"] == 2 and loaded["callbacks"] == {"x": {"best": None}}
+    assert loaded["state_dict"]["tied"] is loaded["state_dict"]["w_sparse"]
+    assert checkpoint_io.last_save_stats["sparse_tensors"] == 3  # w_sparse (tied once), bf16, exp_avg
+    assert not list(tmp_path.glob(".*tmp*"))  # no temporary file left behind
+
+
+def test_reads_plain_torch_save_checkpoints(tmp_path):
+    checkpoint = _checkpoint()
+    torch.save(checkpoint, tmp_path / "plain.ckpt")
+    loaded = CompressedCheckpointIO().load_checkpoint(tmp_path / "plain.ckpt")
+    assert torch.equal(loaded["state_dict"]["w_dense"], checkpoint["state_dict"]["w_dense"])
+
+
+def test_loads_with_weights_only(tmp_path):
+    checkpoint_io = CompressedCheckpointIO()
+    checkpoint_io.save_checkpoint({"state_dict": {}, "module": nn.Linear(2, 2)}, tmp_path / "m.ckpt")
+    with pytest.raises(Exception, match="[Ww]eights.only"):
+        checkpoint_io.load_checkpoint(tmp_path / "m.ckpt")
+    assert isinstance(checkpoint_io.load_checkpoint(tmp_path / "m.ckpt", weights_only=False)["module"], nn.Linear)
+
+
+def _pruned_charlm_state(sparsity=0.9):
+    from lightning_lowmem.demo import CharLM
+
+    torch.manual_seed(0)
+    model = CharLM()  # the reference charlm (4 layers, n_embd 128)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:  # every weight matrix (embeddings included), magnitude pruning per tensor
+                threshold = param.abs().flatten().kthvalue(int(sparsity * param.numel())).values
+                param.mul_(param.abs() > threshold)
+    return model.state_dict()
+
+
+def test_ninety_percent_sparse_charlm_is_five_times_smaller(tmp_path):
+    checkpoint = {"state_dict": _pruned_charlm_state(), "epoch": 0, "global_step": 100}
+    torch.save(checkpoint, tmp_path / "plain.ckpt")
+    CompressedCheckpointIO(codec="zstd").save_checkpoint(checkpoint, tmp_path / "small.ckpt")
+    ratio = (tmp_path / "plain.ckpt").stat().st_size / (tmp_path / "small.ckpt").stat().st_size
+    assert ratio >= 5.0, f"only {ratio:.2f}x smaller"
+    loaded = CompressedCheckpointIO().load_checkpoint(tmp_path / "small.ckpt")
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in checkpoint["state_dict"].items())
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 10])
+def test_truncated_file_raises_naming_the_file(tmp_path, keep):
+    path = tmp_path / "cut.ckpt"
+    CompressedCheckpointIO().save_checkpoint(_checkpoint(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    with pytest.raises(CheckpointCorruptError, match=r"cut\.ckpt.*(truncated|damaged)"):
+        CompressedCheckpointIO().load_checkpoint(path)
+
+
+def test_truncated_plain_file_raises_naming_the_file(tmp_path):
+    path = tmp_path / "plain.ckpt"
+    torch.save(_checkpoint(), path)
+    path.write_bytes(path.read_bytes()[:500])
+    with pytest.raises(CheckpointCorruptError, match=r"plain\.ckpt.*truncated or damaged"):
+        CompressedCheckpointIO().load_checkpoint(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.ckpt"):
+        CompressedCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")
+
+
+_WRITER = """
+import sys, time, torch
+from lightning_lowmem.plugins import compressed_checkpoint_io as cio
+
+def stalled(raw, codec, level, _real=cio._compress_chunks):
+    chunks = _real(raw, codec, level)
+    yield next(chunks)
+    print("HALF", flush=True)  # half-written: the parent kills us now
+    time.sleep(120)
+    yield from chunks
+
+cio._compress_chunks = stalled
+cio._CHUNK_BYTES = 1 << 16
+big = {"state_dict": {"w": torch.randn(512, 512)}, "epoch": 2}
+cio.CompressedCheckpointIO().save_checkpoint(big, sys.argv[1])
+"""
+
+
+def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
+    path = tmp_path / "last.ckpt"
+    good = {"state_dict": {"w": torch.arange(10.0)}, "epoch": 1}
+    CompressedCheckpointIO().save_checkpoint(good, path)
+    before = path.read_bytes()
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_WRITER), str(path)],
+                              stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        assert writer.stdout.readline().strip() == "HALF"
+        temporary = list(tmp_path.glob(".last.ckpt.tmp-*"))
+        assert len(temporary) == 1 and temporary[0].stat().st_size > 0  # the new one was being written
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=30)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    assert path.read_bytes() == before
+    loaded = CompressedCheckpointIO().load_checkpoint(path)
+    assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], good["state_dict"]["w"])
+
+
+class _Regressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        inputs, targets = torch.randn(24, 16, generator=generator), torch.randn(24, 1, generator=generator)
+        data = torch.utils.data.TensorDataset(inputs, targets)
+        return torch.utils.data.DataLoader(data, batch_size=8)  # 3 steps per epoch: resume at an epoch end
+
+
+def _fit_and_resume(kwargs, plugins):
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=3, plugins=plugins, **kwargs)
+    trainer.fit(_Regressor())
+    path = trainer.checkpoint_callback.best_model_path
+    resumed = _Regressor()
+    L.Trainer(max_steps=6, plugins=plugins, **kwargs).fit(resumed, ckpt_path=path)
+    return path, resumed
+
+
+def test_trainer_checkpoints_and_resume_match_torch_checkpoint_io(tmp_path, tiny_trainer_kwargs):
+    kwargs = dict(tiny_trainer_kwargs, enable_checkpointing=True)
+    plain_path, plain = _fit_and_resume({**kwargs, "default_root_dir": str(tmp_path / "plain")}, [])
+    packed_path, packed = _fit_and_resume({**kwargs, "default_root_dir": str(tmp_path / "packed")},
+                                          [CompressedCheckpointIO()])
+    with open(packed_path, "rb") as handle:
+        assert handle.read(8) == compressed_checkpoint_io.MAGIC
+    expected = _tensors(torch.load(plain_path, weights_only=True))
+    got = _tensors(CompressedCheckpointIO().load_checkpoint(packed_path))
+    assert expected.keys() == got.keys() and len(expected) > 6  # weights and AdamW state
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+    for (name, a), b in zip(plain.state_dict().items(), packed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"codec": "gzip"}, ValueError, r"`codec`='gzip' is unknown; choose one of \['zstd', 'lz4', 'none'\]"),
+        ({"level": "high"}, TypeError, r"`level` must be an int or None, got str"),
+        ({"min_sparsity": 1.5}, ValueError, r"`min_sparsity`=1.5 must be in \[0, 1\]"),
+        ({"min_numel": -1}, ValueError, r"`min_numel`=-1 must be >= 0"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CompressedCheckpointIO(**kwargs)
+
+
+def test_storage_options_rejected(tmp_path):
+    with pytest.raises(TypeError, match="`storage_options` is not supported"):
+        CompressedCheckpointIO().save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+def test_docstring_example_runs():
+    assert doctest.testmod(compressed_checkpoint_io, extraglobs={"torch": torch, "os": os}).failed == 0
