@@ -1,1 +1,22 @@
-"""lightning_lowmem.strategies"""
+"""Strategies: ``LowMemoryStrategy`` (``"lowmem"``) and ``LowMemoryDDPStrategy`` (``"lowmem_ddp"``).
+
+Importing ``lightning_lowmem.strategies.low_memory`` registers both names in Lightning's StrategyRegistry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LowMemoryStrategy": "low_memory",
+    "LowMemoryDDPStrategy": "low_memory",
+    "register_lowmem_strategies": "low_memory",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lightning_lowmem.strategies' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"lightning_lowmem.strategies.{_EXPORTS[name]}"), name)
