@@ -1,6 +1,6 @@
 """`LowMemoryStrategy` / `LowMemoryDDPStrategy`: memory settings in one Lightning strategy.
 
-Partial implementation (see the module's report): precision presets, DDP ``gradient_as_bucket_view``
+Partial implementation: precision presets (applied as Lightning precision plugins), DDP ``gradient_as_bucket_view``
 and bucket size, activation checkpointing / compression through the functional transforms, argument
 validation. ZeRO-1, prefetch, ``memory_budget`` planning and stochastic rounding are not wired yet.
 """
@@ -20,6 +20,20 @@ from lightning_lowmem.warnings import LowMemWarning
 __all__ = ["PRECISION_PRESETS", "LowMemoryDDPStrategy", "LowMemoryStrategy", "register_lowmem_strategies"]
 
 PRECISION_PRESETS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+def _precision_plugin(preset: str | None) -> Any:
+    """Lightning's precision plugin for a preset (``None`` -> let the Trainer's ``precision`` decide)."""
+    if preset is None:
+        return None
+    import torch
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    if preset == "32-true":
+        return Precision()
+    if preset.endswith("-true"):
+        return HalfPrecision(preset)  # type: ignore[arg-type]
+    return MixedPrecision(preset, "cuda" if torch.cuda.is_available() else "cpu")  # type: ignore[arg-type]
 
 
 class _LowMemoryOptions:
@@ -100,6 +114,9 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         zero_optimizer: bool = False,
         **kwargs: Any,
     ) -> None:
+        if precision is not None and precision not in PRECISION_PRESETS:
+            raise ValueError(f"`precision`={precision!r} is not a known preset; choose one of {list(PRECISION_PRESETS)}")
+        kwargs.setdefault("precision_plugin", _precision_plugin(precision))
         super().__init__(device=device, **kwargs)
         self._init_options(precision, activation_checkpointing, activation_compression, memory_budget, zero_optimizer)
         if zero_optimizer:
@@ -156,7 +173,10 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
     ) -> None:
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"`bucket_cap_mb` must be a positive number, got {bucket_cap_mb!r}")
+        if precision is not None and precision not in PRECISION_PRESETS:
+            raise ValueError(f"`precision`={precision!r} is not a known preset; choose one of {list(PRECISION_PRESETS)}")
         kwargs.setdefault("gradient_as_bucket_view", True)
+        kwargs.setdefault("precision_plugin", _precision_plugin(precision))
         super().__init__(bucket_cap_mb=bucket_cap_mb, **kwargs)
         self._init_options(precision, activation_checkpointing, activation_compression, memory_budget, zero_optimizer)
 

@@ -54,3 +54,13 @@ def test_zero_without_distributed_run_warns_and_falls_back():
         strategy = LowMemoryStrategy(zero_optimizer=True)
     assert strategy.zero_optimizer is False
     assert LowMemoryStrategy(memory_budget="12GiB").memory_budget_bytes == 12 * 2**30
+
+
+def test_bf16_true_preset_trains_in_bf16(tiny_trainer_kwargs):
+    from lightning_lowmem.demo import CharLM, CharLMDataModule
+
+    model = CharLM(n_layer=1, n_embd=32, n_head=2, block_size=16)
+    trainer = L.Trainer(strategy=LowMemoryStrategy(precision="bf16-true"), max_steps=1, limit_val_batches=0,
+                        **tiny_trainer_kwargs)
+    trainer.fit(model, CharLMDataModule(block_size=16, batch_size=4, max_chars=20_000))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
