@@ -1,4 +1,11 @@
-"""Build optimizers by name: the single switch that memory-lean optimizers plug into."""
+"""Build optimizers by name: the single switch that memory-lean optimizers plug into.
+
+Memory per fp32 parameter (state only): ``adamw``/``adam`` 8 B, ``adamw8bit`` ~2 B, ``adamw4bit`` ~1 B,
+``adafactor`` ~O(rows + cols) per matrix, ``sgd`` 4 B (momentum). ``adamw_bf16_sr`` is AdamW for bf16
+weights (``precision="bf16-true"``) with stochastic rounding of the update, so small updates are not lost.
+``*_in_backward`` names step each parameter inside backward and free its gradient at once
+(:class:`~lightning_lowmem.functional.in_backward.OptimizerInBackward`).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,47 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+
+def _torchao_optim(class_name: str) -> Callable[..., torch.optim.Optimizer]:
+    def build(params: Any, **kw: Any) -> torch.optim.Optimizer:
+        import torchao.optim  # lazy: importing torchao prints warnings on CPU
+
+        return getattr(torchao.optim, class_name)(params, **kw)
+
+    return build
+
+
+def _adamw_bf16_sr(params: Any, **kw: Any) -> torch.optim.Optimizer:
+    import torchao.optim
+
+    return torchao.optim._AdamW(params, bf16_stochastic_round=True, **kw)
+
+
+def _adafactor(params: Any, **kw: Any) -> torch.optim.Optimizer:
+    kw.setdefault("lr", 1e-2)
+    return torch.optim.Adafactor(params, **kw)
+
+
+def _in_backward(inner: str) -> Callable[..., torch.optim.Optimizer]:
+    def build(params: Any, **kw: Any) -> torch.optim.Optimizer:
+        from lightning_lowmem.functional.in_backward import OptimizerInBackward
+
+        return OptimizerInBackward(params, inner=inner, **kw)
+
+    return build
+
+
 _BUILDERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": lambda params, **kw: torch.optim.AdamW(params, **kw),
     "adam": lambda params, **kw: torch.optim.Adam(params, **kw),
     "sgd": lambda params, **kw: torch.optim.SGD(params, **{"momentum": 0.9, **kw}),
+    "adamw8bit": _torchao_optim("AdamW8bit"),
+    "adamw4bit": _torchao_optim("AdamW4bit"),
+    "adafactor": _adafactor,
+    "adamw_bf16_sr": _adamw_bf16_sr,
+    "adamw_in_backward": _in_backward("adamw"),
+    "sgd_in_backward": _in_backward("sgd"),
+    "adafactor_in_backward": _in_backward("adafactor"),
 }
 
 
@@ -26,6 +70,10 @@ def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> torch.op
         params: parameters or param groups, as for any ``torch.optim`` optimizer.
         **kwargs: optimizer arguments (``lr``, ``weight_decay``, ...).
 
+    Returns:
+        The optimizer. ``*_in_backward`` names return an
+        :class:`~lightning_lowmem.functional.in_backward.OptimizerInBackward` (hooks already registered).
+
     Raises:
         ValueError: ``name`` is unknown.
 
@@ -34,10 +82,12 @@ def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> torch.op
         >>> opt = build_optimizer("adamw", torch.nn.Linear(2, 2).parameters(), lr=1e-3)
         >>> type(opt).__name__
         'AdamW'
+        >>> type(build_optimizer("adafactor", torch.nn.Linear(2, 2).parameters())).__name__
+        'Adafactor'
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in _BUILDERS:
         raise ValueError(f"`optimizer`={name!r} is unknown; choose one of {available_optimizers()}")
-    if key == "sgd":
-        kwargs.pop("weight_decay", None) if kwargs.get("weight_decay") is None else None
+    if kwargs.get("weight_decay", 0) is None:
+        kwargs.pop("weight_decay")
     return _BUILDERS[key](params, **kwargs)
