@@ -8,6 +8,13 @@ A storage's category is often learnt *after* it was allocated (a gradient become
 autograd assigns it to ``.grad``; optimizer state when ``step()`` returns). Relabelling therefore also
 corrects every snapshot taken while the storage was alive, so the breakdown at the peak is exact.
 The same holds for storages that existed before tracking began and are first seen later.
+
+``torch.compile`` cannot trace a region while a user ``TorchDispatchMode`` is active (dynamo skips the
+frame; with ``fullgraph=True``, as torchao's 8/4-bit optimizers use for their per-parameter step, it
+raises). The tracker therefore sets the compiler stance to ``"force_eager"`` while it runs: compiled
+functions run as plain eager code, so every op and every optimizer-state tensor is seen. Eager code
+may hold intermediates a fused kernel would not, so a compiled region's transient peak can read a
+little high; state, gradients and parameters are exact.
 """
 
 from __future__ import annotations
@@ -151,6 +158,9 @@ class StorageTracker(TorchDispatchMode):
             self._handles.append(nn.modules.module.register_module_forward_hook(self._on_module_post))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._on_pack, lambda x: x)
         self._saved_hooks.__enter__()
+        # compiled regions cannot run under a dispatch mode: run them eagerly (see module docstring)
+        self._eager_stance = torch.compiler.set_stance("force_eager")
+        self._eager_stance.__enter__()
         _ACTIVE.append(self)
         return super().__enter__()
 
@@ -159,6 +169,7 @@ class StorageTracker(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             _ACTIVE.remove(self)
+            self._eager_stance.__exit__(*exc)
             self._saved_hooks.__exit__(*exc)
             for optimizer in self.optimizers:
                 self._label_optimizer(optimizer)

@@ -151,3 +151,30 @@ def test_cuda_peak_matches_allocator():
     assert report.device == "cuda"
     assert report.peak_bytes == pytest.approx(report.device_stats["max_allocated"], rel=0.05)
     assert report.device_stats["fragmentation"] >= 0
+
+
+def test_torchao_8bit_adamw_step_is_measured():
+    # torchao steps each parameter through torch.compile(fullgraph=True), which cannot trace under the
+    # tracker's dispatch mode; the tracker forces eager so the step runs and its state is counted
+    pytest.importorskip("torchao")
+    from lightning_lowmem.functional.optimizers import build_optimizer
+
+    def measured_state(name: str) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+        optimizer = build_optimizer(name, model.parameters(), lr=1e-3)
+        report = measure_memory(_adamw_step, model, optimizer, torch.randn(4, 256))  # first step: state created
+        return report.breakdown["optimizer_state"]
+
+    adamw_bytes, adamw8bit_bytes = measured_state("adamw"), measured_state("adamw8bit")
+    assert adamw8bit_bytes > 0
+    assert adamw8bit_bytes <= 0.3 * adamw_bytes
+    # torch.compile compiles again once tracking ends (the eager stance is restored)
+    graphs: list[int] = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(1)
+        return graph_module.forward
+
+    torch.compile(lambda x: x * 2, backend=counting_backend, fullgraph=True)(torch.ones(3))
+    assert graphs == [1]
