@@ -51,6 +51,30 @@ def is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
+class inductor_freezing:  # noqa: N801 - used like a function: ``with inductor_freezing(): ...``
+    """A context in which ``torch.compile`` treats parameters as constants (Inductor "freezing").
+
+    Freezing lets Inductor pre-pack weights and fuse pt2e int8 patterns into oneDNN ``qlinear`` kernels
+    on x86 CPUs; without it a quantized graph runs its reference dequantize/quantize ops.
+
+    Why private: freezing is only switchable through ``torch._inductor.config.freezing``, and dynamo reads
+    it while tracing (to inline parameters as constants), so ``torch.compile(options={"freezing": True})``,
+    which reaches Inductor only, fails on pt2e int8 graphs (``onednn.qlinear_prepack`` has no fake kernel).
+    Setting and restoring the attribute costs about 10 us a call; ``config.patch`` about 85 us.
+    """
+
+    def __enter__(self) -> None:
+        import torch._inductor.config as inductor_config
+
+        self._previous = inductor_config.freezing
+        inductor_config.freezing = True
+
+    def __exit__(self, *exc_info: Any) -> None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = self._previous
+
+
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """Exception types fake tensors raise on data-dependent control flow or output shapes.
 
@@ -104,3 +128,18 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     parameters exact and must not copy them.
     """
     return tensor._base
+
+
+def force_eager() -> Any:
+    """A context in which ``torch.compile``-d functions run their Python code eagerly.
+
+    Needed wherever tensors are fake or a dispatch mode is tracking: a compiled kernel called with fake
+    tensors reads memory that does not exist (torchao's low-bit optimizers compile their per-parameter
+    step), and compiled frames hide their allocations from a ``TorchDispatchMode``.
+    """
+    import contextlib
+
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    if set_stance is None:
+        return contextlib.nullcontext()
+    return set_stance("force_eager")

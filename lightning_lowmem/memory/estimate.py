@@ -255,7 +255,8 @@ def estimate_memory(
             tracker.optimizers = [opt]
             for step in range(steps):
                 context = tracker if step == steps - 1 else contextlib.nullcontext()
-                with context:
+                # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors
+                with context, _compat.force_eager():
                     _train_step(model, fake_batch, loss_fn, opt, config, autocast_dtype)
     except _compat.data_dependent_errors() as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -157,3 +157,19 @@ def test_cuda_estimate_within_10_percent_of_allocator():
         optimizer.zero_grad(set_to_none=True)
     real = torch.cuda.max_memory_allocated()
     assert estimate.peak_bytes + estimate.overheads["cublas_workspace"] == pytest.approx(real, rel=0.10)
+
+
+def test_low_bit_optimizer_estimate_after_a_compiled_real_step():
+    """torchao compiles its 8-bit step; a compiled kernel fed fake tensors used to crash the process."""
+    from lightning_lowmem.functional.optimizers import build_optimizer
+
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    optimizer = build_optimizer("adamw8bit", model.parameters(), lr=1e-3)
+    for _ in range(2):  # the real, compiled step runs first
+        model(torch.randn(4, 256)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    low_bit = estimate_memory(model, torch.randn(4, 256), optimizer="adamw8bit", device="cpu")
+    full = estimate_memory(model, torch.randn(4, 256), optimizer="adamw", device="cpu")
+    assert low_bit.breakdown["optimizer_state"] <= 0.3 * full.breakdown["optimizer_state"]
+    assert low_bit.breakdown["parameters"] == full.breakdown["parameters"]
