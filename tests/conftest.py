@@ -15,6 +15,23 @@ warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+_DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_distributed_env():
+    """Lightning writes ``MASTER_PORT`` (and friends) into ``os.environ`` when it launches processes.
+
+    Left there, the next multi-process test reuses the port while the previous store may still hold it
+    (``EADDRINUSE``), so every test starts and ends without them.
+    """
+    saved = {key: os.environ.pop(key) for key in _DISTRIBUTED_ENV if key in os.environ}
+    yield
+    for key in _DISTRIBUTED_ENV:
+        os.environ.pop(key, None)
+    os.environ.update(saved)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
