@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     # modules, strategies, plugins
     "DistillationModule": "lightning_lowmem.distillation.module",
     "LowMemoryStrategy": "lightning_lowmem.strategies.low_memory",
+    "LowMemoryDDPStrategy": "lightning_lowmem.strategies.low_memory",
     "CompressedCheckpointIO": "lightning_lowmem.plugins.compressed_checkpoint_io",
     # warnings
     "NoEffectWarning": "lightning_lowmem.warnings",
@@ -55,3 +56,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+# Trainer(strategy="lowmem" | "lowmem_ddp" | "lowmem_ddp_spawn") after `import lightning_lowmem`, without
+# importing Lightning here: registered now if Lightning is loaded, else as soon as it is.
+from lightning_lowmem.strategies._registration import register_on_lightning_import  # noqa: E402
+
+register_on_lightning_import()

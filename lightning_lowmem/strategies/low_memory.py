@@ -1,90 +1,51 @@
-"""`LowMemoryStrategy` / `LowMemoryDDPStrategy`: memory settings in one Lightning strategy.
+"""`LowMemoryStrategy` / `LowMemoryDDPStrategy`: a run's memory settings in one Lightning strategy.
 
-Partial implementation: precision presets (applied as Lightning precision plugins), DDP ``gradient_as_bucket_view``
-and bucket size, activation checkpointing / compression through the functional transforms, argument
-validation. ZeRO-1, prefetch, ``memory_budget`` planning and stochastic rounding are not wired yet.
+Registered in Lightning's ``StrategyRegistry`` as ``"lowmem"``, ``"lowmem_ddp"`` and
+``"lowmem_ddp_spawn"`` (``import lightning_lowmem`` is enough). What each option does:
+
+* ``precision``: a Lightning preset applied as Lightning's own precision plugin; ``"bf16-true"``
+  pairs with ``optimizer="adamw_bf16_sr"`` (stochastic rounding of the update).
+* ``optimizer``: replace the optimizer ``configure_optimizers`` returns by a name from
+  ``functional.optimizers`` (e.g. ``"adamw8bit"``), same param groups / ``lr`` / ``weight_decay``,
+  through the ``MemoryEfficientOptimizer`` callback's code.
+* ``activation_checkpointing`` / ``activation_compression``: ``functional.checkpointing.checkpoint_``
+  on the model, ``functional.compression.compress_activations`` around every training step.
+* ``memory_budget``: before training, one batch is taken from the train dataloader and
+  ``memory.plan.plan_memory`` picks the cheapest mix of the options above whose estimated peak fits;
+  options set explicitly stay fixed. An impossible budget fails before the first step.
+* ``expandable_segments``: the CUDA caching allocator setting, written before CUDA initialises.
+* ``prefetch``: on CUDA, the next batch is copied from pinned memory on a side stream while this one
+  trains (a no-op on CPU). Either way the first batch is checked against the DataLoader's queue size.
+* DDP only: gradients live inside DDP's buckets (``gradient_as_bucket_view=True``), ``bucket_cap_mb``,
+  and ``zero_optimizer=True`` shards optimizer state with ``ZeroRedundancyOptimizer`` (ZeRO-1);
+  checkpoints hold the full state, so a run resumes on any number of processes.
+
+Not done: splitting batches into micro-batches for a budget (the planner is not offered micro-batch
+sizes; an impossible budget says to lower the batch size).
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_lowmem.memory.units import parse_bytes
+from lightning_lowmem.strategies._options import (
+    PRECISION_PRESETS,
+    _LowMemoryOptions,
+    precision_plugin,
+    validate_precision,
+)
 from lightning_lowmem.warnings import LowMemWarning
 
 __all__ = ["PRECISION_PRESETS", "LowMemoryDDPStrategy", "LowMemoryStrategy", "register_lowmem_strategies"]
 
-PRECISION_PRESETS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-
-
-def _precision_plugin(preset: str | None) -> Any:
-    """Lightning's precision plugin for a preset (``None`` -> let the Trainer's ``precision`` decide)."""
-    if preset is None:
-        return None
-    import torch
-    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-
-    if preset == "32-true":
-        return Precision()
-    if preset.endswith("-true"):
-        return HalfPrecision(preset)  # type: ignore[arg-type]
-    return MixedPrecision(preset, "cuda" if torch.cuda.is_available() else "cpu")  # type: ignore[arg-type]
-
-
-class _LowMemoryOptions:
-    """Validation and application of the options both strategies share."""
-
-    def _init_options(
-        self,
-        precision: str | None,
-        activation_checkpointing: str | int | None,
-        activation_compression: str | None,
-        memory_budget: int | str | None,
-        zero_optimizer: bool,
-    ) -> None:
-        if precision is not None and precision not in PRECISION_PRESETS:
-            raise ValueError(f"`precision`={precision!r} is not a known preset; choose one of {list(PRECISION_PRESETS)}")
-        if activation_compression not in (None, "bf16", "int8", "cpu"):
-            raise ValueError(
-                f"`activation_compression`={activation_compression!r} is unknown; choose None, 'bf16', 'int8' or 'cpu'"
-            )
-        if activation_checkpointing is not None:
-            from lightning_lowmem.functional.checkpointing import _validate_policy
-
-            _validate_policy(activation_checkpointing)
-        self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, name="memory_budget")
-        self.precision_preset = precision
-        self.activation_checkpointing = activation_checkpointing
-        self.activation_compression = activation_compression
-        self.zero_optimizer = zero_optimizer
-        self.checkpointed: list[str] = []
-
-    def _apply_model_options(self) -> None:
-        module = self.lightning_module  # type: ignore[attr-defined]
-        if self.activation_checkpointing is not None and module is not None and not self.checkpointed:
-            from lightning_lowmem.functional.checkpointing import checkpoint_
-
-            self.checkpointed = checkpoint_(module, self.activation_checkpointing).wrapped
-
-    def _release_model_options(self) -> None:
-        module = self.lightning_module  # type: ignore[attr-defined]
-        if self.checkpointed and module is not None:
-            from lightning_lowmem.functional.checkpointing import uncheckpoint_
-
-            uncheckpoint_(module, self.checkpointed)
-        self.checkpointed = []
-
-    def _compression_context(self) -> Any:
-        if self.activation_compression is None:
-            return contextlib.nullcontext()
-        from lightning_lowmem.functional.compression import compress_activations
-
-        return compress_activations(self.activation_compression)
+_ZERO_FALLBACK = (
+    "zero_optimizer=True needs a distributed run (ZeRO-1 shards optimizer state across processes); falling back "
+    "to the unsharded optimizer. Use strategy='lowmem_ddp' with devices>1 (or several nodes)."
+)
 
 
 class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
@@ -93,13 +54,31 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
     Args:
         device: the device. Default: ``"cpu"`` (Lightning's accelerator flag decides for ``"lowmem"``).
         precision: a preset from :data:`PRECISION_PRESETS` or ``None`` (use the Trainer's). Default: ``None``.
-        activation_checkpointing: a ``checkpoint_`` policy or ``None``. Default: ``None``.
+        activation_checkpointing: a ``checkpoint_`` policy (``"auto"``, a class name, a pattern, every-k
+            int) or ``None``. Default: ``None``.
         activation_compression: ``"bf16"``, ``"int8"``, ``"cpu"`` or ``None``. Default: ``None``.
-        memory_budget: bytes or a string like ``"12GiB"`` (validated; planning not wired yet). Default: ``None``.
+        memory_budget: bytes or a string like ``"12GiB"``: plan and apply a technique mix that fits (see
+            the module docstring). Default: ``None``.
         zero_optimizer: shard optimizer state (DDP only; warns and falls back here). Default: ``False``.
+        optimizer: a :func:`~lightning_lowmem.functional.optimizers.available_optimizers` name that
+            replaces the configured optimizer (``lr`` / ``weight_decay`` kept). Default: ``None`` (keep).
+        optimizer_kwargs: extra arguments for ``optimizer``. Default: ``None``.
+        compression_min_bytes: saved tensors smaller than this are not compressed. Default: 65536.
+        expandable_segments: set the CUDA allocator's ``expandable_segments`` before CUDA initialises
+            (``None``: leave it). Default: ``None``.
+        prefetch: copy the next batch to the GPU on a side stream while this one trains (CUDA only).
+            Default: ``False``.
+        **kwargs: passed to Lightning's ``SingleDeviceStrategy``.
 
     Raises:
-        ValueError: unknown preset / compression mode, or a budget that does not parse.
+        ValueError: unknown preset / compression mode / optimizer, a budget that does not parse; at
+            ``fit``: no technique mix fits ``memory_budget``.
+
+    Example::
+
+        >>> strategy = LowMemoryStrategy(precision="bf16-true", optimizer="adamw_bf16_sr")
+        >>> strategy.precision_plugin.precision
+        'bf16-true'
     """
 
     strategy_name = "lowmem"
@@ -112,36 +91,31 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         activation_compression: str | None = None,
         memory_budget: int | str | None = None,
         zero_optimizer: bool = False,
+        optimizer: str | None = None,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        compression_min_bytes: int = 65536,
+        expandable_segments: bool | None = None,
+        prefetch: bool = False,
         **kwargs: Any,
     ) -> None:
-        if precision is not None and precision not in PRECISION_PRESETS:
-            raise ValueError(f"`precision`={precision!r} is not a known preset; choose one of {list(PRECISION_PRESETS)}")
-        kwargs.setdefault("precision_plugin", _precision_plugin(precision))
+        validate_precision(precision)
+        kwargs.setdefault("precision_plugin", precision_plugin(precision))
         super().__init__(device=device, **kwargs)
-        self._init_options(precision, activation_checkpointing, activation_compression, memory_budget, zero_optimizer)
+        self._init_options(
+            precision=precision,
+            optimizer=optimizer,
+            optimizer_kwargs=optimizer_kwargs,
+            activation_checkpointing=activation_checkpointing,
+            activation_compression=activation_compression,
+            compression_min_bytes=compression_min_bytes,
+            memory_budget=memory_budget,
+            zero_optimizer=zero_optimizer,
+            expandable_segments=expandable_segments,
+            prefetch=prefetch,
+        )
         if zero_optimizer:
-            warnings.warn(
-                "LowMemoryStrategy(zero_optimizer=True) needs a distributed run (ZeRO-1 shards optimizer state "
-                "across processes); falling back to the unsharded optimizer. Use strategy='lowmem_ddp' with devices>1.",
-                LowMemWarning,
-                stacklevel=2,
-            )
+            warnings.warn(f"LowMemoryStrategy(zero_optimizer=True): {_ZERO_FALLBACK}", LowMemWarning, stacklevel=2)
             self.zero_optimizer = False
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        self._apply_model_options()
-        super().setup(trainer)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._compression_context():
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def teardown(self) -> None:
-        self._release_model_options()
-        super().teardown()
 
     @classmethod
     @override
@@ -150,13 +124,24 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
 
 
 class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
-    """DDP with memory settings: gradients kept inside DDP's buckets (``gradient_as_bucket_view``).
+    """DDP with memory settings; registered as ``"lowmem_ddp"`` (and ``"lowmem_ddp_spawn"``).
 
-    Registered as ``"lowmem_ddp"``. Arguments as :class:`LowMemoryStrategy`, plus:
+    Gradients are views into DDP's communication buckets (``gradient_as_bucket_view=True``), so they
+    are not held twice. Arguments as :class:`LowMemoryStrategy` (without ``device``), plus:
 
     Args:
+        zero_optimizer: ZeRO-1: wrap each configured optimizer (its class, param groups and
+            hyperparameters; or the ``optimizer=`` name) in ``ZeroRedundancyOptimizer``, so each
+            process keeps about ``1 / world_size`` of the optimizer state. Checkpoints hold the full,
+            consolidated state (gathered to rank 0 on save) and load on any world size. With one
+            process it warns and keeps the plain optimizer. Default: ``False``.
         bucket_cap_mb: DDP gradient bucket size in MiB. Default: 25.
-        **kwargs: passed to Lightning's ``DDPStrategy`` (e.g. ``start_method``).
+        **kwargs: passed to Lightning's ``DDPStrategy`` (e.g. ``start_method``, ``ddp_comm_hook``,
+            ``gradient_as_bucket_view=False`` to opt out).
+
+    Raises:
+        ValueError: as :class:`LowMemoryStrategy`; a non-positive ``bucket_cap_mb``; ``zero_optimizer``
+            with an ``*_in_backward`` optimizer.
     """
 
     strategy_name = "lowmem_ddp"
@@ -169,31 +154,56 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
         memory_budget: int | str | None = None,
         zero_optimizer: bool = False,
         bucket_cap_mb: float = 25,
+        optimizer: str | None = None,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        compression_min_bytes: int = 65536,
+        expandable_segments: bool | None = None,
+        prefetch: bool = False,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"`bucket_cap_mb` must be a positive number, got {bucket_cap_mb!r}")
-        if precision is not None and precision not in PRECISION_PRESETS:
-            raise ValueError(f"`precision`={precision!r} is not a known preset; choose one of {list(PRECISION_PRESETS)}")
+        validate_precision(precision)
         kwargs.setdefault("gradient_as_bucket_view", True)
-        kwargs.setdefault("precision_plugin", _precision_plugin(precision))
+        kwargs.setdefault("precision_plugin", precision_plugin(precision))
         super().__init__(bucket_cap_mb=bucket_cap_mb, **kwargs)
-        self._init_options(precision, activation_checkpointing, activation_compression, memory_budget, zero_optimizer)
+        self._init_options(
+            precision=precision,
+            optimizer=optimizer,
+            optimizer_kwargs=optimizer_kwargs,
+            activation_checkpointing=activation_checkpointing,
+            activation_compression=activation_compression,
+            compression_min_bytes=compression_min_bytes,
+            memory_budget=memory_budget,
+            zero_optimizer=zero_optimizer,
+            expandable_segments=expandable_segments,
+            prefetch=prefetch,
+        )
 
     @override
-    def setup(self, trainer: Any) -> None:
-        self._apply_model_options()
-        super().setup(trainer)
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if not self.zero_optimizer:
+            return
+        if self.world_size < 2:
+            warnings.warn(f"LowMemoryDDPStrategy with world_size={self.world_size}: {_ZERO_FALLBACK}", LowMemWarning)
+            return
+        from lightning_lowmem.strategies.zero import shard_optimizer
+
+        sharded = {id(opt): shard_optimizer(opt, self.optimizer_name) for opt in self.optimizers}
+        self.optimizers = [sharded[id(opt)] for opt in self.optimizers]
+        for config in self.lr_scheduler_configs:  # schedulers now drive the wrapper's param groups
+            scheduler = config.scheduler
+            if id(getattr(scheduler, "optimizer", None)) in sharded:
+                scheduler.optimizer = sharded[id(scheduler.optimizer)]  # type: ignore[union-attr]
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._compression_context():
-            return super().training_step(*args, **kwargs)
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # a ZeRO wrapper keeps its own shard of the full state
+        from lightning_lowmem.strategies.zero import drop_duplicate_state
 
-    @override
-    def teardown(self) -> None:
-        self._release_model_options()
-        super().teardown()
+        for optimizer in self.optimizers:
+            drop_duplicate_state(optimizer)
 
     @classmethod
     @override
