@@ -278,15 +278,15 @@ class _LowMemoryOptions:
         loader = self.lightning_module.trainer.train_dataloader  # type: ignore[attr-defined]
         one_batch = batch_bytes(batch)
         held = prefetched_bytes(loader, one_batch)
-        limit = DATALOADER_WARN_BYTES
-        if self.memory_budget_bytes is not None:
-            limit = min(limit, self.memory_budget_bytes // 10)
+        limit, reason = DATALOADER_WARN_BYTES, "the DataLoader threshold"
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes // 10 < limit:
+            limit, reason = self.memory_budget_bytes // 10, "10% of memory_budget"
         if held > limit:
             warnings.warn(
                 f"The train DataLoader keeps about {format_bytes(held)} of batches in flight (prefetch_factor="
                 f"{getattr(loader, 'prefetch_factor', None)} x num_workers={getattr(loader, 'num_workers', 0)} x "
-                f"{format_bytes(one_batch)} per batch), above {format_bytes(limit)} (the smaller of 1 GiB and 10% of "
-                "memory_budget). Lower prefetch_factor or num_workers, or the batch size.",
+                f"{format_bytes(one_batch)} per batch), above {format_bytes(limit)} ({reason}). "
+                "Lower prefetch_factor or num_workers, or the batch size.",
                 LowMemWarning,
                 stacklevel=2,
             )
