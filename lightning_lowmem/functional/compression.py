@@ -98,13 +98,45 @@ def _is_parameter_like(tensor: torch.Tensor) -> bool:
     return base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad))
 
 
+_CHUNK_ELEMENTS = 1 << 16  # rows are (de)quantized this many elements at a time: a 256 KiB fp32 temporary
+
+
+def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as (R, N) rows of its last dimension (if it has >= 16 elements), else one row."""
+    if tensor.dim() > 0 and tensor.shape[-1] >= 16:
+        return tensor.reshape(-1, tensor.shape[-1])
+    return tensor.reshape(1, -1)
+
+
+def _row_chunks(rows: int, width: int) -> range:
+    return range(0, rows, max(1, _CHUNK_ELEMENTS // max(width, 1)))
+
+
 def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8: ``tensor ≈ q * scale``; rows are the last dimension (if it has >= 16)."""
-    rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 0 and tensor.shape[-1] >= 16 else tensor.reshape(1, -1)
-    rows = rows.float()  # (R, N)
-    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # (R, 1)
-    quantized = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)  # (R, N)
+    """Per-row symmetric int8: ``tensor ≈ q * scale``; rows are the last dimension (if it has >= 16).
+
+    Works on a few rows at a time (one fp32 copy of them, scaled and rounded in place), so the only
+    full-size allocation is the int8 result, and each chunk is read from memory once.
+    """
+    rows = _as_rows(tensor)  # (R, N), a view when possible
+    quantized = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)  # (R, N)
+    scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=rows.device)  # (R, 1)
+    chunks = _row_chunks(*rows.shape)
+    for start in chunks:
+        block = rows[start : start + chunks.step].to(torch.float32, copy=True)  # (chunk, N)
+        block_scale = block.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # (chunk, 1)
+        scale[start : start + chunks.step] = block_scale
+        quantized[start : start + chunks.step] = block.div_(block_scale).round_()  # |values| <= 127
     return quantized, scale
+
+
+def _dequantize_int8(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`_quantize_int8`, written straight into a tensor of ``dtype`` chunk by chunk."""
+    out = torch.empty(quantized.shape, dtype=dtype, device=quantized.device)  # (R, N)
+    chunks = _row_chunks(*quantized.shape)
+    for start in chunks:
+        out[start : start + chunks.step] = quantized[start : start + chunks.step] * scale[start : start + chunks.step]
+    return out.reshape(shape)
 
 
 class _Packer:
@@ -117,7 +149,8 @@ class _Packer:
         self._side_streams: dict[torch.device, Any] = {}
 
     def _keep(self, tensor: torch.Tensor) -> bool:
-        if _exact_depth() > 0 or not tensor.is_floating_point() or _nbytes(tensor) < self.min_bytes:
+        nbytes = _nbytes(tensor)
+        if _exact_depth() > 0 or not tensor.is_floating_point() or nbytes == 0 or nbytes < self.min_bytes:
             return True
         if _is_parameter_like(tensor):
             return True
@@ -165,7 +198,7 @@ class _Packer:
             return data.to(dtype)
         if kind == "int8":
             _, quantized, scale, dtype, shape = packed
-            return quantized.float().mul_(scale).to(dtype).reshape(shape)  # one fp32 temporary, not two
+            return _dequantize_int8(quantized, scale, dtype, shape)
         if kind == "host":
             _, host, device = packed
             return host.to(device)
