@@ -75,12 +75,13 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, name: str | None = None) -
 
 
 def drop_duplicate_state(optimizer: Any) -> None:
-    """After ``load_state_dict`` on a ``ZeroRedundancyOptimizer``: free the wrapper's copy of the state.
+    """After ``load_state_dict`` on a ``ZeroRedundancyOptimizer``: drop the wrapper's copy of the state.
 
-    ``ZeroRedundancyOptimizer.load_state_dict`` copies this rank's shard into its local optimizer but
+    ``ZeroRedundancyOptimizer.load_state_dict`` moves this rank's shard into its local optimizer and
     also keeps the loaded tensors in the wrapper's own ``state``, which nothing reads again (its
-    ``state_dict`` is rebuilt from the local optimizers): each rank would hold its shard twice for the
-    rest of the run. A no-op for any other optimizer.
+    ``state_dict`` is rebuilt from the local optimizers). When the checkpoint was loaded onto another
+    device than the parameters' (e.g. ``map_location="cpu"`` for a GPU run) that is a second copy of
+    the shard for the rest of the run. A no-op for any other optimizer.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
