@@ -29,9 +29,13 @@ class ActivationCheckpointing(L.Callback):
             blocks of the model's ``nn.ModuleList`` (e.g. transformer layers); an int ``k`` = every
             k-th of those; a class name such as ``"Block"``; a module-name pattern such as
             ``"model.h.*"``; or a list of these. Default: ``"auto"``.
+        nested: also wrap chosen modules inside other chosen ones, e.g. ``policy=["Block", "*.attn"]``:
+            backward then holds one attention's activations at a time instead of a whole block's, for
+            one more forward of the inner modules. Default: ``False``.
 
     Raises:
-        TypeError / ValueError: ``policy`` has an unsupported type or value (int < 1, empty string).
+        TypeError / ValueError: ``policy`` has an unsupported type or value (int < 1, empty string),
+            or ``nested`` is not a bool.
 
     Warns:
         NoEffectWarning: the policy matched no submodule of the LightningModule (names the policy).
@@ -48,9 +52,12 @@ class ActivationCheckpointing(L.Callback):
         ['model.h.0', 'model.h.1']
     """
 
-    def __init__(self, policy: str | int | list[str] = "auto") -> None:
+    def __init__(self, policy: str | int | list[str] = "auto", nested: bool = False) -> None:
         _validate_policy(policy)
+        if not isinstance(nested, bool):
+            raise TypeError(f"`nested` must be a bool, got {type(nested).__name__}: {nested!r}")
         self.policy = policy
+        self.nested = nested
         self.wrapped: list[str] = []
         self._module: L.LightningModule | None = None
         self._restored_wrapped: list[str] | None = None
@@ -61,7 +68,7 @@ class ActivationCheckpointing(L.Callback):
         # wrapper around the model (DDP) calls the wrapped submodules as they are
         if self._module is not None:
             return
-        report = checkpoint_(pl_module, self.policy)
+        report = checkpoint_(pl_module, self.policy, nested=self.nested)
         self.wrapped = report.wrapped
         self._module = pl_module
         if report.wrapped:
@@ -84,7 +91,7 @@ class ActivationCheckpointing(L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": repr(self.policy), "wrapped": list(self.wrapped)}
+        return {"policy": repr(self.policy), "nested": self.nested, "wrapped": list(self.wrapped)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -140,8 +140,13 @@ def _select(module: nn.Module, policy: Any) -> list[tuple[str, nn.Module]]:
     return _match_names(module, policy)
 
 
-def resolve_policy(module: nn.Module, policy: CheckpointPolicy) -> list[str]:
-    """Names of the submodules ``policy`` selects in ``module`` (outermost only), without wrapping.
+def resolve_policy(module: nn.Module, policy: CheckpointPolicy, nested: bool = False) -> list[str]:
+    """Names of the submodules ``policy`` selects in ``module``, without wrapping.
+
+    Args:
+        module: the model.
+        policy: see :func:`checkpoint_`.
+        nested: keep modules inside other selected ones too. Default: ``False`` (outermost only).
 
     Raises:
         TypeError: ``policy`` is not a str, int, module class or a tuple / list of these.
@@ -150,12 +155,12 @@ def resolve_policy(module: nn.Module, policy: CheckpointPolicy) -> list[str]:
     _validate_policy(policy)
     selected = _select(module, policy)
     names = sorted({name for name, _ in selected}, key=lambda n: (n.count("."), n))
-    outermost: list[str] = []
-    for name in names:  # a module inside an already-chosen one is recomputed anyway: skip it
-        if not any(name == o or name.startswith(f"{o}.") or o == "" for o in outermost):
-            outermost.append(name)
+    chosen: list[str] = []
+    for name in names:  # without nesting, a module inside an already-chosen one is recomputed anyway: skip it
+        if nested or not any(name == o or name.startswith(f"{o}.") or o == "" for o in chosen):
+            chosen.append(name)
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
-    return sorted(outermost, key=order.__getitem__)
+    return sorted(chosen, key=order.__getitem__)
 
 
 def _validate_policy(policy: Any) -> None:
@@ -191,12 +196,18 @@ def _describe(policy: Any) -> str:
     return repr(policy)
 
 
-def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto") -> CheckpointReport:
+def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto", nested: bool = False) -> CheckpointReport:
     """Wrap the submodules of ``module`` chosen by ``policy`` with activation checkpointing, in place.
 
     Each chosen submodule runs under non-reentrant ``torch.utils.checkpoint.checkpoint`` while
     gradients are enabled (under ``torch.no_grad`` it runs as usual). When the policy picks both a
-    module and one inside it, only the outer one is wrapped. Modules already wrapped are left alone.
+    module and one inside it, only the outer one is wrapped, unless ``nested``. Modules already
+    wrapped are left alone.
+
+    Nesting (``policy=["Block", "*.attn"], nested=True``): backward recomputes a whole block keeping
+    only what its inner checkpointed modules need as inputs, then recomputes each inner module when
+    its own backward comes. The working set of backward shrinks from one block's activations to one
+    inner module's, for one more forward of the inner modules.
 
     Args:
         module: the model; changed in place.
@@ -210,6 +221,7 @@ def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto") -> Checkpo
             * otherwise a pattern on module names, as ``fnmatch`` (``"h.*"``, ``"*.mlp"``); when no
               name matches that way, as a full-match regex (``r"h\\.[0-2]"``).
             * a module class, a tuple of classes, or a list mixing any of the above (union).
+        nested: also wrap chosen modules that sit inside other chosen ones. Default: ``False``.
 
     Returns:
         A :class:`CheckpointReport` listing the newly wrapped names.
@@ -229,11 +241,15 @@ def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto") -> Checkpo
         ['h.0', 'h.2']
         >>> uncheckpoint_(model)
         ['h.0', 'h.2']
+        >>> checkpoint_(model, ["Block", "*.attn"], nested=True).wrapped[:3]
+        ['h.0', 'h.0.attn', 'h.1']
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(nested, bool):
+        raise TypeError(f"`nested` must be a bool, got {type(nested).__name__}: {nested!r}")
     report = CheckpointReport(policy=_describe(policy))
-    names = resolve_policy(module, policy)
+    names = resolve_policy(module, policy, nested=nested)
     if not names:
         warnings.warn(
             f"activation checkpointing policy {_describe(policy)} matched no submodule of "

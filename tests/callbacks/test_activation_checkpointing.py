@@ -44,6 +44,16 @@ def test_training_is_identical_and_undone_on_teardown(tiny_trainer_kwargs, preci
         assert torch.equal(a, b), name  # same weights bit for bit, dropout included
 
 
+def test_nested_policy_trains_identically(tiny_trainer_kwargs):
+    base, _ = _fit([], tiny_trainer_kwargs, steps=2)
+    callback = ActivationCheckpointing(policy=["Block", "*.attn"], nested=True)
+    model, _ = _fit([callback], tiny_trainer_kwargs, steps=2)
+    assert callback.wrapped == ["model.h.0", "model.h.0.attn", "model.h.1", "model.h.1.attn"]
+    assert callback.state_dict()["nested"] is True
+    for a, b in zip(model.parameters(), base.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_ddp_wraps_before_the_strategy_and_trains_identically(tiny_trainer_kwargs):
     # in-process DDP (world size 1) keeps this fast; a 2-process ddp_spawn run also gives equal weights
     # but costs ~80 s on a shared 2-core machine
@@ -80,6 +90,11 @@ def test_policy_matching_nothing_warns(tiny_trainer_kwargs):
 def test_bad_policy_raises_at_construction(policy, error, match):
     with pytest.raises(error, match=match):
         ActivationCheckpointing(policy=policy)
+
+
+def test_bad_nested_raises_at_construction():
+    with pytest.raises(TypeError, match="`nested` must be a bool, got int: 1"):
+        ActivationCheckpointing(policy="Block", nested=1)
 
 
 class LazyCharLM(CharLM):

@@ -106,6 +106,34 @@ def test_checkpointing_cuts_charlm_activation_bytes_3x():
     assert wrapped.peak_bytes < base.peak_bytes
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_nested_checkpointing_keeps_gradients_exact(dropout):
+    model = _gpt(n_layer=2, dropout=dropout)
+    idx = torch.randint(0, 256, (4, 16))
+    base_loss, base_grads = _grads(model, idx)
+    report = checkpoint_(model, ["Block", "*.attn", "*.mlp"], nested=True)
+    assert report.wrapped == ["h.0", "h.0.attn", "h.0.mlp", "h.1", "h.1.attn", "h.1.mlp"]
+    loss, grads = _grads(model, idx)
+    assert torch.equal(loss, base_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+
+
+def test_nested_checkpointing_lowers_the_backward_peak():
+    model = _gpt(n_layer=4, n_embd=64, block_size=64)
+    idx = torch.randint(0, 256, (16, 64))
+
+    def step() -> None:
+        _loss(model, idx).backward()
+        model.zero_grad(set_to_none=True)
+
+    checkpoint_(model, "Block")
+    flat = measure_memory(step, module=model)
+    checkpoint_(model, ["Block", "*.attn"], nested=True)  # adds the inner wraps
+    assert checkpointed_modules(model) == [name for i in range(4) for name in (f"h.{i}", f"h.{i}.attn")]
+    nested = measure_memory(step, module=model)
+    assert nested.phases["backward"]["peak_bytes"] < flat.phases["backward"]["peak_bytes"]
+
+
 def test_uncheckpoint_restores_exactly():
     model = _gpt()
     keys = list(model.state_dict())
@@ -184,6 +212,11 @@ def test_policy_matching_nothing_warns_with_the_policy_name():
 def test_bad_policy_raises(policy, error, match):
     with pytest.raises(error, match=match):
         checkpoint_(_gpt(), policy)
+
+
+def test_bad_nested_raises():
+    with pytest.raises(TypeError, match="`nested` must be a bool, got str: 'yes'"):
+        checkpoint_(_gpt(), "Block", nested="yes")
 
 
 def test_bad_module_raises():
