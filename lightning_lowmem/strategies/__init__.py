@@ -1,6 +1,8 @@
-"""Strategies: ``LowMemoryStrategy`` (``"lowmem"``) and ``LowMemoryDDPStrategy`` (``"lowmem_ddp"``).
+"""Strategies: ``LowMemoryStrategy`` (``"lowmem"``) and ``LowMemoryDDPStrategy`` (``"lowmem_ddp"``,
+``"lowmem_ddp_spawn"``).
 
-Importing ``lightning_lowmem.strategies.low_memory`` registers both names in Lightning's StrategyRegistry.
+``import lightning_lowmem`` registers the names in Lightning's ``StrategyRegistry`` as soon as
+Lightning is imported (see ``_registration.py``); importing ``strategies.low_memory`` registers them too.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "PRECISION_PRESETS": "low_memory",
     "LowMemoryStrategy": "low_memory",
     "LowMemoryDDPStrategy": "low_memory",
     "register_lowmem_strategies": "low_memory",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
@@ -52,7 +53,8 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
     """Single-device strategy with memory settings; registered as ``"lowmem"``.
 
     Args:
-        device: the device. Default: ``"cpu"`` (Lightning's accelerator flag decides for ``"lowmem"``).
+        device: the device, or ``None``: the Trainer accelerator's first device (``cuda:0`` with
+            ``accelerator="gpu"``, else the CPU). Default: ``None``.
         precision: a preset from :data:`PRECISION_PRESETS` or ``None`` (use the Trainer's). Default: ``None``.
         activation_checkpointing: a ``checkpoint_`` policy (``"auto"``, a class name, a pattern, every-k
             int) or ``None``. Default: ``None``.
@@ -85,7 +87,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
 
     def __init__(
         self,
-        device: Any = "cpu",
+        device: Any = None,
         precision: str | None = None,
         activation_checkpointing: str | int | None = None,
         activation_compression: str | None = None,
@@ -100,7 +102,9 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
     ) -> None:
         validate_precision(precision)
         kwargs.setdefault("precision_plugin", precision_plugin(precision))
-        super().__init__(device=device, **kwargs)
+        super().__init__(device="cpu" if device is None else device, **kwargs)
+        self._device_from_accelerator = device is None
+        self._accelerator_device: torch.device | None = None
         self._init_options(
             precision=precision,
             optimizer=optimizer,
@@ -116,6 +120,16 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         if zero_optimizer:
             warnings.warn(f"LowMemoryStrategy(zero_optimizer=True): {_ZERO_FALLBACK}", LowMemWarning, stacklevel=2)
             self.zero_optimizer = False
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self._device_from_accelerator or self.accelerator is None:
+            return super().root_device
+        if self._accelerator_device is None:  # Lightning gives a single-device strategy no device: ask the accelerator
+            accelerator = type(self.accelerator)
+            self._accelerator_device = accelerator.get_parallel_devices(accelerator.parse_devices(1))[0]
+        return self._accelerator_device
 
     @classmethod
     @override
