@@ -2,8 +2,10 @@
 
 The result is a new ``torch.fx.GraphModule`` (the exported program's module) with int8 weights and
 quantize/dequantize nodes around every Linear/Conv that the x86 Inductor quantizer annotates. In eager
-mode it runs the reference (dequantize -> float op -> quantize) graph; ``torch.compile`` lowers it to
-fused int8 x86 kernels. Nothing here imports Lightning.
+mode it runs the reference (dequantize -> float op -> quantize) graph, slower than float;
+:func:`lightning_lowmem.functional.quantization_compile.compile_inference` lowers it to fused oneDNN int8
+kernels (x86), the fast CPU path. ``.eval()``/``.train()`` work on the result (as Lightning needs).
+Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def quantize_static(
         >>> report.converted
         ['0', '2']
     """
+    from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
 
@@ -104,4 +107,5 @@ def quantize_static(
             prepared(*batch)
         converted = convert_pt2e(prepared)
     _drop_unused_state(converted)
+    allow_exported_model_train_eval(converted)  # Lightning calls .eval()/.train() on every submodule
     return QuantizationReport("int8_static", bytes_before, state_bytes(converted)["parameters"], chosen, converted)

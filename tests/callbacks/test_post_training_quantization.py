@@ -105,8 +105,12 @@ def test_bad_arguments():
         PostTrainingQuantization(tolerance=0.01)
     with pytest.raises(ValueError, match="`monitor_mode`='up' must be"):
         PostTrainingQuantization(monitor_mode="up")
-    with pytest.raises(ValueError, match="int8_static.*quantize_static"):
+    with pytest.raises(ValueError, match="`mode`='int8_static' needs `module_name`"):
         PostTrainingQuantization("int8_static")
+    with pytest.raises(ValueError, match="`compile`=True apply to mode='int8_static' only.*compile_inference"):
+        PostTrainingQuantization("int8_dynamic", compile=True)
+    with pytest.raises(ValueError, match="`calibration_batches` must be an int > 0, got 0"):
+        PostTrainingQuantization("int8_static", module_name="model", calibration_batches=0)
 
 
 @pytest.mark.parametrize("mode", ["int8_dynamic", "intx4_weight_only"])
@@ -121,3 +125,57 @@ def test_checkpoint_restores_quantized_model(mode, tiny_trainer_kwargs, tmp_path
     # rebuild tensor subclasses: load_quantized_checkpoint is the supported path (see docs).
     loaded = load_quantized_checkpoint(ErrorModule, path, weights_only=False)
     assert torch.allclose(loaded(inputs), expected, atol=1e-6)
+
+
+class WrapsModel(ErrorModule):
+    """ErrorModule whose layers sit in a child ``model`` (what int8_static replaces); ``forward`` scales
+    its input by 2, so the child's calibration inputs differ from the batches."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        inputs = torch.randn(32, 64)
+        with torch.no_grad():
+            self.data = TensorDataset(inputs, self(inputs))
+
+    def forward(self, x):
+        return self.model(2 * x)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_err", F.mse_loss(self(batch[0]), batch[1]))
+
+
+def test_int8_static_replaces_child_by_calibrated_int8_graph(tiny_trainer_kwargs):
+    callback = PostTrainingQuantization(
+        "int8_static", module_name="model", monitor="val_err", monitor_mode="min", tolerance=1.0, latency_batches=2
+    )
+    module = WrapsModel()
+    inputs = module.data.tensors[0]
+    expected = module(inputs).detach()
+    trainer, module = fit(callback, tiny_trainer_kwargs, module=module)
+    assert callback.summary["met"] and callback.quantized == ["model.0", "model.2"]
+    assert isinstance(module.model, torch.fx.GraphModule)
+    assert sum(t.dtype == torch.int8 for t in module.model.state_dict().values()) == 2
+    assert float((module(inputs).detach() - expected).norm() / expected.norm()) < 0.05  # calibrated on 2 * x, not x
+    assert callback.summary["after"]["bytes"] < callback.summary["before"]["bytes"] / 2.5
+    assert trainer.validate(module, verbose=False)[0]["val_err"] < 1.0  # Lightning's eval()/train() work on it
+
+
+def test_int8_static_compile_wraps_graph_and_bad_module_name(tiny_trainer_kwargs):
+    from lightning_lowmem.functional.quantization_compile import CompiledInference
+
+    callback = PostTrainingQuantization("int8_static", module_name="model", compile=True, latency_batches=0)
+    _, module = fit(callback, tiny_trainer_kwargs, module=WrapsModel())
+    assert isinstance(module.model, CompiledInference)  # compiled at its first call (see functional tests)
+    with pytest.raises(ValueError, match="`module_name`='net' is not a submodule of WrapsModel; its children are"):
+        fit(PostTrainingQuantization("int8_static", module_name="net"), tiny_trainer_kwargs, module=WrapsModel())
+
+
+def test_int8_static_checkpoint_is_refused_by_loader(tiny_trainer_kwargs, tmp_path):
+    trainer, _ = fit(PostTrainingQuantization("int8_static", module_name="model", latency_batches=0), tiny_trainer_kwargs,
+                     module=WrapsModel())  # fmt: skip
+    path = str(tmp_path / "static.ckpt")
+    trainer.save_checkpoint(path)
+    with pytest.raises(ValueError, match="int8_static.*Load the float checkpoint"):
+        load_quantized_checkpoint(WrapsModel, path, weights_only=False)

@@ -166,3 +166,28 @@ def test_quantized_copy_leaves_original_float():
     model = wide_mlp()
     clone = quantized_copy(model, "int8_weight_only", ["2"])
     assert type(clone[2].weight).__name__ == "Int8Tensor" and type(model[2].weight) is nn.Parameter
+
+
+def test_compile_inference_bad_input():
+    from lightning_lowmem.functional.quantization_compile import compile_inference
+
+    with pytest.raises(TypeError, match="`module` must be an nn.Module, got function"):
+        compile_inference(lambda x: x)
+    with pytest.raises(TypeError, match="`example_inputs` must be a tuple.*got Tensor.*`\\(tensor,\\)`"):
+        compile_inference(wide_mlp(), torch.randn(2, 256))
+
+
+@pytest.mark.slow
+def test_compiled_int8_static_stays_close_to_float_for_any_batch():
+    from lightning_lowmem.functional.quantization_compile import CompiledInference, compile_inference
+
+    model = wide_mlp().eval()
+    batches = [torch.randn(16, 256) for _ in range(4)]
+    quantized = quantize_(model, "int8_static", calibration_data=batches).module
+    fast = compile_inference(quantized, (batches[0],))  # the docstring example, compiled for real
+    assert isinstance(fast, CompiledInference) and set(fast.state_dict()) == {f"module.{k}" for k in quantized.state_dict()}
+    for inputs in (batches[1], torch.randn(3, 256)):  # a new batch size recompiles, still with frozen weights
+        with torch.no_grad():
+            reference = model(inputs)
+        assert relative_error(fast(inputs), reference) < 0.05
+        assert relative_error(fast(inputs), quantized(inputs)) < 0.02  # the fused kernels match the reference graph
