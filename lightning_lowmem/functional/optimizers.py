@@ -38,7 +38,7 @@ def _in_backward(inner: str) -> Callable[..., torch.optim.Optimizer]:
     def build(params: Any, **kw: Any) -> torch.optim.Optimizer:
         from lightning_lowmem.functional.in_backward import OptimizerInBackward
 
-        return OptimizerInBackward(params, inner=inner, **kw)
+        return OptimizerInBackward(params, **{"inner": inner, **kw})  # an `inner` argument overrides the name's
 
     return build
 
