@@ -52,6 +52,8 @@ _BUILDERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adafactor": _adafactor,
     "adamw_bf16_sr": _adamw_bf16_sr,
     "adamw_in_backward": _in_backward("adamw"),
+    "adamw8bit_in_backward": _in_backward("adamw8bit"),
+    "adamw4bit_in_backward": _in_backward("adamw4bit"),
     "sgd_in_backward": _in_backward("sgd"),
     "adafactor_in_backward": _in_backward("adafactor"),
 }
