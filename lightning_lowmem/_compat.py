@@ -26,11 +26,18 @@ def move_post_accumulate_grad_hook_first(param: torch.Tensor, handle: Any) -> No
 
     Why private: ``register_post_accumulate_grad_hook`` has no ``prepend=`` flag, and the memory
     tracker must see ``param.grad`` before an optimizer-in-backward hook steps and frees it. The hooks
-    live in the ``OrderedDict`` ``param._post_accumulate_grad_hooks`` keyed by ``handle.id``.
+    live in the ``OrderedDict`` ``param._post_accumulate_grad_hooks`` keyed by ``handle.id``; autograd
+    walks it with ``PyDict_Next`` (plain-dict insertion order, blind to ``move_to_end``), so the dict is
+    rebuilt in place with the hook inserted first.
     """
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     if isinstance(hooks, collections.OrderedDict) and handle.id in hooks:
-        hooks.move_to_end(handle.id, last=False)
+        items = list(hooks.items())
+        hooks.clear()
+        hooks[handle.id] = dict(items)[handle.id]
+        for key, hook in items:
+            if key != handle.id:
+                hooks[key] = hook
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:

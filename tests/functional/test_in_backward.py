@@ -50,3 +50,21 @@ def test_state_dict_roundtrip_and_lr_follows_group():
 def test_bad_inner_raises():
     with pytest.raises(ValueError, match="`inner`='adamw_in_backward'"):
         OptimizerInBackward(torch.nn.Linear(2, 2).parameters(), inner="adamw_in_backward")
+
+
+def test_memory_core_sees_at_most_one_parameter_of_gradients():
+    """The tracker's grad hook runs before the in-backward step, so gradients are counted, never doubled."""
+    from lightning_lowmem.memory import measure_memory
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
+    x = torch.randn(8, 64)
+
+    def step(optimizer):
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    lean = build_optimizer("adamw_in_backward", model.parameters(), lr=1e-3)
+    step(lean)
+    assert measure_memory(step, lean).breakdown["gradients"] == largest
