@@ -10,6 +10,7 @@ from torch import nn
 from lightning_lowmem.demo.charlm import CharGPT, CharLMDataModule, GPTConfig
 from lightning_lowmem.functional.compression import (
     CompressionStats,
+    _dequantize_int8,
     _quantize_int8,
     compress_activations,
     exact_activations,
@@ -105,6 +106,22 @@ def test_int8_roundtrip_error_is_within_half_a_step_per_row():
     quantized, scale = _quantize_int8(x)
     assert quantized.dtype == torch.int8 and scale.shape == (32, 1)
     assert ((quantized.float() * scale - x).abs() <= scale / 2 + 1e-6 * x.abs()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_packing_allocates_no_full_size_float_temporary(dtype):
+    x = torch.randn(64, 32, 256).to(dtype)  # 2048 rows, packed 256 rows (64K elements) at a time
+    x_bytes = x.numel() * x.element_size()
+    packed = measure_memory(_quantize_int8, x)  # the peak counts x itself
+    quantized, scale = _quantize_int8(x)
+    temporaries = 2 * 4 * (1 << 16) + (1 << 14)  # one fp32 chunk and its |x|, plus per-row scales
+    assert packed.peak_bytes - x_bytes <= quantized.numel() + scale.numel() * 4 + temporaries
+    unpacked = measure_memory(_dequantize_int8, quantized, scale, dtype, x.shape)
+    restored = _dequantize_int8(quantized, scale, dtype, x.shape)
+    assert restored.dtype == dtype and restored.shape == x.shape
+    packed_bytes = quantized.numel() + scale.numel() * 4
+    assert unpacked.peak_bytes - packed_bytes <= x_bytes + temporaries
+    assert ((restored.float() - x.float()).abs() <= scale.reshape(64, 32, 1) * 0.51 + x.float().abs() / 128).all()
 
 
 def test_int8_cuts_charlm_activation_bytes_2_5x():
