@@ -241,6 +241,7 @@ def estimate_memory(
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(config.precision)
     tracker = StorageTracker(device="cpu", round_bytes=cuda_block_bytes if device == "cuda" else None, by_module=False)
 
+    _build_lookup_tables(config.optimizer)
     fake_mode = _compat.fake_tensor_mode()
     try:
         model = _fake_module(module, true_dtype, fake_mode)
@@ -285,6 +286,17 @@ def _optimizer_kwargs(name: str, device: str, user_kwargs: dict[str, Any] | None
     if device == "cuda" and name in ("adamw", "adam", "sgd"):
         kwargs.setdefault("foreach", True)
     return kwargs
+
+
+def _build_lookup_tables(name: str) -> None:
+    """torchao's low-bit optimizers build their quantization maps lazily (``lru_cache``) with ``.tolist()``,
+    which has no value on fake tensors: build them here, for real, before entering the fake mode."""
+    if "8bit" in name or "4bit" in name:
+        from torchao.optim import subclass_4bit, subclass_8bit
+
+        for table in (subclass_8bit, subclass_4bit):
+            table.get_qmap_signed()
+            table.get_qmap_unsigned()
 
 
 def _build_optimizer(name: str, params: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
