@@ -1,9 +1,11 @@
 """``lowmem demo``: baseline vs the low-memory stack on the embedded workloads, in one table.
 
-* ``charlm`` (training memory): plain fp32 AdamW vs Lightning ``bf16-true`` vs the lowmem stack.
-  Peak training memory by category (measured by the memory core on sampled steps), step time, loss.
-* ``digits`` (model size / accuracy): a float MLP vs the same run with the lowmem model-compression
-  stack. Accuracy, model size, CPU latency.
+* ``charlm`` (training memory): plain fp32 AdamW vs Lightning ``bf16-true`` vs the lowmem training stack
+  (``bf16-true`` + ``ActivationCheckpointing("Block")`` + ``ActivationCompression("int8")`` + AdamW
+  stepped inside backward). Peak training memory by category (memory core, sampled steps), step time, validation loss.
+* ``digits`` (shipping size / accuracy): a float MLP vs ``ScheduledPruning`` to 90% (sparse export),
+  ``PostTrainingQuantization`` int8, and a ``DistillationModule`` student 16x smaller, quantized to int8.
+  Test accuracy and the bytes of the file you would ship.
 
 Writes ``<out>/demo.json`` and ``<out>/memory_over_steps.png`` and prints one Rich table.
 """
@@ -125,38 +127,120 @@ def _charlm_run(
     )
 
 
+def _charlm_stack() -> list[Any]:
+    from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_lowmem.callbacks.activation_compression import ActivationCompression
+
+    return [ActivationCheckpointing("Block"), ActivationCompression("int8", log_stats=False)]
+
+
+# AdamW stepped inside backward: gradients are freed one parameter at a time. (The smallest stack,
+# `examples/configs/full_stack.yaml`, adds nested checkpointing and 4-bit state; torchao compiles that
+# optimizer's step on first use, minutes on a CPU, too slow for a demo.)
+STACK_OPTIMIZER = "adamw_in_backward"
+
+
 def charlm_runs(settings: DemoSettings) -> list[DemoRun]:
     return [
         _charlm_run("plain fp32 AdamW (baseline)", settings),
         _charlm_run("Lightning bf16-true", settings, precision="bf16-true"),
+        _charlm_run(
+            f"lowmem: bf16-true + checkpointing + int8 activations + {STACK_OPTIMIZER}",
+            settings,
+            precision="bf16-true",
+            optimizer=STACK_OPTIMIZER,
+            callbacks=_charlm_stack,
+        ),
     ]
 
 
 # ----------------------------------------------------------------------------- digits
-def _digits_run(name: str, settings: DemoSettings, hidden: int = 256, callbacks: Callable[[], list[Any]] = list) -> DemoRun:
+DIGITS_HIDDEN = 256
+
+
+def _digits_run(
+    name: str,
+    settings: DemoSettings,
+    model: L.LightningModule | None = None,
+    callbacks: Callable[[], list[Any]] = list,
+    shipped: Callable[[torch.nn.Module], int] | None = None,
+    epochs: int | None = None,
+) -> tuple[DemoRun, L.LightningModule]:
     torch.manual_seed(0)
-    model = DigitsClassifier(arch="mlp", hidden=hidden)
+    model = model if model is not None else DigitsClassifier(arch="mlp", hidden=DIGITS_HIDDEN)
     data = DigitsDataModule(batch_size=64)
     monitor = MemoryMonitor(deep_every_n_steps=0 if settings.quick else 50, summary=False)
     timer = StepTimer()
-    trainer = _trainer(max_epochs=settings.digits_epochs, callbacks=[monitor, timer, *callbacks()])
+    trainer = _trainer(
+        max_epochs=epochs or settings.digits_epochs, callbacks=[monitor, timer, *callbacks()], limit_val_batches=0
+    )
     trainer.fit(model, data)
     test = trainer.test(trainer.lightning_module, data, verbose=False)[0]
     report = monitor.last_report
-    return DemoRun(
+    shipped_module = model.student if hasattr(model, "student") else model
+    run = DemoRun(
         workload="digits",
         name=name,
         peak_bytes=report.peak_bytes if report else None,
         breakdown=dict(report.breakdown) if report else {},
         step_ms=1000 * timer.median_s,
-        model_bytes=model_bytes(trainer.lightning_module),
+        model_bytes=(shipped or model_bytes)(shipped_module),
         metric_name="test_acc",
         metric=float(test["test_acc"]),
     )
+    return run, model
+
+
+def sparse_model_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the state dict saved with pruned tensors as bitmask + non-zero values."""
+    import io
+
+    from lightning_lowmem.functional.pruning import to_sparse_state_dict
+
+    buffer = io.BytesIO()
+    torch.save(to_sparse_state_dict(module.state_dict()), buffer)
+    return buffer.getbuffer().nbytes
 
 
 def digits_runs(settings: DemoSettings) -> list[DemoRun]:
-    return [_digits_run("float MLP 2x256 (baseline)", settings)]
+    from lightning_lowmem.callbacks.post_training_quantization import PostTrainingQuantization
+    from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
+    from lightning_lowmem.demo.digits import digits_mlp
+    from lightning_lowmem.distillation import DistillationModule
+    from lightning_lowmem.functional.pruning import sparsity
+
+    steps = settings.digits_epochs * 23  # 1437 training images / batch 64
+
+    def pruning() -> list[Any]:
+        return [
+            ScheduledPruning(
+                "l1_unstructured", parameter_names=["weight"], schedule="cubic", target_sparsity=0.9,
+                start_step=steps // 10, end_step=steps * 2 // 3, frequency=5,
+            )
+        ]
+
+    baseline, teacher = _digits_run(f"float MLP 2x{DIGITS_HIDDEN} (baseline)", settings)
+    pruned, pruned_model = _digits_run("ScheduledPruning 90% (cubic), sparse export", settings, callbacks=pruning,
+                                       shipped=sparse_model_bytes)
+    pruned.notes = f"sparsity {sparsity(pruned_model):.1%}"
+    quantized, _ = _digits_run(
+        "PostTrainingQuantization int8_dynamic", settings, callbacks=lambda: [PostTrainingQuantization("int8_dynamic")]
+    )
+    teacher.freeze()
+    student = DistillationModule(
+        student=digits_mlp(DIGITS_HIDDEN // 4, 2), teacher=teacher, temperature=4.0, alpha=0.9, lr=1e-2
+    )
+    distilled, student = _digits_run(
+        f"DistillationModule 2x{DIGITS_HIDDEN // 4} student + int8", settings, model=student,
+        epochs=settings.digits_epochs * 2,
+    )
+    from lightning_lowmem.functional.quantization import quantize_
+
+    quantize_(student.student, "int8_dynamic")
+    trainer = _trainer(max_epochs=1)
+    distilled.metric = float(trainer.test(student, DigitsDataModule(batch_size=64), verbose=False)[0]["test_acc"])
+    distilled.model_bytes = model_bytes(student.student)
+    return [baseline, pruned, quantized, distilled]
 
 
 # ----------------------------------------------------------------------------- output
@@ -170,8 +254,8 @@ def table(runs: list[DemoRun]) -> Any:
     from rich.table import Table
 
     out = Table(title="lightning_lowmem demo: baseline vs low-memory stack (ratios vs each workload's baseline)")
-    for column in ("workload", "configuration", "peak train memory", "params/grads/optim/acts", "step", "model size", "metric"):
-        out.add_column(column, justify="left" if column in ("workload", "configuration") else "right")
+    for column in ("workload", "configuration", "peak train memory", "params/grads/optim/acts", "step", "model size", "metric", "notes"):
+        out.add_column(column, justify="left" if column in ("workload", "configuration", "notes") else "right")
     base: dict[str, DemoRun] = {}
     for run in runs:
         ref = base.setdefault(run.workload, run)
@@ -187,6 +271,7 @@ def table(runs: list[DemoRun]) -> Any:
             f"{run.step_ms:.1f} ms{_ratio(run.step_ms, ref.step_ms)}" if run.step_ms else "-",
             (format_bytes(run.model_bytes) + _ratio(run.model_bytes, ref.model_bytes)) if run.model_bytes else "-",
             f"{run.metric_name} {run.metric:.4f}" if run.metric is not None else "-",
+            run.notes,
         )
     return out
 
