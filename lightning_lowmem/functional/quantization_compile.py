@@ -29,14 +29,18 @@ class CompiledInference(nn.Module):
 
     Args:
         module: the model (float, torchao-quantized or the ``GraphModule`` of ``int8_static``).
-        dynamic: passed to ``torch.compile``. Default: ``None`` (static first, dynamic after a
-            shape change).
+        dynamic: passed to ``torch.compile``. Default: ``None``: ``False`` (one compilation per input
+            shape) when ``module`` holds torchao-quantized weights, whose tensor subclasses fail to
+            trace with dynamic shapes in torch 2.13; otherwise torch's default (static first, dynamic
+            after a shape change).
     """
 
     def __init__(self, module: nn.Module, *, dynamic: bool | None = None) -> None:
         super().__init__()
         module.eval()  # not chained: an exported model's patched eval() returns None
         self.module = module
+        if dynamic is None and any(type(p) not in (torch.Tensor, nn.Parameter) for p in module.parameters()):
+            dynamic = False
         self.module.compile(dynamic=dynamic)  # in place: keeps parameter names, compiles at first call
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -54,7 +58,7 @@ def compile_inference(
         module: the model to run; compiled in place (``nn.Module.compile``) and put in eval mode.
         example_inputs: if given, the model is run once on them so the compilation (seconds to a
             minute) happens now rather than at the first real call. Default: ``None``.
-        dynamic: passed to ``torch.compile``. Default: ``None``.
+        dynamic: passed to ``torch.compile``. Default: ``None`` (see :class:`CompiledInference`).
 
     Returns:
         A :class:`CompiledInference` wrapping ``module``; call it like the module.
