@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from lightning_lowmem import _compat
@@ -258,7 +259,7 @@ def estimate_memory(
                 context = tracker if step == steps - 1 else contextlib.nullcontext()
                 # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors
                 with context, _compat.force_eager():
-                    _train_step(model, fake_batch, loss_fn, opt, config, autocast_dtype)
+                    _train_step(model, fake_batch, loss_fn, opt, config, autocast_dtype, fake=True)
     except _compat.data_dependent_errors() as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise EstimationError(
@@ -316,6 +317,24 @@ def _apply_model_techniques(model: nn.Module, config: TrainingConfig) -> None:
         checkpoint_(model, config.activation_checkpointing)
 
 
+class _OptimizerScalars(TorchDispatchMode):
+    """Answer ``.item()`` with 1 inside an optimizer step on fake tensors.
+
+    Optimizers read scalars for their *values* only (Adafactor's step count and update norms; torch's
+    ``capturable=False`` paths): the result never decides a tensor's shape, so the memory of the step
+    does not depend on it. The model's forward and loss are not wrapped: a data-dependent ``.item()``
+    there can change shapes and must stay an :class:`EstimationError`.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            if tensor.dtype == torch.bool:
+                return True
+            return 1.0 if tensor.is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
 def _train_step(
     model: nn.Module,
     batch: Any,
@@ -323,6 +342,7 @@ def _train_step(
     optimizer: Any,
     config: TrainingConfig,
     autocast_dtype: torch.dtype | None,
+    fake: bool = False,
 ) -> None:
     micro_batches = _split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
     for micro_batch in micro_batches:
@@ -333,7 +353,10 @@ def _train_step(
                 stack.enter_context(compress_activations(config.activation_compression))
             with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
                 loss = loss_fn(model, micro_batch)
-            (loss / len(micro_batches)).backward()
+            in_backward = config.optimizer.endswith("_in_backward")  # its steps run inside backward
+            with _OptimizerScalars() if in_backward and fake else contextlib.nullcontext():
+                (loss / len(micro_batches)).backward()
         del loss
-    optimizer.step()
+    with _OptimizerScalars() if fake else contextlib.nullcontext():
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -173,3 +173,26 @@ def test_low_bit_optimizer_estimate_after_a_compiled_real_step():
     full = estimate_memory(model, torch.randn(4, 256), optimizer="adamw", device="cpu")
     assert low_bit.breakdown["optimizer_state"] <= 0.3 * full.breakdown["optimizer_state"]
     assert low_bit.breakdown["parameters"] == full.breakdown["parameters"]
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "adafactor_in_backward"])
+def test_adafactor_scalars_do_not_stop_the_estimate(optimizer):
+    """Adafactor reads step counts and norms with ``.item()``; only values depend on them, not memory."""
+    from lightning_lowmem.functional.optimizers import build_optimizer
+    from lightning_lowmem.memory.estimate import default_loss
+
+    torch.manual_seed(0)
+    model = CharLM(n_layer=2, n_head=2, n_embd=64)
+    batch = (torch.randint(0, 256, (8, 64)),) * 2
+    estimate = estimate_memory(model, batch, optimizer=optimizer, device="cpu")
+    real = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+
+    def step():
+        default_loss(model, batch).backward()
+        real.step()
+        real.zero_grad(set_to_none=True)
+
+    step()
+    measured = measure_memory(step, module=model)
+    assert estimate.breakdown["optimizer_state"] == measured.breakdown["optimizer_state"]
+    assert abs(estimate.peak_bytes / measured.peak_bytes - 1) < 0.01
