@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "estimate_memory": "lightning_lowmem.memory.estimate",
     "plan_memory": "lightning_lowmem.memory.plan",
     "Plan": "lightning_lowmem.memory.plan",
+    "EstimationError": "lightning_lowmem.memory.estimate",
     # callbacks
     "MemoryMonitor": "lightning_lowmem.callbacks.memory_monitor",
     "ScheduledPruning": "lightning_lowmem.callbacks.scheduled_pruning",
@@ -38,8 +39,10 @@ _EXPORTS: dict[str, str] = {
     "LowMemoryStrategy": "lightning_lowmem.strategies.low_memory",
     "LowMemoryDDPStrategy": "lightning_lowmem.strategies.low_memory",
     "CompressedCheckpointIO": "lightning_lowmem.plugins.compressed_checkpoint_io",
+    "CheckpointCorruptError": "lightning_lowmem.plugins.compressed_checkpoint_io",
     # warnings
     "NoEffectWarning": "lightning_lowmem.warnings",
+    "LowMemWarning": "lightning_lowmem.warnings",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
