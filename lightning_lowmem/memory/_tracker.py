@@ -60,10 +60,19 @@ class _Snapshot:
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Plain tensors inside ``obj`` (pytrees; tensor subclasses are opened via ``__tensor_flatten__``)."""
-    leaves, _ = tree_flatten(obj)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            yield from _plain_tensors(leaf)
+    if isinstance(obj, torch.Tensor):
+        yield from _plain_tensors(obj)
+    elif isinstance(obj, (list, tuple)):  # the common containers, walked without pytree's overhead:
+        for item in obj:  # MemoryMonitor calls this every logged step
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+    elif obj is not None and not isinstance(obj, (int, float, bool, str)):
+        leaves, _ = tree_flatten(obj)
+        if len(leaves) != 1 or leaves[0] is not obj:
+            for leaf in leaves:
+                yield from iter_tensors(leaf)
 
 
 def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
