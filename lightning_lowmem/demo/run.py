@@ -145,7 +145,7 @@ def charlm_runs(settings: DemoSettings) -> list[DemoRun]:
         _charlm_run("plain fp32 AdamW (baseline)", settings),
         _charlm_run("Lightning bf16-true", settings, precision="bf16-true"),
         _charlm_run(
-            f"lowmem: bf16-true + checkpointing + int8 activations + {STACK_OPTIMIZER}",
+            f"lowmem: bf16-true + ckpt + int8 acts + {STACK_OPTIMIZER}",
             settings,
             precision="bf16-true",
             optimizer=STACK_OPTIMIZER,
@@ -255,7 +255,11 @@ def table(runs: list[DemoRun]) -> Any:
 
     out = Table(title="lightning_lowmem demo: baseline vs low-memory stack (ratios vs each workload's baseline)")
     for column in ("workload", "configuration", "peak train memory", "params/grads/optim/acts", "step", "model size", "metric", "notes"):
-        out.add_column(column, justify="left" if column in ("workload", "configuration", "notes") else "right")
+        out.add_column(
+            column,
+            justify="left" if column in ("workload", "configuration", "notes") else "right",
+            no_wrap=column not in ("configuration", "notes"),
+        )
     base: dict[str, DemoRun] = {}
     for run in runs:
         ref = base.setdefault(run.workload, run)
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         runs += digits_runs(settings)
     from rich.console import Console
 
-    console = Console(width=170) if not Console().is_terminal else Console()
+    console = Console(width=200) if not Console().is_terminal else Console()
     console.print(table(runs))
     (out / "demo.json").write_text(json.dumps([run.__dict__ for run in runs], indent=2))
     png = plot(runs, out / "memory_over_steps.png")
