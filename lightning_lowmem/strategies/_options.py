@@ -112,7 +112,8 @@ class _LowMemoryOptions:
         precision: str | None,
         optimizer: str | None,
         optimizer_kwargs: dict[str, Any] | None,
-        activation_checkpointing: str | int | None,
+        activation_checkpointing: str | int | list[str] | None,
+        nested_checkpointing: bool,
         activation_compression: str | None,
         compression_min_bytes: int,
         memory_budget: int | str | None,
@@ -140,7 +141,9 @@ class _LowMemoryOptions:
                     f"`optimizer`={optimizer!r} steps inside backward and cannot be sharded: use zero_optimizer=False "
                     "or an optimizer that steps after backward (e.g. 'adamw', 'adamw8bit')."
                 )
-        for name, value in (("zero_optimizer", zero_optimizer), ("prefetch", prefetch)):
+        for name, value in (
+            ("zero_optimizer", zero_optimizer), ("prefetch", prefetch), ("nested_checkpointing", nested_checkpointing)
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False, got {type(value).__name__}: {value!r}")
         if expandable_segments is not None and not isinstance(expandable_segments, bool):
@@ -151,6 +154,7 @@ class _LowMemoryOptions:
         self.optimizer_name = optimizer.lower() if optimizer is not None else None
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.activation_checkpointing = activation_checkpointing
+        self.nested_checkpointing = nested_checkpointing
         self.activation_compression = activation_compression
         self.compression_min_bytes = compression_min_bytes
         self.compression_stats = CompressionStats()  # cumulative over the run
@@ -190,7 +194,9 @@ class _LowMemoryOptions:
         if self.activation_checkpointing is not None and not self.checkpointed:
             from lightning_lowmem.functional.checkpointing import checkpoint_
 
-            self.checkpointed = checkpoint_(module, self.activation_checkpointing).wrapped
+            self.checkpointed = checkpoint_(
+                module, self.activation_checkpointing, nested=self.nested_checkpointing
+            ).wrapped
         if fitting and self.optimizer_name is not None and self._optimizer_swap is None:
             from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
 

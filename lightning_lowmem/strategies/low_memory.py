@@ -57,7 +57,9 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
             ``accelerator="gpu"``, else the CPU). Default: ``None``.
         precision: a preset from :data:`PRECISION_PRESETS` or ``None`` (use the Trainer's). Default: ``None``.
         activation_checkpointing: a ``checkpoint_`` policy (``"auto"``, a class name, a pattern, every-k
-            int) or ``None``. Default: ``None``.
+            int, or a list of names / patterns) or ``None``. Default: ``None``.
+        nested_checkpointing: also checkpoint matching modules inside checkpointed ones (e.g.
+            ``["Block", "*.attn"]``), as ``ActivationCheckpointing(nested=True)``. Default: ``False``.
         activation_compression: ``"bf16"``, ``"int8"``, ``"cpu"`` or ``None``. Default: ``None``.
         memory_budget: bytes or a string like ``"12GiB"``: plan and apply a technique mix that fits (see
             the module docstring). Default: ``None``.
@@ -89,7 +91,8 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         self,
         device: Any = None,
         precision: str | None = None,
-        activation_checkpointing: str | int | None = None,
+        activation_checkpointing: str | int | list[str] | None = None,
+        nested_checkpointing: bool = False,
         activation_compression: str | None = None,
         memory_budget: int | str | None = None,
         zero_optimizer: bool = False,
@@ -110,6 +113,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
             optimizer=optimizer,
             optimizer_kwargs=optimizer_kwargs,
             activation_checkpointing=activation_checkpointing,
+            nested_checkpointing=nested_checkpointing,
             activation_compression=activation_compression,
             compression_min_bytes=compression_min_bytes,
             memory_budget=memory_budget,
@@ -163,7 +167,8 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
     def __init__(
         self,
         precision: str | None = None,
-        activation_checkpointing: str | int | None = None,
+        activation_checkpointing: str | int | list[str] | None = None,
+        nested_checkpointing: bool = False,
         activation_compression: str | None = None,
         memory_budget: int | str | None = None,
         zero_optimizer: bool = False,
@@ -186,6 +191,7 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
             optimizer=optimizer,
             optimizer_kwargs=optimizer_kwargs,
             activation_checkpointing=activation_checkpointing,
+            nested_checkpointing=nested_checkpointing,
             activation_compression=activation_compression,
             compression_min_bytes=compression_min_bytes,
             memory_budget=memory_budget,

@@ -92,6 +92,32 @@ def test_fit_with_checkpointing_and_compression(tiny_trainer_kwargs):
     assert "forward" not in vars(model.model.h[0])  # the checkpoint wrap was removed
 
 
+class _RecordWrapped(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.wrapped = list(trainer.strategy.checkpointed)
+
+
+def test_nested_checkpointing_wraps_attention_inside_blocks_and_keeps_the_weights(tiny_trainer_kwargs):
+    """The strategy's nested policy is the callback's: same weights after training as without it (fp32)."""
+    from lightning_lowmem.demo import CharLM, CharLMDataModule
+
+    def fit(strategy):
+        torch.manual_seed(0)
+        model = CharLM(n_layer=2, n_embd=32, n_head=2, block_size=16)
+        record = _RecordWrapped()
+        trainer = L.Trainer(strategy=strategy, max_steps=2, limit_val_batches=0, callbacks=[record], **tiny_trainer_kwargs)
+        trainer.fit(model, CharLMDataModule(block_size=16, batch_size=4, max_chars=20_000))
+        return model, record.wrapped
+
+    nested, wrapped = fit(LowMemoryStrategy(activation_checkpointing=["Block", "*.attn"], nested_checkpointing=True))
+    plain, _ = fit(LowMemoryStrategy())
+    assert wrapped == ["model.h.0", "model.h.0.attn", "model.h.1", "model.h.1.attn"]
+    with pytest.raises(TypeError, match=r"`nested_checkpointing` must be True or False, got str: 'yes'"):
+        LowMemoryStrategy(activation_checkpointing="Block", nested_checkpointing="yes")
+    for a, b in zip(nested.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
