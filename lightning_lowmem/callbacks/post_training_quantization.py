@@ -16,12 +16,12 @@ from typing_extensions import override
 from lightning_lowmem.functional.quantization import (
     MODES,
     QuantizationReport,
-    _apply_config,
+    _include_embeddings,
+    _quantize_layers,
     measure_latency,
     quantizable_layers,
     quantize_,
     search_float_fallback,
-    torchao_config,
 )
 from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.memory.units import format_bytes
@@ -50,7 +50,7 @@ def _device(module: nn.Module) -> torch.device:
 
 
 class PostTrainingQuantization(L.Callback):
-    """Quantize the model's ``nn.Linear`` layers with torchao at the end of ``fit``.
+    """Quantize the model's ``nn.Linear`` layers and ``nn.Embedding`` tables with torchao at the end of ``fit``.
 
     With ``monitor`` and ``tolerance``, the quantized model is evaluated on the validation loader;
     while the drop of ``monitor`` exceeds ``tolerance``, the layers whose quantization alone hurts
@@ -75,6 +75,9 @@ class PostTrainingQuantization(L.Callback):
         skip_modules: names of submodules kept in float. Default: ``()``.
         filter_fn: ``filter_fn(layer, fqn) -> bool``; not YAML-serialisable, prefer ``skip_modules``
             in configs. Default: ``None``.
+        embeddings: quantize ``nn.Embedding`` tables too (weight-only: int8 per row, int4 values in
+            groups for the int4 modes). Default: ``None``: yes, except with ``int8_static`` (which
+            leaves them float; ``True`` there raises).
         monitor: a metric logged in ``validation_step`` (e.g. ``"val_acc"``). Default: ``None``.
         tolerance: largest allowed drop of ``monitor`` (in its units). Needs ``monitor``. Default: ``None``.
         monitor_mode: ``"max"`` if higher ``monitor`` is better, ``"min"`` otherwise. Default: ``"max"``.
@@ -87,7 +90,9 @@ class PostTrainingQuantization(L.Callback):
 
     Raises:
         ValueError: unknown ``mode`` / ``monitor_mode``, ``tolerance`` without ``monitor`` or < 0,
-            ``int8_static`` without ``module_name``, ``module_name`` / ``compile`` with another mode.
+            ``int8_static`` without ``module_name`` or with ``embeddings=True``, ``module_name`` /
+            ``compile`` with another mode.
+        TypeError: ``skip_modules`` is a string, ``embeddings`` not a bool or ``None``.
 
     Example::
 
@@ -101,6 +106,7 @@ class PostTrainingQuantization(L.Callback):
         *,
         skip_modules: Sequence[str] = (),
         filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        embeddings: bool | None = None,
         monitor: str | None = None,
         tolerance: float | None = None,
         monitor_mode: str = "max",
@@ -133,9 +139,11 @@ class PostTrainingQuantization(L.Callback):
             raise ValueError(f"`monitor_mode`={monitor_mode!r} must be 'max' or 'min'.")
         if isinstance(skip_modules, str):
             raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
+        _include_embeddings(mode, embeddings)  # validates it
         self.mode = mode
         self.skip_modules = list(skip_modules)
         self.filter_fn = filter_fn
+        self.embeddings = embeddings
         self.monitor = monitor
         self.tolerance = tolerance
         self.monitor_mode = monitor_mode
@@ -175,11 +183,11 @@ class PostTrainingQuantization(L.Callback):
             return  # an exported graph has other state names; it is never rebuilt from a checkpoint
         names = [
             fqn
-            for fqn in quantizable_layers(module, self.mode, group_size=self.group_size)
+            for fqn in quantizable_layers(module, self.mode, group_size=self.group_size, embeddings=True)
             if _is_quantized(state_dict.get(f"{prefix}{fqn}.weight"))
         ]
         if names:
-            _apply_config(module, torchao_config(self.mode, group_size=self.group_size), names)
+            _quantize_layers(module, self.mode, names, group_size=self.group_size)
             self.quantized = sorted(set(self.quantized) | set(names))
 
     @override
@@ -213,7 +221,7 @@ class PostTrainingQuantization(L.Callback):
         if not candidates:
             if not self.quantized:
                 warnings.warn(
-                    f"PostTrainingQuantization(mode={self.mode!r}) found no quantizable nn.Linear layer in "
+                    f"PostTrainingQuantization(mode={self.mode!r}) found no quantizable nn.Linear / nn.Embedding layer in "
                     f"{type(pl_module).__name__}: the model stays in float.",
                     NoEffectWarning,
                     stacklevel=2,
@@ -255,7 +263,9 @@ class PostTrainingQuantization(L.Callback):
             report = self._quantize_static(pl_module, chosen, calibration)
             self._set_child(pl_module, report.module)
         else:
-            report = quantize_(pl_module, self.mode, filter_fn=lambda _, fqn: fqn in chosen, group_size=self.group_size)
+            report = quantize_(
+                pl_module, self.mode, filter_fn=lambda _, fqn: fqn in chosen, group_size=self.group_size, embeddings=self.embeddings
+            )
         self.quantized = sorted(set(self.quantized) | set(report.converted))
         after = self._measure(pl_module, batch)
         if result is not None:
@@ -295,8 +305,9 @@ class PostTrainingQuantization(L.Callback):
     def _candidates(self, pl_module: L.LightningModule) -> list[str]:
         if self.mode != "int8_static":
             return quantizable_layers(
-                pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size
-            )
+                pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size,
+                embeddings=self.embeddings,
+            )  # fmt: skip
         assert self.module_name is not None
         skip = tuple(self.skip_modules)
         names = []
@@ -380,8 +391,7 @@ class PostTrainingQuantization(L.Callback):
                 self._set_child(pl_module, previous)
             return
         originals = {name: pl_module.get_submodule(name).weight for name in names}
-        if names:
-            _apply_config(pl_module, torchao_config(self.mode, group_size=self.group_size), list(names))
+        _quantize_layers(pl_module, self.mode, list(names), group_size=self.group_size)
         try:
             yield
         finally:
@@ -431,7 +441,7 @@ def load_quantized_checkpoint(
     """Rebuild a LightningModule from a checkpoint saved after :class:`PostTrainingQuantization`.
 
     Builds ``model_class(**hyper_parameters, **kwargs)``, quantizes the layers the checkpoint records
-    with the recorded mode, then loads the weights (a float checkpoint loads as float).
+    (Linear and Embedding) with the recorded mode, then loads the weights (a float checkpoint loads as float).
 
     Args:
         model_class: the LightningModule class (it must save its hyper-parameters).
@@ -450,6 +460,6 @@ def load_quantized_checkpoint(
         )
     model = model_class(**{**checkpoint.get("hyper_parameters", {}), **kwargs})
     if spec:
-        _apply_config(model, torchao_config(spec["mode"], group_size=spec["group_size"]), spec["quantized"])
+        _quantize_layers(model, spec["mode"], spec["quantized"], group_size=spec["group_size"])
     model.load_state_dict(checkpoint["state_dict"])
     return model

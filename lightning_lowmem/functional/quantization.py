@@ -1,8 +1,13 @@
-"""Post-training and quantization-aware quantization of ``nn.Linear`` layers on torchao.
+"""Post-training and quantization-aware quantization of ``nn.Linear`` (and ``nn.Embedding``) layers on torchao.
 
 Every mode is a torchao config applied with ``torchao.quantization.quantize_`` (weights are swapped
 in place for torchao tensor subclasses); static int8 goes through ``torchao.quantization.pt2e`` and
 lives in :mod:`lightning_lowmem.functional.quantization_static`. Nothing here imports Lightning.
+
+Embedding tables (``nn.Embedding``) take indices, not activations, so every in-place mode quantizes
+them weight-only with torchao's ``IntxWeightOnlyConfig`` (see :func:`embedding_config`): int8 per row
+for the int8 modes, int4 values in groups of ``group_size`` for the int4 modes. They are included by
+default (``embeddings=None``); ``int8_static`` leaves them float. QAT covers ``nn.Linear`` only.
 
 Modes (see :func:`available_modes` for what runs on a device):
 
@@ -39,6 +44,7 @@ __all__ = [
     "available_modes",
     "convert_qat_",
     "dequantize_",
+    "embedding_config",
     "measure_latency",
     "prepare_qat_",
     "quantizable_layers",
@@ -66,7 +72,7 @@ class QuantizationReport:
         mode: the mode applied.
         bytes_before: parameter + buffer bytes of the module before.
         bytes_after: the same after (torchao tensors counted by their inner int data and scales).
-        converted: fully-qualified names of the layers that were quantized.
+        converted: fully-qualified names of the layers (Linear and Embedding) that were quantized.
         module: the quantized module (the same object for in-place modes; a new exported module
             for ``"int8_static"``).
     """
@@ -149,6 +155,34 @@ def torchao_config(mode: str, *, group_size: int = 32) -> Any:
     return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
 
 
+def embedding_config(mode: str, *, group_size: int = 32) -> Any:
+    """The torchao config ``mode`` applies to ``nn.Embedding`` tables (weight-only: a lookup has no
+    activations to quantize): int8 per row for the int8 modes, int4 values in groups of ``group_size``
+    (stored one per int8 byte) for the int4 modes. Not for ``"int8_static"``."""
+    _check_mode(mode, [m for m in MODES if m != "int8_static"])
+    _require_torchao()
+    import torchao.quantization as tq
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    if _needs_group(mode):
+        return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+    return tq.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
+
+
+def _include_embeddings(mode: str, embeddings: bool | None) -> bool:
+    """Resolve ``embeddings`` (``None``: every in-place mode yes, ``int8_static`` no)."""
+    if embeddings is not None and not isinstance(embeddings, bool):
+        raise TypeError(f"`embeddings` must be True, False or None (the mode's default), got {embeddings!r}.")
+    if mode == "int8_static":
+        if embeddings:
+            raise ValueError(
+                "`embeddings`=True is not supported with mode='int8_static': pt2e's X86InductorQuantizer leaves "
+                "nn.Embedding float. Use an in-place mode (e.g. 'int8_weight_only') or embeddings=None/False."
+            )
+        return False
+    return embeddings is None or embeddings
+
+
 def _qat_base_config(mode: str, group_size: int) -> Any:
     """Base config QAT trains for; int8 weight-only QAT goes through torchao's Intx config (QATConfig
     does not take Int8WeightOnlyConfig)."""
@@ -170,20 +204,29 @@ def quantizable_layers(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     skip_modules: Sequence[str] = (),
     group_size: int = 32,
+    embeddings: bool | None = None,
 ) -> list[str]:
-    """Fully-qualified names of the ``nn.Linear`` layers ``mode`` would quantize.
+    """Fully-qualified names of the ``nn.Linear`` (and ``nn.Embedding``) layers ``mode`` would quantize.
 
-    A layer is chosen when it is an ``nn.Linear`` (or subclass) with a float weight, its name is not
-    in ``skip_modules`` (nor below one of them), ``filter_fn(layer, fqn)`` is true, and for grouped
-    int4 modes its ``in_features`` is a multiple of ``group_size``.
+    A layer is chosen when it is an ``nn.Linear`` (or, with ``embeddings``, an ``nn.Embedding`` without
+    ``max_norm``, which renormalizes the table in place) with a float weight, its name is not in
+    ``skip_modules`` (nor below one of them), ``filter_fn(layer, fqn)`` is true, and for grouped int4
+    modes its ``in_features`` / ``embedding_dim`` is a multiple of ``group_size``.
     """
     _check_mode(mode)
     if isinstance(skip_modules, str):
         raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
+    with_embeddings = _include_embeddings(mode, embeddings)
     skip = tuple(skip_modules)
     names = []
     for fqn, layer in module.named_modules():
-        if not isinstance(layer, nn.Linear) or not isinstance(getattr(layer, "weight", None), torch.Tensor):
+        if isinstance(layer, nn.Linear):
+            width = layer.in_features
+        elif with_embeddings and isinstance(layer, nn.Embedding) and layer.max_norm is None:
+            width = layer.embedding_dim
+        else:
+            continue
+        if not isinstance(getattr(layer, "weight", None), torch.Tensor):
             continue
         if type(layer.weight.data) not in (torch.Tensor, nn.Parameter) or not layer.weight.is_floating_point():
             continue  # already quantized (a torchao tensor subclass)
@@ -191,7 +234,7 @@ def quantizable_layers(
             continue
         if filter_fn is not None and not filter_fn(layer, fqn):
             continue
-        if _needs_group(mode) and layer.in_features % group_size != 0:
+        if _needs_group(mode) and width % group_size != 0:
             continue
         names.append(fqn)
     return names
@@ -206,27 +249,33 @@ def quantize_(
     calibration_data: Iterable[Any] | None = None,
     example_inputs: tuple[Any, ...] | None = None,
     group_size: int = 32,
+    embeddings: bool | None = None,
 ) -> QuantizationReport:
-    """Quantize the ``nn.Linear`` layers of ``module`` in place (static mode: into a new module).
+    """Quantize the ``nn.Linear`` and ``nn.Embedding`` layers of ``module`` in place (static mode: its
+    Linear/Conv layers, into a new module).
 
     Args:
         module: the model.
         mode: one of :data:`MODES`.
-        filter_fn: ``filter_fn(layer, fqn) -> bool`` chooses layers. Default: ``None`` (every Linear).
+        filter_fn: ``filter_fn(layer, fqn) -> bool`` chooses layers. Default: ``None`` (every candidate).
         skip_modules: names of submodules kept in float (their children too). Default: ``()``.
         calibration_data: ``"int8_static"`` only: an iterable of input tuples (or single tensors)
             run through the prepared model to calibrate activation ranges. Default: ``None``.
         example_inputs: ``"int8_static"`` only: inputs used to export the model. Default: the first
             calibration batch.
         group_size: group length of the int4 modes. Default: ``32``.
+        embeddings: quantize ``nn.Embedding`` tables too (weight-only, :func:`embedding_config`).
+            Default: ``None``: yes for the in-place modes, no for ``"int8_static"`` (``True`` there
+            raises).
 
     Returns:
         A :class:`QuantizationReport`; ``report.module`` is the quantized model (a new exported
         ``GraphModule`` for ``"int8_static"``, ``module`` itself otherwise).
 
     Raises:
-        ValueError: unknown ``mode``, a mode the device cannot run, bad ``group_size`` or missing
-            calibration data for static mode.
+        ValueError: unknown ``mode``, a mode the device cannot run, bad ``group_size``, missing
+            calibration data for static mode or ``embeddings=True`` with it.
+        TypeError: ``embeddings`` not a bool or ``None``.
 
     Warns:
         NoEffectWarning: no layer matched; the module is returned unchanged.
@@ -243,6 +292,7 @@ def quantize_(
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}.")
     if not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"`group_size` must be a positive int, got {group_size!r}.")
+    _include_embeddings(mode, embeddings)  # validates it
     if mode == "int8_static":
         from lightning_lowmem.functional.quantization_static import quantize_static
 
@@ -257,24 +307,37 @@ def quantize_(
     if reason is not None:
         raise ValueError(f"`mode`={mode!r} cannot run on device {device!r}: {reason}")
     bytes_before = state_bytes(module)["parameters"]
-    names = quantizable_layers(module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size)
+    names = quantizable_layers(
+        module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size, embeddings=embeddings
+    )
     if not names:
         warnings.warn(
-            f"quantize_(mode={mode!r}) found no quantizable nn.Linear layer in {type(module).__name__} "
+            f"quantize_(mode={mode!r}) found no quantizable nn.Linear / nn.Embedding layer in {type(module).__name__} "
             "(after filter_fn / skip_modules): nothing was quantized.",
             NoEffectWarning,
             stacklevel=2,
         )
         return QuantizationReport(mode, bytes_before, bytes_before, [], module)
-    _apply_config(module, torchao_config(mode, group_size=group_size), names)
+    _quantize_layers(module, mode, names, group_size=group_size)
     return QuantizationReport(mode, bytes_before, state_bytes(module)["parameters"], names, module)
 
 
-def _apply_config(module: nn.Module, config: Any, names: Sequence[str]) -> None:
+def _apply_config(module: nn.Module, config: Any, names: Sequence[str], layer_type: type = nn.Linear) -> None:
     from torchao.quantization import quantize_ as torchao_quantize_
 
     chosen = set(names)
-    torchao_quantize_(module, config, filter_fn=lambda layer, fqn: fqn in chosen and isinstance(layer, nn.Linear))
+    torchao_quantize_(module, config, filter_fn=lambda layer, fqn: fqn in chosen and isinstance(layer, layer_type))
+
+
+def _quantize_layers(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32) -> None:
+    """Quantize exactly ``names`` with ``mode``: Linear layers with :func:`torchao_config`, Embedding
+    tables with :func:`embedding_config`."""
+    embeddings = [name for name in names if isinstance(module.get_submodule(name), nn.Embedding)]
+    linears = [name for name in names if name not in embeddings]
+    if linears:
+        _apply_config(module, torchao_config(mode, group_size=group_size), linears)
+    if embeddings:
+        _apply_config(module, embedding_config(mode, group_size=group_size), embeddings, nn.Embedding)
 
 
 def _as_args(batch: Any) -> tuple[Any, ...]:
@@ -282,7 +345,8 @@ def _as_args(batch: Any) -> tuple[Any, ...]:
 
 
 def dequantize_(module: nn.Module) -> list[str]:
-    """Replace every torchao-quantized ``nn.Linear`` weight by its float dequantization, in place.
+    """Replace every torchao-quantized ``nn.Linear`` / ``nn.Embedding`` weight by its float
+    dequantization, in place.
 
     Returns:
         Names of the layers restored to float.
@@ -290,7 +354,7 @@ def dequantize_(module: nn.Module) -> list[str]:
     restored = []
     for fqn, layer in module.named_modules():
         weight = getattr(layer, "weight", None)
-        if isinstance(layer, nn.Linear) and weight is not None and type(weight.data) not in (torch.Tensor,):
+        if isinstance(layer, (nn.Linear, nn.Embedding)) and weight is not None and type(weight.data) is not torch.Tensor:
             if hasattr(weight, "dequantize"):
                 layer.weight = nn.Parameter(weight.dequantize().to(torch.float32), requires_grad=True)
                 layer.__dict__.pop("extra_repr", None)  # torchao patches the instance's extra_repr
@@ -323,7 +387,9 @@ def prepare_qat_(
 
     names = [
         fqn
-        for fqn in quantizable_layers(module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size)
+        for fqn in quantizable_layers(
+            module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size, embeddings=False
+        )
         if not isinstance(module.get_submodule(fqn), FakeQuantizedLinear)
     ]
     if names:
@@ -437,6 +503,5 @@ def search_float_fallback(
 def quantized_copy(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32) -> nn.Module:
     """A deep copy of ``module`` with exactly the layers ``names`` quantized (``module`` untouched)."""
     clone = copy.deepcopy(module)
-    if names:
-        _apply_config(clone, torchao_config(mode, group_size=group_size), names)
+    _quantize_layers(clone, mode, names, group_size=group_size)
     return clone

@@ -179,3 +179,64 @@ def test_int8_static_checkpoint_is_refused_by_loader(tiny_trainer_kwargs, tmp_pa
     trainer.save_checkpoint(path)
     with pytest.raises(ValueError, match="int8_static.*Load the float checkpoint"):
         load_quantized_checkpoint(WrapsModel, path, weights_only=False)
+
+
+class TokenModule(ErrorModule):
+    """Embedding 64 x 64 -> Linear 64 -> 8 on token ids; ``val_err`` = MSE to the float model's outputs."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(64, 64)
+        self.head = nn.Linear(64, 8)
+        tokens = torch.randint(0, 64, (32, 4))
+        with torch.no_grad():
+            self.data = TensorDataset(tokens, self(tokens))
+
+    def forward(self, x):
+        return self.head(self.wte(x))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_err", F.mse_loss(self(batch[0]), batch[1]))
+
+
+def test_embeddings_quantized_by_default_and_checkpoint_round_trips(tiny_trainer_kwargs, tmp_path):
+    callback = PostTrainingQuantization("int8_dynamic", monitor="val_err", monitor_mode="min", tolerance=1e-3)
+    trainer, module = fit(callback, tiny_trainer_kwargs, module=TokenModule())
+    assert callback.summary["met"] and callback.quantized == ["head", "wte"]
+    assert type(module.wte.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    assert callback.summary["after"]["bytes"] < callback.summary["before"]["bytes"] / 3.5
+    path = str(tmp_path / "quantized.ckpt")
+    trainer.save_checkpoint(path)
+    tokens = torch.randint(0, 64, (4, 4))
+    loaded = load_quantized_checkpoint(TokenModule, path, weights_only=True)
+    assert type(loaded.wte.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    assert torch.allclose(loaded(tokens), module(tokens), atol=1e-6)
+
+
+def test_embeddings_false_keeps_table_float(tiny_trainer_kwargs):
+    callback = PostTrainingQuantization("int8_weight_only", embeddings=False, latency_batches=0)
+    _, module = fit(callback, tiny_trainer_kwargs, module=TokenModule())
+    assert callback.quantized == ["head"] and type(module.wte.weight) is nn.Parameter
+
+
+def test_zero_tolerance_restores_float_embedding_after_search(tiny_trainer_kwargs):
+    callback = PostTrainingQuantization("int8_dynamic", monitor="val_err", monitor_mode="min", tolerance=0.0)
+    with pytest.warns(LowMemWarning, match="no configuration keeps 'val_err' within tolerance"):
+        _, module = fit(callback, tiny_trainer_kwargs, module=TokenModule())
+    assert set(callback.summary["kept_float"]) == {"head", "wte"}
+    assert all(type(p) is nn.Parameter for p in module.parameters())  # each evaluation put the float table back
+
+
+def test_embeddings_argument_errors_and_yaml():
+    from jsonargparse import ArgumentParser
+
+    with pytest.raises(ValueError, match="`embeddings`=True is not supported with mode='int8_static'"):
+        PostTrainingQuantization("int8_static", module_name="model", embeddings=True)
+    with pytest.raises(TypeError, match="`embeddings` must be True, False or None.*got 1"):
+        PostTrainingQuantization("int8_dynamic", embeddings=1)
+    parser = ArgumentParser()
+    parser.add_class_arguments(PostTrainingQuantization, "ptq")
+    config = parser.parse_string("ptq: {mode: int8_weight_only, embeddings: false}")
+    assert parser.instantiate(config).ptq.embeddings is False

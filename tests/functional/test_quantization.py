@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -191,3 +192,71 @@ def test_compiled_int8_static_stays_close_to_float_for_any_batch():
             reference = model(inputs)
         assert relative_error(fast(inputs), reference) < 0.05
         assert relative_error(fast(inputs), quantized(inputs)) < 0.02  # the fused kernels match the reference graph
+
+
+# --- embeddings ----------------------------------------------------------------------------------------
+
+
+def embedding_model() -> nn.Sequential:
+    """Token table 256 x 256 -> Linear 256 -> 256: an embedding-heavy model, like a small LM's ends."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(256, 256), nn.Linear(256, 256))
+
+
+@pytest.mark.parametrize(("mode", "max_error", "min_ratio"), [
+    ("int8_dynamic", 0.03, 3.8), ("int8_weight_only", 0.03, 3.8), ("intx4_weight_only", 0.15, 3.3),
+])  # fmt: skip
+def test_embeddings_are_quantized_by_default_stay_close_and_shrink(mode, max_error, min_ratio):
+    model = embedding_model()
+    tokens = torch.randint(0, 256, (4, 16))
+    reference = model(tokens)
+    linear_only = quantize_(embedding_model(), mode, embeddings=False)
+    report = quantize_(model, mode)
+    assert report.converted == ["0", "1"] and linear_only.converted == ["1"]
+    assert type(model[0].weight).__name__ == "IntxUnpackedToInt8Tensor"
+    assert model[0].weight.qdata.dtype == torch.int8
+    assert relative_error(model(tokens), reference) < max_error
+    assert report.size_ratio > min_ratio > linear_only.size_ratio  # the float table capped it
+
+
+def test_embeddings_false_keeps_table_float_and_static_refuses_true():
+    model = embedding_model()
+    assert quantize_(model, "int8_weight_only", embeddings=False).converted == ["1"]
+    assert type(model[0].weight) is nn.Parameter
+    assert quantize_(embedding_model(), "int8_weight_only", skip_modules=["1"]).converted == ["0"]
+    with pytest.raises(ValueError, match="`embeddings`=True is not supported with mode='int8_static'"):
+        quantize_(embedding_model(), "int8_static", embeddings=True, calibration_data=[torch.zeros(1, 4, dtype=torch.long)])
+    with pytest.raises(TypeError, match="`embeddings` must be True, False or None.*got 'yes'"):
+        quantize_(embedding_model(), "int8_dynamic", embeddings="yes")
+
+
+def test_embedding_with_max_norm_stays_float():
+    model = nn.Sequential(nn.Embedding(256, 64, max_norm=1.0), nn.Linear(64, 256))
+    assert quantize_(model, "int8_weight_only").converted == ["1"]  # max_norm renormalizes the table in place
+
+
+def test_tiny_gpt_int8_quantizes_token_and_position_tables(tiny_gpt):
+    tokens = torch.randint(0, 256, (2, 16))
+    reference = tiny_gpt(tokens)
+    linear_only = quantize_(copy.deepcopy(tiny_gpt), "int8_dynamic", embeddings=False)
+    report = quantize_(tiny_gpt, "int8_dynamic")
+    assert sorted(set(report.converted) - set(linear_only.converted)) == ["wpe", "wte"]
+    assert relative_error(tiny_gpt(tokens), reference) < 0.05
+    # n_embd 32: a row is 32 int8 + 4 (fp32 scale) + 1 (zero point) bytes, LayerNorms and biases stay float
+    assert report.size_ratio > 3.3 > 2.9 > linear_only.size_ratio
+
+
+@pytest.mark.parametrize("mode", ["int8_dynamic", "intx4_weight_only"])
+def test_embedding_save_load_and_dequantize(mode):
+    model = embedding_model()
+    quantize_(model, mode)
+    tokens = torch.randint(0, 256, (4, 16))
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    restored = nn.Sequential(nn.Embedding(256, 256), nn.Linear(256, 256))
+    quantize_(restored, mode)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert torch.equal(restored(tokens), model(tokens))
+    assert dequantize_(model) == ["0", "1"] and type(model[0].weight) is nn.Parameter
+    assert torch.equal(model[0](tokens), restored[0](tokens))  # the lookup dequantizes the same int8 rows
