@@ -45,6 +45,8 @@ class LowRankAdapters(L.Callback):
             each pattern must match a layer. Default: ``"all-linear"``.
         quantize_base: ``None``, ``"int8"`` or ``"int4"``: hold the wrapped layers' frozen weights
             quantized (QLoRA, via torchao). Default: ``None``.
+        quantize_frozen: with ``quantize_base``, also quantize the other frozen weights (``lm_head``,
+            embedding tables; tied weights stay float). Default: ``False``.
         save_base_weights: also keep the frozen base weights in checkpoints. Default: ``False``.
         base_weights_path: a file with the pretrained base weights (a Lightning checkpoint or a plain
             state dict of the LightningModule), loaded with ``strict=True`` at ``setup`` before the
@@ -75,11 +77,14 @@ class LowRankAdapters(L.Callback):
         dropout: float = 0.0,
         target: str | list[str] = ALL_LINEAR,
         quantize_base: str | None = None,
+        quantize_frozen: bool = False,
         save_base_weights: bool = False,
         base_weights_path: str | None = None,
         merged_weights_path: str | None = None,
     ) -> None:
         _validate(r, alpha, dropout, quantize_base)
+        if not isinstance(quantize_frozen, bool) or (quantize_frozen and quantize_base is None):
+            raise ValueError(f"`quantize_frozen`={quantize_frozen!r} must be a bool and needs `quantize_base`.")
         if isinstance(target, (list, tuple)):
             if not target or not all(isinstance(t, (str, type)) for t in target):
                 raise ValueError(f"`target` must be a non-empty list of layer name patterns / class names, got {target!r}")
@@ -96,6 +101,7 @@ class LowRankAdapters(L.Callback):
         self.dropout = float(dropout)
         self.target = target
         self.quantize_base = quantize_base
+        self.quantize_frozen = quantize_frozen
         self.save_base_weights = bool(save_base_weights)
         self.base_weights_path = base_weights_path
         self.merged_weights_path = merged_weights_path
@@ -116,7 +122,7 @@ class LowRankAdapters(L.Callback):
                 pl_module.load_state_dict(payload.get("state_dict", payload), strict=True)
             self.report = apply_lora_(
                 pl_module, r=self.r, alpha=self.alpha, dropout=self.dropout, target=self.target,
-                quantize_base=self.quantize_base,
+                quantize_base=self.quantize_base, quantize_frozen=self.quantize_frozen,
             )  # fmt: skip
             rank_zero_info(
                 f"LowRankAdapters: {len(self.report.wrapped)} layers wrapped (r={self.r}, alpha={self.alpha:g}"

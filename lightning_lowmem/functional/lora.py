@@ -275,6 +275,7 @@ def apply_lora_(
     target: str | type | Sequence[str | type] = ALL_LINEAR,
     quantize_base: str | None = None,
     freeze_base: bool = True,
+    quantize_frozen: bool = False,
 ) -> LoraReport:
     """Put LoRA adapters on chosen linear layers of ``module``, in place, and freeze everything else.
 
@@ -292,6 +293,10 @@ def apply_lora_(
             quantized with torchao weight-only quantization (QLoRA). Default: ``None``.
         freeze_base: set ``requires_grad=False`` on every non-adapter parameter of ``module``
             (embeddings and norms included). Default: ``True``.
+        quantize_frozen: with ``quantize_base``, also store the *other* frozen weights in the same
+            format: linear layers that get no adapter (``lm_head``) and ``nn.Embedding`` tables (torchao
+            ``IntxWeightOnlyConfig``). Weights shared between modules (tied embeddings) stay float.
+            Default: ``False`` (as in QLoRA, only the adapted layers are quantized).
 
     Returns:
         A :class:`LoraReport` (wrapped layer names, trainable and total parameter counts).
@@ -310,6 +315,10 @@ def apply_lora_(
         (['0', '2'], 336)
     """
     _validate(r, alpha, dropout, quantize_base)
+    if not isinstance(quantize_frozen, bool):
+        raise TypeError(f"`quantize_frozen` must be True or False, got {quantize_frozen!r}.")
+    if quantize_frozen and quantize_base is None:
+        raise ValueError("`quantize_frozen`=True needs `quantize_base` ('int8' or 'int4'): the format to store them in.")
     existing = lora_layers(module)
     if existing:
         raise ValueError(
@@ -317,7 +326,40 @@ def apply_lora_(
             f"per model (use load_adapters to load adapter weights into it)."
         )
     selected = _select(module, target)
-    return _wrap(module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base)
+    report = _wrap(module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base)
+    if quantize_frozen:
+        _quantize_frozen(module, quantize_base)  # type: ignore[arg-type]
+    return report
+
+
+def _quantize_frozen(module: nn.Module, quantize_base: str) -> list[str]:
+    """Quantize the frozen, unshared weights of plain linear layers and embedding tables (not adapters)."""
+    from torchao.quantization import quantize_
+
+    from lightning_lowmem.functional.quantization import embedding_config
+
+    owners: dict[int, int] = {}
+    for sub in module.modules():
+        weight = getattr(sub, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            owners[id(weight)] = owners.get(id(weight), 0) + 1
+    done = []
+    for name, sub in list(module.named_modules()):
+        weight = getattr(sub, "weight", None)
+        if isinstance(sub, LoraLinear) or not isinstance(weight, torch.Tensor) or weight.requires_grad:
+            continue
+        if owners[id(weight)] > 1 or _is_quantized(weight):
+            continue
+        if type(sub) is nn.Linear and (quantize_base == "int8" or sub.in_features % 32 == 0):
+            config = _torchao_config(quantize_base, sub.in_features)
+        elif type(sub) is nn.Embedding and sub.max_norm is None:
+            config = embedding_config("int8_weight_only" if quantize_base == "int8" else "intx4_weight_only")
+        else:
+            continue
+        quantize_(module, config, filter_fn=lambda m, fqn, name=name: fqn == name)
+        getattr(sub, "weight").requires_grad_(False)
+        done.append(name)
+    return done
 
 
 def _wrap(
