@@ -25,6 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_lowmem.functional._lora_quantization import (
+    check_quantization_supported,
+    is_quantized,
+    quantize_base_layers_,
+    quantize_frozen_,
+)
+
 __all__ = [
     "LoraLinear",
     "LoraReport",
@@ -79,12 +86,6 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
 
 def _is_candidate(module: nn.Module) -> bool:
     return (isinstance(module, nn.Linear) and not isinstance(module, LoraLinear)) or _is_hf_conv1d(module)
-
-
-def _is_quantized(weight: torch.Tensor) -> bool:
-    return type(weight) not in (torch.Tensor, nn.Parameter) and hasattr(weight, "dequantize") and hasattr(
-        weight, "__tensor_flatten__"
-    )
 
 
 class LoraLinear(nn.Linear):
@@ -153,7 +154,7 @@ class LoraLinear(nn.Linear):
         return out + (update * self.scaling).to(out.dtype)
 
     def extra_repr(self) -> str:
-        quantized = f", base={type(self.weight).__name__}" if _is_quantized(self.weight) else ""
+        quantized = f", base={type(self.weight).__name__}" if is_quantized(self.weight) else ""
         return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}, merged={self.merged}{quantized}"
 
 
@@ -210,52 +211,6 @@ def _validate(r: int, alpha: float, dropout: float, quantize_base: str | None) -
         raise ValueError(f"`dropout` must be in [0, 1), got {dropout!r}.")
     if quantize_base not in QUANTIZE_CHOICES:
         raise ValueError(f"`quantize_base` must be one of {QUANTIZE_CHOICES}, got {quantize_base!r}.")
-
-
-def _torchao_config(quantize_base: str, in_features: int) -> Any:
-    try:
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
-    except ImportError as err:  # pragma: no cover - torchao is a dependency
-        raise ImportError("`quantize_base` needs torchao: `pip install torchao`.") from err
-    if quantize_base == "int8":
-        return Int8WeightOnlyConfig()
-    group_size = next((g for g in (128, 64, 32) if in_features % g == 0), None)
-    if group_size is None:
-        raise ValueError(f"`quantize_base`='int4' needs in_features divisible by 32; a layer has {in_features}.")
-    return Int4WeightOnlyConfig(group_size=group_size)
-
-
-def _quantize_layers(module: nn.Module, names: Iterable[str], quantize_base: str) -> None:
-    from torchao.quantization import quantize_
-
-    wanted = set(names)
-    layers = lora_layers(module)
-    for name in wanted:  # one config per layer: int4's group size depends on in_features
-        config = _torchao_config(quantize_base, layers[name].in_features)
-        quantize_(module, config, filter_fn=lambda sub, fqn, name=name: fqn == name and isinstance(sub, LoraLinear))
-        layers[name].weight.requires_grad_(False)
-
-
-def _check_quantization_supported(quantize_base: str, example: nn.Module) -> None:
-    """Quantize a small probe layer like ``example`` first, so an unsupported backend wraps nothing."""
-    weight = example.weight
-    in_features = 256
-    probe = nn.Sequential(nn.Linear(in_features, 64, device=weight.device, dtype=weight.dtype))
-    probe.requires_grad_(False)
-    try:
-        from torchao.quantization import quantize_
-
-        quantize_(probe, _torchao_config(quantize_base, in_features))
-        probe(torch.zeros(1, in_features, device=weight.device, dtype=weight.dtype))
-    except Exception as err:
-        import torchao
-
-        raise RuntimeError(
-            f"`quantize_base`={quantize_base!r} is not supported by torchao {torchao.__version__} for "
-            f"{weight.dtype} weights on device {weight.device.type!r}: {type(err).__name__}: {err}. "
-            f"Nothing was wrapped. Hint: use quantize_base='int8' (works on CPU and CUDA) or run int4 on a "
-            f"CUDA GPU with torchao's int4 kernels installed."
-        ) from err
 
 
 def _count_params(module: nn.Module) -> tuple[int, int]:
@@ -328,38 +283,8 @@ def apply_lora_(
     selected = _select(module, target)
     report = _wrap(module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base)
     if quantize_frozen:
-        _quantize_frozen(module, quantize_base)  # type: ignore[arg-type]
+        quantize_frozen_(module, quantize_base, adapter_type=LoraLinear)  # type: ignore[arg-type]
     return report
-
-
-def _quantize_frozen(module: nn.Module, quantize_base: str) -> list[str]:
-    """Quantize the frozen, unshared weights of plain linear layers and embedding tables (not adapters)."""
-    from torchao.quantization import quantize_
-
-    from lightning_lowmem.functional.quantization import embedding_config
-
-    owners: dict[int, int] = {}
-    for sub in module.modules():
-        weight = getattr(sub, "weight", None)
-        if isinstance(weight, torch.Tensor):
-            owners[id(weight)] = owners.get(id(weight), 0) + 1
-    done = []
-    for name, sub in list(module.named_modules()):
-        weight = getattr(sub, "weight", None)
-        if isinstance(sub, LoraLinear) or not isinstance(weight, torch.Tensor) or weight.requires_grad:
-            continue
-        if owners[id(weight)] > 1 or _is_quantized(weight):
-            continue
-        if type(sub) is nn.Linear and (quantize_base == "int8" or sub.in_features % 32 == 0):
-            config = _torchao_config(quantize_base, sub.in_features)
-        elif type(sub) is nn.Embedding and sub.max_norm is None:
-            config = embedding_config("int8_weight_only" if quantize_base == "int8" else "intx4_weight_only")
-        else:
-            continue
-        quantize_(module, config, filter_fn=lambda m, fqn, name=name: fqn == name)
-        getattr(sub, "weight").requires_grad_(False)
-        done.append(name)
-    return done
 
 
 def _wrap(
@@ -373,7 +298,7 @@ def _wrap(
     freeze_base: bool,
 ) -> LoraReport:
     if quantize_base is not None:
-        _check_quantization_supported(quantize_base, next(iter(selected.values())))
+        check_quantization_supported(quantize_base, next(iter(selected.values())))
     if freeze_base:
         module.requires_grad_(False)
     for name, layer in selected.items():
@@ -381,7 +306,8 @@ def _wrap(
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, child, LoraLinear.from_layer(layer, r=r, alpha=alpha, dropout=dropout))
     if quantize_base is not None:
-        _quantize_layers(module, selected, quantize_base)
+        wrapped = lora_layers(module)
+        quantize_base_layers_(module, {name: wrapped[name] for name in selected}, quantize_base)
     trainable, total = _count_params(module)
     return LoraReport(
         wrapped=list(selected), r=r, alpha=float(alpha), quantize_base=quantize_base,
@@ -400,7 +326,7 @@ def lora_config(module: nn.Module) -> dict[str, Any]:
         raise ValueError(f"{type(module).__name__} has no LoRA layers: call apply_lora_ first.")
     first = next(iter(layers.values()))
     dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
-    quantized = {_is_quantized(layer.weight) for layer in layers.values()}
+    quantized = {is_quantized(layer.weight) for layer in layers.values()}
     quantize_base = None
     if True in quantized:
         quantize_base = "int4" if "int4" in type(first.weight).__name__.lower() else "int8"
@@ -432,7 +358,7 @@ def merge_lora_(module: nn.Module) -> int:
         for name, layer in lora_layers(module).items():
             if layer.merged:
                 continue
-            if _is_quantized(layer.weight):
+            if is_quantized(layer.weight):
                 raise ValueError(
                     f"layer {name!r} has a quantized base weight ({type(layer.weight).__name__}); merging in place "
                     f"would re-quantize it. Use merged_state_dict(module) to get float merged weights."
@@ -466,7 +392,7 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, layer in lora_layers(module).items():
             key = f"{name}.weight" if name else "weight"
-            weight = layer.weight.dequantize() if _is_quantized(layer.weight) else layer.weight.detach()
+            weight = layer.weight.dequantize() if is_quantized(layer.weight) else layer.weight.detach()
             if not layer.merged:
                 weight = weight + layer.delta_weight().to(weight.dtype)
             state[key] = weight.t().contiguous() if layer.fan_in_fan_out else weight.clone()
