@@ -168,7 +168,7 @@ class StorageTracker(TorchDispatchMode):
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._on_pack, lambda x: x)
         self._saved_hooks.__enter__()
         # compiled regions cannot run under a dispatch mode: run them eagerly (see module docstring)
-        self._eager_stance = torch.compiler.set_stance("force_eager")
+        self._eager_stance = _compat.force_eager()
         self._eager_stance.__enter__()
         _ACTIVE.append(self)
         return super().__enter__()
