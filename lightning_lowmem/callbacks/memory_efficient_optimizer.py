@@ -62,13 +62,12 @@ class MemoryEfficientOptimizer(L.Callback):
 
         def swap(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
             if id(opt) not in mapping:
-                groups = [
-                    {"params": g["params"], **{k: g[k] for k in _GROUP_KEYS_KEPT if k in g}} for g in opt.param_groups
-                ]
+                kept = [k for k in _GROUP_KEYS_KEPT if k not in self.optimizer_kwargs]  # explicit arguments win
+                groups = [{"params": g["params"], **{k: g[k] for k in kept if k in g}} for g in opt.param_groups]
                 new = build_optimizer(self.optimizer, groups, **self.optimizer_kwargs)
                 for old_group, new_group in zip(opt.param_groups, new.param_groups):
                     if "initial_lr" in old_group:  # set by schedulers created on the old optimizer
-                        new_group["initial_lr"] = old_group["initial_lr"]
+                        new_group["initial_lr"] = new_group["lr"] if "lr" in self.optimizer_kwargs else old_group["initial_lr"]
                 mapping[id(opt)] = new
                 self._replaced.append(new)
                 rank_zero_info(f"MemoryEfficientOptimizer: {type(opt).__name__} -> {type(new).__name__}")
@@ -83,6 +82,8 @@ class MemoryEfficientOptimizer(L.Callback):
                 return type(obj)(walk(v) for v in obj)
             if isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):  # LR scheduler
                 obj.optimizer = swap(obj.optimizer)
+                if "lr" in self.optimizer_kwargs and hasattr(obj, "base_lrs"):  # schedule from the new lr
+                    obj.base_lrs = [group["initial_lr"] for group in obj.optimizer.param_groups]
             return obj
 
         return walk(config)

@@ -92,14 +92,22 @@ class OptimizerInBackward(torch.optim.Optimizer):
             return closure()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as any optimizer, then hand each parameter's state back to its inner optimizer."""
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            for param in group["params"]:
+        """Load as any optimizer, then load each parameter's saved state into its inner optimizer.
+
+        The inner optimizer loads from the saved tensors themselves, so state it keeps in a dtype other
+        than the parameter's (e.g. float32 state of bfloat16 weights under stochastic rounding) is not
+        cast on the way.
+        """
+        super().load_state_dict(state_dict)  # groups; ids in saved order
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for saved_id, param in zip(saved_group["params"], group["params"]):
                 inner_opt = self.inner_optimizers.get(param)
                 if inner_opt is None:
                     continue
-                inner_opt.state[param] = self.state[param]
+                inner_group = {**{k: v for k, v in inner_opt.param_groups[0].items() if k != "params"}, "params": [0]}
+                saved_state = state_dict["state"].get(saved_id)
+                inner_opt.load_state_dict({"state": {0: saved_state} if saved_state else {}, "param_groups": [inner_group]})
+                self.state[param] = inner_opt.state[param]
                 for key in ("lr", "weight_decay"):
                     if key in group and key in inner_opt.param_groups[0]:
                         value = inner_opt.param_groups[0][key]

@@ -2,7 +2,10 @@
 
 Memory per fp32 parameter (state only): ``adamw``/``adam`` 8 B, ``adamw8bit`` ~2 B, ``adamw4bit`` ~1 B,
 ``adafactor`` ~O(rows + cols) per matrix, ``sgd`` 4 B (momentum). ``adamw_bf16_sr`` is AdamW for bf16
-weights (``precision="bf16-true"``) with stochastic rounding of the update, so small updates are not lost.
+weights (``precision="bf16-true"``) with stochastic rounding of the update, so small updates are not lost;
+``adafactor_bf16_sr`` is Adafactor stepped in float32 per parameter and stored with stochastic rounding
+(:class:`~lightning_lowmem.functional.stochastic_rounding.StochasticRounding`): almost no state at all.
+Adafactor's ``lr`` is a step size *relative* to each parameter's RMS (default 0.01; 0.05 on charlm).
 ``*_in_backward`` names step each parameter inside backward and free its gradient at once
 (:class:`~lightning_lowmem.functional.in_backward.OptimizerInBackward`).
 """
@@ -34,6 +37,15 @@ def _adafactor(params: Any, **kw: Any) -> torch.optim.Optimizer:
     return torch.optim.Adafactor(params, **kw)
 
 
+def _stochastic_rounding(inner: str) -> Callable[..., torch.optim.Optimizer]:
+    def build(params: Any, **kw: Any) -> torch.optim.Optimizer:
+        from lightning_lowmem.functional.stochastic_rounding import StochasticRounding
+
+        return StochasticRounding(params, **{"inner": inner, **kw})
+
+    return build
+
+
 def _in_backward(inner: str) -> Callable[..., torch.optim.Optimizer]:
     def build(params: Any, **kw: Any) -> torch.optim.Optimizer:
         from lightning_lowmem.functional.in_backward import OptimizerInBackward
@@ -51,11 +63,13 @@ _BUILDERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw4bit": _torchao_optim("AdamW4bit"),
     "adafactor": _adafactor,
     "adamw_bf16_sr": _adamw_bf16_sr,
+    "adafactor_bf16_sr": _stochastic_rounding("adafactor"),
     "adamw_in_backward": _in_backward("adamw"),
     "adamw8bit_in_backward": _in_backward("adamw8bit"),
     "adamw4bit_in_backward": _in_backward("adamw4bit"),
     "sgd_in_backward": _in_backward("sgd"),
     "adafactor_in_backward": _in_backward("adafactor"),
+    "adafactor_bf16_sr_in_backward": _in_backward("adafactor_bf16_sr"),
 }
 
 

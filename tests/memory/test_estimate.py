@@ -175,7 +175,7 @@ def test_low_bit_optimizer_estimate_after_a_compiled_real_step():
     assert low_bit.breakdown["parameters"] == full.breakdown["parameters"]
 
 
-@pytest.mark.parametrize("optimizer", ["adafactor", "adafactor_in_backward"])
+@pytest.mark.parametrize("optimizer", ["adafactor", "adafactor_in_backward", "adafactor_bf16_sr", "adafactor_bf16_sr_in_backward"])
 def test_adafactor_scalars_do_not_stop_the_estimate(optimizer):
     """Adafactor reads step counts and norms with ``.item()``; only values depend on them, not memory."""
     from lightning_lowmem.functional.optimizers import build_optimizer
