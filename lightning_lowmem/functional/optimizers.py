@@ -5,7 +5,9 @@ Memory per fp32 parameter (state only): ``adamw``/``adam`` 8 B, ``adamw8bit`` ~2
 weights (``precision="bf16-true"``) with stochastic rounding of the update, so small updates are not lost;
 ``adafactor_bf16_sr`` is Adafactor stepped in float32 per parameter and stored with stochastic rounding
 (:class:`~lightning_lowmem.functional.stochastic_rounding.StochasticRounding`): almost no state at all.
-Adafactor's ``lr`` is a step size *relative* to each parameter's RMS (default 0.01; 0.05 on charlm).
+Adafactor's ``lr`` is a step size *relative* to each parameter's RMS (default 0.01; 0.05 on charlm); its
+``eps1`` defaults to float32's machine epsilon for every parameter dtype (torch uses the parameter dtype's,
+which for bf16 weights floors the variance estimate and stalls training).
 ``*_in_backward`` names step each parameter inside backward and free its gradient at once
 (:class:`~lightning_lowmem.functional.in_backward.OptimizerInBackward`).
 """
@@ -34,6 +36,9 @@ def _adamw_bf16_sr(params: Any, **kw: Any) -> torch.optim.Optimizer:
 
 def _adafactor(params: Any, **kw: Any) -> torch.optim.Optimizer:
     kw.setdefault("lr", 1e-2)
+    # torch's eps1 default is the *parameter* dtype's epsilon: 0.0078 for bf16 weights, whose square then
+    # floors every variance estimate and shrinks most updates to nothing. float32's epsilon for all dtypes.
+    kw.setdefault("eps", (torch.finfo(torch.float32).eps, 1e-3))
     return torch.optim.Adafactor(params, **kw)
 
 

@@ -56,3 +56,22 @@ def test_adamw8bit_state_smaller_and_checkpoint_roundtrip():
     opt2.load_state_dict(sd)
     p = next(model.parameters())
     assert torch.equal(opt2.state[p]["exp_avg"].dequantize(), opt.state[p]["exp_avg"].dequantize())
+
+
+def test_adafactor_steps_bf16_weights_like_float32_ones():
+    """torch's eps1 default (the parameter dtype's epsilon, 0.0078 for bf16) would floor the variance of small
+    gradients and shrink their updates ~100x; the builder uses float32's epsilon for every dtype."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 64)
+    grad = 1e-4 * torch.randn(64, 64)
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        param = torch.nn.Parameter(weight.to(dtype, copy=True))
+        param.grad = grad.to(dtype)
+        build_optimizer("adafactor", [param], lr=0.05).step()
+        moved[dtype] = (param.float() - weight.to(dtype).float()).abs().mean().item()
+    assert moved[torch.bfloat16] == pytest.approx(moved[torch.float32], rel=0.1)
+    param = torch.nn.Parameter(weight.to(torch.bfloat16))
+    param.grad = grad.to(torch.bfloat16)
+    torch.optim.Adafactor([param], lr=0.05).step()  # torch's own default, for contrast
+    assert (param.float() - weight.to(torch.bfloat16).float()).abs().mean().item() < 0.2 * moved[torch.float32]
