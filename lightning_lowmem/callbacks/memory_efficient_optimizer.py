@@ -25,21 +25,37 @@ class MemoryEfficientOptimizer(L.Callback):
     Args:
         optimizer: a name from :func:`~lightning_lowmem.functional.optimizers.available_optimizers`
             (e.g. ``"adamw8bit"``, ``"adafactor"``, ``"adamw_in_backward"``). Default: ``"adamw8bit"``.
-        **optimizer_kwargs: extra arguments for the new optimizer (override the group values).
+        lr: learning rate for the new optimizer, replacing the configured one (LR schedulers then start
+            from it). Needed when the new optimizer reads ``lr`` differently, e.g. Adafactor's step size
+            relative to each weight's RMS. Default: ``None`` (keep the configured ``lr``).
+        weight_decay: likewise for weight decay. Default: ``None`` (keep the configured value).
+        **optimizer_kwargs: further arguments for the new optimizer (Python only; LightningCLI reads the
+            named arguments).
 
     Raises:
-        ValueError: unknown ``optimizer``.
+        ValueError: unknown ``optimizer``, or a negative ``lr`` / ``weight_decay``.
 
     Example::
 
-        >>> cb = MemoryEfficientOptimizer("adafactor")
-        >>> cb.optimizer
-        'adafactor'
+        >>> cb = MemoryEfficientOptimizer("adafactor_in_backward", lr=0.05)
+        >>> cb.optimizer, cb.optimizer_kwargs
+        ('adafactor_in_backward', {'lr': 0.05})
     """
 
-    def __init__(self, optimizer: str = "adamw8bit", **optimizer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        optimizer: str = "adamw8bit",
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
         if not isinstance(optimizer, str) or optimizer.lower() not in available_optimizers():
             raise ValueError(f"`optimizer`={optimizer!r} is unknown; choose one of {available_optimizers()}")
+        for name, value in (("lr", lr), ("weight_decay", weight_decay)):
+            if value is not None:
+                if value < 0:
+                    raise ValueError(f"`{name}` must be >= 0, got {value}")
+                optimizer_kwargs[name] = value
         self.optimizer = optimizer.lower()
         self.optimizer_kwargs = optimizer_kwargs
         self._module: L.LightningModule | None = None

@@ -98,12 +98,13 @@ def _charlm_run(
     settings: DemoSettings,
     precision: str = "32-true",
     optimizer: str = "adamw",
+    lr: float = 3e-3,
     callbacks: Callable[[], list[Any]] = list,
 ) -> DemoRun:
     torch.manual_seed(0)
     monitor = MemoryMonitor(deep_every_n_steps=settings.deep_every, summary=False)
     timer = StepTimer(skip_first=3)
-    model = CharLM(**CHARLM, optimizer=optimizer)
+    model = CharLM(**CHARLM, optimizer=optimizer, lr=lr)
     trainer = _trainer(
         max_steps=settings.charlm_steps,
         callbacks=[monitor, timer, *callbacks()],
@@ -134,10 +135,9 @@ def _charlm_stack() -> list[Any]:
     return [ActivationCheckpointing("Block"), ActivationCompression("int8", log_stats=False)]
 
 
-# AdamW stepped inside backward: gradients are freed one parameter at a time. (The smallest stack,
-# `examples/configs/full_stack.yaml`, adds nested checkpointing and 4-bit state; torchao compiles that
-# optimizer's step on first use, minutes on a CPU, too slow for a demo.)
-STACK_OPTIMIZER = "adamw_in_backward"
+# The full stack of examples/configs/full_stack.yaml: Adafactor (factored state) stepped inside backward, so
+# gradients are freed one parameter at a time; its lr is relative to each weight's RMS.
+STACK_OPTIMIZER, STACK_LR = "adafactor_in_backward", 0.05
 
 
 def charlm_runs(settings: DemoSettings) -> list[DemoRun]:
@@ -149,6 +149,7 @@ def charlm_runs(settings: DemoSettings) -> list[DemoRun]:
             settings,
             precision="bf16-true",
             optimizer=STACK_OPTIMIZER,
+            lr=STACK_LR,
             callbacks=_charlm_stack,
         ),
     ]
