@@ -174,6 +174,7 @@ class _LowMemoryOptions:
             if value is not None
         }
         self._optimizer_swap: Any = None
+        self._microbatch: Any = None  # AutoMicrobatch run for a plan with micro-batches
         self._loader_checked = False
 
     # ------------------------------------------------------------------ setup / teardown
@@ -236,6 +237,12 @@ class _LowMemoryOptions:
         self.activation_compression = config.activation_compression
         if config.optimizer != baseline_optimizer:
             self.optimizer_name = config.optimizer
+        if config.micro_batch_size is not None:  # whole batches cannot fit: run them in micro-batches
+            from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch
+
+            self._microbatch = AutoMicrobatch(micro_batch_size=config.micro_batch_size)
+            self._microbatch.setup(trainer, module, "fit")  # Lightning's setup hooks ran already
+            trainer.callbacks.append(self._microbatch)  # its batch hooks and on_fit_start run from here on
         self.plan = plan
         baseline = plan.baseline.predicted_peak_bytes if plan.baseline is not None else None
         rank_zero_info(
@@ -267,6 +274,12 @@ class _LowMemoryOptions:
         if self._optimizer_swap is not None:
             self._optimizer_swap.teardown(None, module, "fit")  # restores configure_optimizers
             self._optimizer_swap = None
+        if self._microbatch is not None:
+            self._microbatch.teardown(None, module, "fit")  # restores training_step (idempotent)
+            trainer = getattr(module, "_trainer", None) if module is not None else None
+            if trainer is not None and self._microbatch in trainer.callbacks:
+                trainer.callbacks.remove(self._microbatch)
+            self._microbatch = None
 
     # ------------------------------------------------------------------ per step
     def _compression_context(self) -> Any:

@@ -4,7 +4,10 @@ The strategy takes one training batch, asks :func:`~lightning_lowmem.memory.plan
 cheapest :class:`~lightning_lowmem.memory.estimate.TrainingConfig` whose estimated peak fits, and
 applies it with the same transforms as the explicit options. What the user set explicitly
 (``precision``, ``activation_checkpointing``, ``activation_compression``, ``optimizer``) is kept
-fixed; the planner searches the rest.
+fixed; the planner searches the rest. Micro-batching is the last resort: only when no configuration
+fits whole batches does the planner also try micro-batches (B/2, B/4, ..., 1), which the strategy then
+runs with :class:`~lightning_lowmem.callbacks.auto_microbatch.AutoMicrobatch` (same effective batch,
+same optimizer steps). Not with an optimizer-in-backward, which steps on every backward.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def plan_for_budget(
             ``activation_checkpointing``, ``activation_compression``, ``optimizer``.
 
     Returns:
-        A :class:`~lightning_lowmem.memory.plan.Plan`; its ``config.micro_batch_size`` is ``None``.
+        A :class:`~lightning_lowmem.memory.plan.Plan`; ``config.micro_batch_size`` is ``None`` unless
+        whole batches cannot fit.
 
     Raises:
         ValueError: no configuration fits; the message names the budget and the smallest estimate.
@@ -48,7 +52,7 @@ def plan_for_budget(
 
     if precision not in PRECISIONS:
         precision = "32-true"
-    axes: dict[str, Any] = {"micro_batch_sizes": [None]}  # the strategy cannot split batches (yet)
+    axes: dict[str, Any] = {}
     if "precision" in fixed:
         axes["precisions"] = [fixed["precision"]]
     if "activation_checkpointing" in fixed:
@@ -57,11 +61,24 @@ def plan_for_budget(
         axes["compressions"] = [fixed["activation_compression"]]
     if "optimizer" in fixed:
         axes["optimizers"] = [fixed["optimizer"]]
+
+    def plan(micro_batch_sizes: list[int | None] | None) -> Any:
+        return plan_memory(module, batch, budget, device=device, precision=precision, optimizer=optimizer,
+                           micro_batch_sizes=micro_batch_sizes, **axes)  # fmt: skip
+
     try:
-        return plan_memory(module, batch, budget, device=device, precision=precision, optimizer=optimizer, **axes)
-    except ValueError as err:
-        raise ValueError(
-            f"LowMemoryStrategy(memory_budget={budget!r}) cannot train {type(module).__name__} within the budget: "
-            f"{err} The strategy does not split batches: a smaller DataLoader batch_size (with "
-            f"Trainer(accumulate_grad_batches=...) to keep the effective batch) lowers the activations."
-        ) from err
+        return plan([None])
+    except ValueError as whole_batches:
+        if "in_backward" in optimizer:
+            raise ValueError(
+                f"LowMemoryStrategy(memory_budget={budget!r}) cannot train {type(module).__name__} within the budget: "
+                f"{whole_batches} Micro-batches are not tried with optimizer={optimizer!r} (it steps on every "
+                "backward): a smaller DataLoader batch_size lowers the activations."
+            ) from whole_batches
+        try:
+            return plan(None)  # None: the planner's micro-batch sizes B/2, B/4, ..., 1 as well
+        except ValueError as err:
+            raise ValueError(
+                f"LowMemoryStrategy(memory_budget={budget!r}) cannot train {type(module).__name__} within the "
+                f"budget, not even in micro-batches of 1 sample: {err}"
+            ) from err

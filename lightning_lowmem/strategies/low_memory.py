@@ -20,8 +20,8 @@ Registered in Lightning's ``StrategyRegistry`` as ``"lowmem"``, ``"lowmem_ddp"``
   and ``zero_optimizer=True`` shards optimizer state with ``ZeroRedundancyOptimizer`` (ZeRO-1);
   checkpoints hold the full state, so a run resumes on any number of processes.
 
-Not done: splitting batches into micro-batches for a budget (the planner is not offered micro-batch
-sizes; an impossible budget says to lower the batch size).
+When no mix fits whole batches, ``memory_budget`` also plans micro-batches (B/2, B/4, ..., 1) and runs
+them with ``AutoMicrobatch`` (same effective batch and optimizer steps); not with optimizer-in-backward.
 """
 
 from __future__ import annotations

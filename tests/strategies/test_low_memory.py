@@ -253,3 +253,52 @@ print(type(L.Trainer(strategy="lowmem_ddp_spawn", accelerator="cpu", devices=2).
 def test_docstring_examples_run():
     assert doctest.testmod(low_memory).failed == 0
     assert doctest.testmod(prefetch, extraglobs={"torch": torch}).failed == 0
+
+
+class _ActivationHeavy(_Wide):
+    """A wide MLP on big batches: activations, not weights, make its peak (what micro-batches shrink)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64))
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(2048, 64, generator=generator), torch.randn(2048, 64, generator=generator))
+        return torch.utils.data.DataLoader(data, batch_size=1024)
+
+
+def test_memory_budget_falls_back_to_micro_batches_when_whole_batches_cannot_fit(tiny_trainer_kwargs, caplog):
+    from lightning_lowmem.memory.estimate import estimate_memory
+
+    torch.manual_seed(0)
+    model = _ActivationHeavy()
+    batch = next(iter(model.train_dataloader()))
+    fixed = dict(precision="32-true", optimizer="adamw", activation_compression="int8")
+    whole = estimate_memory(model, batch, device="cpu", **{k: v for k, v in fixed.items()}).peak_bytes
+    quarter = estimate_memory(model, batch, device="cpu", micro_batch_size=256, **fixed).peak_bytes
+    budget = (whole + quarter) // 2
+    reference = _ActivationHeavy()
+    reference.load_state_dict(model.state_dict())
+
+    strategy = LowMemoryStrategy(memory_budget=budget, **fixed)
+    tracker = _TrackTraining()
+    trainer = L.Trainer(strategy=strategy, max_steps=2, callbacks=[tracker], **tiny_trainer_kwargs)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model)
+    assert trainer.global_step == 2  # same optimizer steps as whole batches
+    assert strategy.plan.config.micro_batch_size in (512, 256)
+    assert tracker.report.peak_bytes < budget < whole
+    assert "training_step" not in vars(model) and not any(type(c).__name__ == "AutoMicrobatch" for c in trainer.callbacks)
+
+    plain = L.Trainer(strategy=LowMemoryStrategy(**fixed), max_steps=2, **tiny_trainer_kwargs)
+    plain.fit(reference)  # the same effective batch without a budget: the same weights up to summation order
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_memory_budget_with_optimizer_in_backward_does_not_try_micro_batches(tiny_trainer_kwargs):
+    trainer = L.Trainer(strategy=LowMemoryStrategy(memory_budget="64KiB", optimizer="adamw_in_backward"), max_steps=1,
+                        **tiny_trainer_kwargs)
+    with pytest.raises(ValueError, match=r"Micro-batches are not tried with optimizer='adamw_in_backward'"):
+        trainer.fit(_Wide())
