@@ -175,6 +175,7 @@ class _LowMemoryOptions:
         }
         self._optimizer_swap: Any = None
         self._microbatch: Any = None  # AutoMicrobatch run for a plan with micro-batches
+        self._microbatch_owner: list[Any] = []  # the trainer's callback list it was added to
         self._loader_checked = False
 
     # ------------------------------------------------------------------ setup / teardown
@@ -243,6 +244,7 @@ class _LowMemoryOptions:
             self._microbatch = AutoMicrobatch(micro_batch_size=config.micro_batch_size)
             self._microbatch.setup(trainer, module, "fit")  # Lightning's setup hooks ran already
             trainer.callbacks.append(self._microbatch)  # its batch hooks and on_fit_start run from here on
+            self._microbatch_owner = trainer.callbacks
         self.plan = plan
         baseline = plan.baseline.predicted_peak_bytes if plan.baseline is not None else None
         rank_zero_info(
@@ -276,9 +278,8 @@ class _LowMemoryOptions:
             self._optimizer_swap = None
         if self._microbatch is not None:
             self._microbatch.teardown(None, module, "fit")  # restores training_step (idempotent)
-            trainer = getattr(module, "_trainer", None) if module is not None else None
-            if trainer is not None and self._microbatch in trainer.callbacks:
-                trainer.callbacks.remove(self._microbatch)
+            if self._microbatch in self._microbatch_owner:
+                self._microbatch_owner.remove(self._microbatch)
             self._microbatch = None
 
     # ------------------------------------------------------------------ per step
