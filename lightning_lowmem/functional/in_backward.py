@@ -108,13 +108,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 saved_state = state_dict["state"].get(saved_id)
                 inner_opt.load_state_dict({"state": {0: saved_state} if saved_state else {}, "param_groups": [inner_group]})
                 self.state[param] = inner_opt.state[param]
-                for key in ("lr", "weight_decay"):
-                    if key in group and key in inner_opt.param_groups[0]:
-                        value = inner_opt.param_groups[0][key]
-                        if isinstance(value, torch.Tensor):
-                            value.fill_(float(group[key]))
-                        else:
-                            inner_opt.param_groups[0][key] = group[key]
+                # lr / weight_decay reach the inner group in the hook, before every inner step
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks: after this, backward leaves ``.grad`` in place and steps nothing."""
