@@ -36,9 +36,12 @@ def quantize_base_layers_(module: nn.Module, layers: dict[str, nn.Linear], quant
     """Quantize the base weights of ``layers`` (qualified name -> adapter layer of ``module``), frozen."""
     from torchao.quantization import quantize_
 
+    from lightning_lowmem.functional.quantization import drop_zero_point
+
     for name, layer in layers.items():  # one config per layer: int4's group size depends on in_features
         config = torchao_config(quantize_base, layer.in_features)
         quantize_(module, config, filter_fn=lambda sub, fqn, name=name: fqn == name and sub is layers[name])
+        drop_zero_point(layer.weight)  # int8: torchao's all-zero symmetric zero points, one byte per row
         layer.weight.requires_grad_(False)
 
 

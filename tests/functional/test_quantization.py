@@ -14,12 +14,16 @@ from lightning_lowmem.functional.quantization import (
     available_modes,
     convert_qat_,
     dequantize_,
+    drop_zero_point,
+    drop_zero_points_,
     prepare_qat_,
     quantize_,
     quantized_copy,
     search_float_fallback,
+    torchao_config,
 )
 from lightning_lowmem.functional.quantization_static import quantize_static
+from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.warnings import NoEffectWarning
 
 warnings.filterwarnings("ignore", module="torchao")
@@ -107,6 +111,36 @@ def test_no_quantizable_layer_warns_and_changes_nothing(tiny_convnet):
     with pytest.warns(NoEffectWarning, match="no quantizable nn.Linear"):
         report = quantize_(tiny_convnet, "int8_dynamic")
     assert report.converted == [] and report.bytes_after == report.bytes_before
+
+
+@pytest.mark.parametrize("mode", ["int8_dynamic", "int8_weight_only"])
+def test_int8_weights_drop_torchaos_zero_points_with_identical_outputs(mode):
+    from torchao.quantization import quantize_ as torchao_quantize_
+
+    model = wide_mlp()
+    reference = copy.deepcopy(model)
+    torchao_quantize_(reference, torchao_config(mode))
+    assert not reference[0].weight.zero_point.any()  # torchao keeps an all-zero int8 zero point per row
+    report = quantize_(model, mode)
+    inputs = torch.randn(16, 256)
+    assert model[0].weight.zero_point is None and model[2].weight.zero_point is None
+    assert torch.equal(model(inputs), reference(inputs))
+    rows, int8_values = 256 + 64, 256 * 256 + 64 * 256
+    assert report.bytes_after == int8_values + 4 * rows + 4 * rows  # int8 values, fp32 scale per row, fp32 biases
+    assert state_bytes(reference)["parameters"] - report.bytes_after == rows  # one byte per row freed
+
+
+def test_drop_zero_points_leaves_nonzero_and_required_zero_points():
+    model = wide_mlp()
+    quantize_(model, "intx4_weight_only")  # IntxUnpackedToInt8Tensor: zero point is not optional
+    assert drop_zero_points_(model) == 0 and model[0].weight.zero_point is not None
+    model = wide_mlp()
+    quantize_(model, "int8_weight_only")
+    assert drop_zero_points_(model) == 0  # already dropped
+    weight = model[0].weight
+    weight.zero_point = torch.ones_like(weight.scale, dtype=torch.int8)  # an asymmetric one is kept
+    assert drop_zero_point(weight) == 0 and weight.zero_point is not None
+    assert drop_zero_point(torch.zeros(3)) == 0
 
 
 @pytest.mark.parametrize("mode", ["int8_dynamic", "int8_weight_only", "intx4_weight_only"])
@@ -260,3 +294,12 @@ def test_embedding_save_load_and_dequantize(mode):
     assert torch.equal(restored(tokens), model(tokens))
     assert dequantize_(model) == ["0", "1"] and type(model[0].weight) is nn.Parameter
     assert torch.equal(model[0](tokens), restored[0](tokens))  # the lookup dequantizes the same int8 rows
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import lightning_lowmem.functional.quantization as module
+
+    result = doctest.testmod(module, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 4 and result.failed == 0
