@@ -13,11 +13,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_lowmem.callbacks import _quantized_checkpoint_io
 from lightning_lowmem.functional.quantization import (
     MODES,
     QuantizationReport,
     _include_embeddings,
     _quantize_layers,
+    drop_zero_point,
     measure_latency,
     quantizable_layers,
     quantize_,
@@ -27,7 +29,7 @@ from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.memory.units import format_bytes
 from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
-__all__ = ["PostTrainingQuantization", "load_quantized_checkpoint"]
+__all__ = ["PostTrainingQuantization", "load_quantized_checkpoint", "quantize_like_checkpoint"]
 
 CHECKPOINT_KEY = "lowmem_quantization"
 _STATIC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
@@ -66,7 +68,10 @@ class PostTrainingQuantization(L.Callback):
 
     Checkpoints: the quantized weights are saved as torchao tensors. When the same callback is in a
     Trainer that loads such a checkpoint (``fit/validate/test(ckpt_path=...)``), it quantizes the
-    matching layers before the weights load. Without a Trainer use :func:`load_quantized_checkpoint`.
+    matching layers before the weights load (and, while a stage runs, has Lightning's plain
+    ``TorchCheckpointIO`` load with ``map_location="cpu"``: torch cannot rebuild torchao tensors through
+    Lightning's callable one). Without a Trainer use :func:`load_quantized_checkpoint`, or call
+    :func:`quantize_like_checkpoint` in ``on_load_checkpoint`` for ``load_from_checkpoint``.
     An ``int8_static`` model is for inference in this process: keep the float checkpoint to reload.
 
     Args:
@@ -155,6 +160,7 @@ class PostTrainingQuantization(L.Callback):
         self.quantized: list[str] = []
         self.summary: dict[str, Any] = {}
         self._hook_handle: Any = None
+        self._replaced_io: Any = None
 
     @property
     @override
@@ -176,6 +182,8 @@ class PostTrainingQuantization(L.Callback):
                 ) from None
         if self._hook_handle is None:
             self._hook_handle = pl_module.register_load_state_dict_pre_hook(self._quantize_before_load)
+        if self._replaced_io is None:  # so that `ckpt_path=` may hold quantized tensors
+            self._replaced_io = _quantized_checkpoint_io.swap_in(trainer)
 
     def _quantize_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Quantize the layers whose incoming weights are torchao tensors, so they load in place."""
@@ -189,12 +197,16 @@ class PostTrainingQuantization(L.Callback):
         if names:
             _quantize_layers(module, self.mode, names, group_size=self.group_size)
             self.quantized = sorted(set(self.quantized) | set(names))
+            for fqn in names:  # a checkpoint written with torchao's all-zero zero points loads too
+                drop_zero_point(state_dict[f"{prefix}{fqn}.weight"])
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
+        _quantized_checkpoint_io.swap_back(trainer, self._replaced_io)
+        self._replaced_io = None
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -426,13 +438,63 @@ class PostTrainingQuantization(L.Callback):
             if figures is None:
                 rows.append(f"{label:10} {'(not applied: tolerance not met)':>38}")
                 continue
-            metric = figures.get("metric")
+            metric, latency = figures.get("metric"), figures["latency_s"]
             rows.append(
-                f"{label:10} {format_bytes(figures['bytes']):>12} {figures['latency_s'] * 1e3:>11.3f} ms "
+                f"{label:10} {format_bytes(figures['bytes']):>12} "
+                f"{(f'{latency * 1e3:.3f} ms' if latency == latency else '-'):>14} "  # nan: not timed
                 f"{(f'{metric:.4f}' if metric is not None else '-'):>10}"
             )
         rows.append(f"layers kept in float: {kept or 'none'}")
         return "\n".join(rows)
+
+
+def _checkpoint_spec(checkpoint: dict[str, Any], source: str) -> dict[str, Any] | None:
+    spec = checkpoint.get(CHECKPOINT_KEY)
+    if spec and spec["mode"] == "int8_static":
+        raise ValueError(
+            f"{source} was saved after PostTrainingQuantization(mode='int8_static'): an exported int8 graph cannot "
+            "be rebuilt from a checkpoint. Load the float checkpoint and quantize again."
+        )
+    return spec
+
+
+def quantize_like_checkpoint(module: nn.Module, checkpoint: dict[str, Any]) -> list[str]:
+    """Quantize ``module``'s layers the way a checkpoint saved after :class:`PostTrainingQuantization`
+    records, so that its ``state_dict`` loads; a float checkpoint changes nothing.
+
+    Lightning calls ``LightningModule.on_load_checkpoint`` before it loads the weights, so calling this
+    from that hook makes ``Model.load_from_checkpoint(path, map_location="cpu")`` return the quantized
+    model (``map_location`` must not be a callable, Lightning's default: torch cannot rebuild torchao
+    tensors through one). Layers already quantized are left as they are.
+
+    Args:
+        module: the model the checkpoint's ``state_dict`` belongs to.
+        checkpoint: the loaded checkpoint dict.
+
+    Returns:
+        Names of the layers quantized now.
+
+    Raises:
+        ValueError: the checkpoint was saved after ``mode="int8_static"``.
+
+    Example::
+
+        class QuantizedClassifier(DigitsClassifier):
+            def on_load_checkpoint(self, checkpoint):
+                quantize_like_checkpoint(self, checkpoint)
+
+        model = QuantizedClassifier.load_from_checkpoint("quantized.ckpt", map_location="cpu")
+    """
+    spec = _checkpoint_spec(checkpoint, "the checkpoint")
+    if not spec:
+        return []
+    candidates = set(quantizable_layers(module, spec["mode"], group_size=spec["group_size"], embeddings=True))
+    names = [name for name in spec["quantized"] if name in candidates]
+    if names:
+        _quantize_layers(module, spec["mode"], names, group_size=spec["group_size"])
+    for name in spec["quantized"]:  # a checkpoint written with torchao's all-zero zero points loads too
+        drop_zero_point(checkpoint.get("state_dict", {}).get(f"{name}.weight"))
+    return names
 
 
 def load_quantized_checkpoint(
@@ -452,14 +514,8 @@ def load_quantized_checkpoint(
         **kwargs: override hyper-parameters.
     """
     checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=weights_only)
-    spec = checkpoint.get(CHECKPOINT_KEY)
-    if spec and spec["mode"] == "int8_static":
-        raise ValueError(
-            f"{checkpoint_path!r} was saved after PostTrainingQuantization(mode='int8_static'): an exported int8 "
-            "graph cannot be rebuilt from a checkpoint. Load the float checkpoint and quantize again."
-        )
+    _checkpoint_spec(checkpoint, repr(checkpoint_path))
     model = model_class(**{**checkpoint.get("hyper_parameters", {}), **kwargs})
-    if spec:
-        _quantize_layers(model, spec["mode"], spec["quantized"], group_size=spec["group_size"])
+    quantize_like_checkpoint(model, checkpoint)
     model.load_state_dict(checkpoint["state_dict"])
     return model

@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_lowmem.callbacks import _quantized_checkpoint_io
 from lightning_lowmem.functional.quantization import (
     QAT_MODES,
     QuantizationReport,
@@ -94,6 +95,7 @@ class QuantizationAwareTraining(L.Callback):
         self.report: QuantizationReport | None = None
         self._handles: list[Any] = []
         self._reconvert: list[str] = []
+        self._replaced_io: Any = None
 
     @property
     @override
@@ -107,6 +109,8 @@ class QuantizationAwareTraining(L.Callback):
                 pl_module.register_load_state_dict_pre_hook(self._match_before_load),
                 pl_module.register_load_state_dict_post_hook(self._reconvert_after_load),
             ]
+        if self._replaced_io is None:  # so that `ckpt_path=` may hold converted (quantized) weights
+            self._replaced_io = _quantized_checkpoint_io.swap_in(trainer)
         if stage != "fit":
             return
         if self.converted:  # fit called again: continue training from the quantized weights
@@ -177,6 +181,8 @@ class QuantizationAwareTraining(L.Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        _quantized_checkpoint_io.swap_back(trainer, self._replaced_io)
+        self._replaced_io = None
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -11,7 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_lowmem.callbacks.post_training_quantization import PostTrainingQuantization, load_quantized_checkpoint
+from lightning_lowmem.callbacks.post_training_quantization import (
+    PostTrainingQuantization,
+    load_quantized_checkpoint,
+    quantize_like_checkpoint,
+)
 from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
 warnings.filterwarnings("ignore", module="torchao")
@@ -121,10 +125,54 @@ def test_checkpoint_restores_quantized_model(mode, tiny_trainer_kwargs, tmp_path
     trainer.save_checkpoint(path)
     inputs = torch.randn(4, 64)
     expected = module(inputs)
-    # Lightning's own ckpt_path loading passes a callable map_location, which torch cannot use to
-    # rebuild tensor subclasses: load_quantized_checkpoint is the supported path (see docs).
     loaded = load_quantized_checkpoint(ErrorModule, path, weights_only=False)
     assert torch.allclose(loaded(inputs), expected, atol=1e-6)
+
+
+def with_torchao_zero_points(path, out_path):
+    """Rewrite a saved checkpoint as torchao's defaults store it: an all-zero zero point per int8 row."""
+    checkpoint = torch.load(path, weights_only=True)
+    for value in checkpoint["state_dict"].values():
+        if type(value).__name__ == "Int8Tensor":
+            value.zero_point = torch.zeros_like(value.scale, dtype=torch.int8)
+    torch.save(checkpoint, out_path)
+    return str(out_path)
+
+
+def test_trainer_ckpt_path_restores_quantized_model(tiny_trainer_kwargs, tmp_path):
+    trainer, module = fit(PostTrainingQuantization("int8_dynamic", latency_batches=0), tiny_trainer_kwargs)
+    path = str(tmp_path / "quantized.ckpt")
+    trainer.save_checkpoint(path)
+    inputs = torch.randn(4, 64)
+    for ckpt_path in (path, with_torchao_zero_points(path, tmp_path / "torchao_defaults.ckpt")):
+        fresh = ErrorModule()
+        callback = PostTrainingQuantization("int8_dynamic", latency_batches=0)
+        checker = L.Trainer(callbacks=[callback], **tiny_trainer_kwargs)
+        results = checker.validate(fresh, ckpt_path=ckpt_path, verbose=False)
+        assert type(fresh.fc1.weight).__name__ == "Int8Tensor" and fresh.fc1.weight.zero_point is None
+        assert torch.equal(fresh(inputs), module(inputs)) and results[0]["val_err"] > 0
+        assert callback.quantized == ["fc1", "fc2"]
+        assert type(checker.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"  # put back at teardown
+
+
+class LoadsQuantized(ErrorModule):
+    def on_load_checkpoint(self, checkpoint):
+        quantize_like_checkpoint(self, checkpoint)
+
+
+def test_load_from_checkpoint_with_quantize_like_checkpoint(tiny_trainer_kwargs, tmp_path):
+    trainer, module = fit(PostTrainingQuantization("int8_weight_only", latency_batches=0), tiny_trainer_kwargs,
+                          module=LoadsQuantized())  # fmt: skip
+    path = str(tmp_path / "quantized.ckpt")
+    trainer.save_checkpoint(path)
+    inputs = torch.randn(4, 64)
+    for ckpt_path in (path, with_torchao_zero_points(path, tmp_path / "torchao_defaults.ckpt")):
+        loaded = LoadsQuantized.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+        assert type(loaded.fc2.weight).__name__ == "Int8Tensor"
+        assert torch.equal(loaded(inputs), module(inputs))
+        assert quantize_like_checkpoint(loaded, torch.load(ckpt_path, weights_only=True)) == []  # already quantized
+    float_checkpoint = {"state_dict": ErrorModule().state_dict()}
+    assert quantize_like_checkpoint(ErrorModule(), float_checkpoint) == []
 
 
 class WrapsModel(ErrorModule):

@@ -84,6 +84,19 @@ def test_test_with_ckpt_path_after_qat(tiny_trainer_kwargs, tmp_path):  # Lightn
     assert results[0]["test_loss"] > 0 and is_converted(module)
 
 
+def test_test_with_ckpt_path_of_converted_model(tiny_trainer_kwargs, tmp_path):
+    trainer = L.Trainer(callbacks=[QuantizationAwareTraining("intx4_weight_only")], max_steps=2, **tiny_trainer_kwargs)
+    module = TinyClassifier()
+    trainer.fit(module)
+    path = str(tmp_path / "converted.ckpt")
+    trainer.save_checkpoint(path)  # holds torchao tensors (converted at fit end)
+    fresh = TinyClassifier()
+    tester = L.Trainer(callbacks=[QuantizationAwareTraining("intx4_weight_only")], **tiny_trainer_kwargs)
+    results = tester.test(fresh, ckpt_path=path, verbose=False)
+    inputs = torch.randn(4, 32)
+    assert is_converted(fresh) and torch.equal(fresh(inputs), module(inputs)) and results[0]["test_loss"] > 0
+
+
 def test_works_with_scheduled_pruning(tiny_trainer_kwargs):  # Lightning #11047
     scheduled_pruning = pytest.importorskip("lightning_lowmem.callbacks.scheduled_pruning")
     from lightning_lowmem.functional.quantization import prepare_qat_
