@@ -13,7 +13,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.callbacks import _quantized_checkpoint_io
+from lightning_lowmem.callbacks import _quantized_checkpoints
+from lightning_lowmem.callbacks._quantized_checkpoints import (  # re-exported: the documented import path
+    CHECKPOINT_KEY,
+    load_quantized_checkpoint,
+    quantize_like_checkpoint,
+)
 from lightning_lowmem.functional.quantization import (
     MODES,
     QuantizationReport,
@@ -31,7 +36,6 @@ from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
 __all__ = ["PostTrainingQuantization", "load_quantized_checkpoint", "quantize_like_checkpoint"]
 
-CHECKPOINT_KEY = "lowmem_quantization"
 _STATIC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
 
@@ -183,7 +187,7 @@ class PostTrainingQuantization(L.Callback):
         if self._hook_handle is None:
             self._hook_handle = pl_module.register_load_state_dict_pre_hook(self._quantize_before_load)
         if self._replaced_io is None:  # so that `ckpt_path=` may hold quantized tensors
-            self._replaced_io = _quantized_checkpoint_io.swap_in(trainer)
+            self._replaced_io = _quantized_checkpoints.swap_in(trainer)
 
     def _quantize_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Quantize the layers whose incoming weights are torchao tensors, so they load in place."""
@@ -197,15 +201,16 @@ class PostTrainingQuantization(L.Callback):
         if names:
             _quantize_layers(module, self.mode, names, group_size=self.group_size)
             self.quantized = sorted(set(self.quantized) | set(names))
-            for fqn in names:  # a checkpoint written with torchao's all-zero zero points loads too
-                drop_zero_point(state_dict[f"{prefix}{fqn}.weight"])
+        for fqn, layer in module.named_modules():  # torchao's all-zero zero points where this model has none
+            if getattr(layer, "weight", None) is not None and getattr(layer.weight, "zero_point", 0) is None:
+                drop_zero_point(state_dict.get(f"{prefix}{fqn}.weight"))
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
-        _quantized_checkpoint_io.swap_back(trainer, self._replaced_io)
+        _quantized_checkpoints.swap_back(trainer, self._replaced_io)
         self._replaced_io = None
 
     @override
@@ -446,76 +451,3 @@ class PostTrainingQuantization(L.Callback):
             )
         rows.append(f"layers kept in float: {kept or 'none'}")
         return "\n".join(rows)
-
-
-def _checkpoint_spec(checkpoint: dict[str, Any], source: str) -> dict[str, Any] | None:
-    spec = checkpoint.get(CHECKPOINT_KEY)
-    if spec and spec["mode"] == "int8_static":
-        raise ValueError(
-            f"{source} was saved after PostTrainingQuantization(mode='int8_static'): an exported int8 graph cannot "
-            "be rebuilt from a checkpoint. Load the float checkpoint and quantize again."
-        )
-    return spec
-
-
-def quantize_like_checkpoint(module: nn.Module, checkpoint: dict[str, Any]) -> list[str]:
-    """Quantize ``module``'s layers the way a checkpoint saved after :class:`PostTrainingQuantization`
-    records, so that its ``state_dict`` loads; a float checkpoint changes nothing.
-
-    Lightning calls ``LightningModule.on_load_checkpoint`` before it loads the weights, so calling this
-    from that hook makes ``Model.load_from_checkpoint(path, map_location="cpu")`` return the quantized
-    model (``map_location`` must not be a callable, Lightning's default: torch cannot rebuild torchao
-    tensors through one). Layers already quantized are left as they are.
-
-    Args:
-        module: the model the checkpoint's ``state_dict`` belongs to.
-        checkpoint: the loaded checkpoint dict.
-
-    Returns:
-        Names of the layers quantized now.
-
-    Raises:
-        ValueError: the checkpoint was saved after ``mode="int8_static"``.
-
-    Example::
-
-        class QuantizedClassifier(DigitsClassifier):
-            def on_load_checkpoint(self, checkpoint):
-                quantize_like_checkpoint(self, checkpoint)
-
-        model = QuantizedClassifier.load_from_checkpoint("quantized.ckpt", map_location="cpu")
-    """
-    spec = _checkpoint_spec(checkpoint, "the checkpoint")
-    if not spec:
-        return []
-    candidates = set(quantizable_layers(module, spec["mode"], group_size=spec["group_size"], embeddings=True))
-    names = [name for name in spec["quantized"] if name in candidates]
-    if names:
-        _quantize_layers(module, spec["mode"], names, group_size=spec["group_size"])
-    for name in spec["quantized"]:  # a checkpoint written with torchao's all-zero zero points loads too
-        drop_zero_point(checkpoint.get("state_dict", {}).get(f"{name}.weight"))
-    return names
-
-
-def load_quantized_checkpoint(
-    model_class: type[L.LightningModule], checkpoint_path: str, *, map_location: Any = "cpu", weights_only: bool | None = None, **kwargs: Any
-) -> L.LightningModule:
-    """Rebuild a LightningModule from a checkpoint saved after :class:`PostTrainingQuantization`.
-
-    Builds ``model_class(**hyper_parameters, **kwargs)``, quantizes the layers the checkpoint records
-    (Linear and Embedding) with the recorded mode, then loads the weights (a float checkpoint loads as float).
-
-    Args:
-        model_class: the LightningModule class (it must save its hyper-parameters).
-        checkpoint_path: the ``.ckpt`` file.
-        map_location: passed to ``torch.load``. Default: ``"cpu"``.
-        weights_only: passed to ``torch.load``; torchao registers its tensor classes as safe globals,
-            so ``True`` works for the quantized weights. Default: ``None`` (torch's default).
-        **kwargs: override hyper-parameters.
-    """
-    checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=weights_only)
-    _checkpoint_spec(checkpoint, repr(checkpoint_path))
-    model = model_class(**{**checkpoint.get("hyper_parameters", {}), **kwargs})
-    quantize_like_checkpoint(model, checkpoint)
-    model.load_state_dict(checkpoint["state_dict"])
-    return model

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.callbacks import _quantized_checkpoint_io
+from lightning_lowmem.callbacks import _quantized_checkpoints
 from lightning_lowmem.functional.quantization import (
     QAT_MODES,
     QuantizationReport,
@@ -110,7 +110,7 @@ class QuantizationAwareTraining(L.Callback):
                 pl_module.register_load_state_dict_post_hook(self._reconvert_after_load),
             ]
         if self._replaced_io is None:  # so that `ckpt_path=` may hold converted (quantized) weights
-            self._replaced_io = _quantized_checkpoint_io.swap_in(trainer)
+            self._replaced_io = _quantized_checkpoints.swap_in(trainer)
         if stage != "fit":
             return
         if self.converted:  # fit called again: continue training from the quantized weights
@@ -181,7 +181,7 @@ class QuantizationAwareTraining(L.Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        _quantized_checkpoint_io.swap_back(trainer, self._replaced_io)
+        _quantized_checkpoints.swap_back(trainer, self._replaced_io)
         self._replaced_io = None
 
     @override

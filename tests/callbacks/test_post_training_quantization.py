@@ -153,6 +153,9 @@ def test_trainer_ckpt_path_restores_quantized_model(tiny_trainer_kwargs, tmp_pat
         assert torch.equal(fresh(inputs), module(inputs)) and results[0]["val_err"] > 0
         assert callback.quantized == ["fc1", "fc2"]
         assert type(checker.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"  # put back at teardown
+        expected = module(inputs)
+        trainer.validate(module, ckpt_path=ckpt_path, verbose=False)  # into the already quantized model
+        assert torch.equal(module(inputs), expected) and module.fc2.weight.zero_point is None
 
 
 class LoadsQuantized(ErrorModule):
