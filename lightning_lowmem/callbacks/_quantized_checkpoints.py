@@ -91,9 +91,18 @@ def quantize_like_checkpoint(module: nn.Module, checkpoint: dict[str, Any]) -> l
     names = [name for name in spec["quantized"] if name in candidates]
     if names:
         _quantize_layers(module, spec["mode"], names, group_size=spec["group_size"])
-    for name in spec["quantized"]:  # a checkpoint written with torchao's all-zero zero points loads too
-        drop_zero_point(checkpoint.get("state_dict", {}).get(f"{name}.weight"))
+    match_zero_points(module, checkpoint.get("state_dict", {}))
     return names
+
+
+def match_zero_points(module: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> None:
+    """Drop torchao's all-zero zero points from the incoming weights wherever ``module``'s quantized
+    weight has none (:func:`~lightning_lowmem.functional.quantization.drop_zero_points_`), so a
+    checkpoint written by torchao directly, or before that, loads."""
+    for fqn, layer in module.named_modules():
+        weight = getattr(layer, "weight", None)
+        if weight is not None and getattr(weight, "zero_point", 0) is None:
+            drop_zero_point(state_dict.get(f"{prefix}{fqn}.weight"))
 
 
 def load_quantized_checkpoint(

@@ -24,7 +24,6 @@ from lightning_lowmem.functional.quantization import (
     QuantizationReport,
     _include_embeddings,
     _quantize_layers,
-    drop_zero_point,
     measure_latency,
     quantizable_layers,
     quantize_,
@@ -201,9 +200,7 @@ class PostTrainingQuantization(L.Callback):
         if names:
             _quantize_layers(module, self.mode, names, group_size=self.group_size)
             self.quantized = sorted(set(self.quantized) | set(names))
-        for fqn, layer in module.named_modules():  # torchao's all-zero zero points where this model has none
-            if getattr(layer, "weight", None) is not None and getattr(layer.weight, "zero_point", 0) is None:
-                drop_zero_point(state_dict.get(f"{prefix}{fqn}.weight"))
+        _quantized_checkpoints.match_zero_points(module, state_dict, prefix)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
