@@ -104,3 +104,10 @@ def tiny_trainer_kwargs(tmp_path) -> dict:
         logger=False,
         enable_checkpointing=False,
     )
+
+
+@pytest.fixture(params=["gpt2", "llama", "bert", "t5"])
+def hf_family(request) -> str:
+    """Each Hugging Face family of the test zoo (``tests/hf_zoo.py``); skipped without ``transformers``."""
+    pytest.importorskip("transformers")
+    return request.param
