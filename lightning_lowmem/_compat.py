@@ -137,6 +137,20 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor._base
 
 
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The ``(pack, unpack)`` pair on top of autograd's saved-tensors hooks stack, or ``None``.
+
+    Why private: ``torch.autograd.graph.saved_tensors_hooks`` *replace* the hooks below them (only the top
+    pair runs), and torch has no public getter for that pair; ``_top_saved_tensors_default_hooks`` is what
+    AOT autograd itself uses to read it. A hook that only observes (the memory tracker) reads it to pass
+    each saved tensor on to the hooks below, so observing a step never changes how it is stored.
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # pragma: no cover - torch without the getter: observe without passing on
+        return None
+    return top(True)  # True: ignore whether dynamo is tracing
+
+
 def force_eager() -> Any:
     """A context in which ``torch.compile``-d functions run their Python code eagerly.
 

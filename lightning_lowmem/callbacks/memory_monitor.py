@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from typing_extensions import override
 
 from lightning_lowmem import _compat
@@ -86,6 +87,9 @@ class MemoryMonitor(L.Callback):
         self.last_report: MemoryReport | None = None
         self._deep: contextlib.ExitStack | None = None
         self._tracking: Any = None
+        self._pending_report: MemoryReport | None = None
+        self._step_hooks: list[Any] = []
+        self._tracked_optimizer: Any = None
         self._recording = False
         self._device = "cpu"
         self._batch_step = 0
@@ -104,6 +108,7 @@ class MemoryMonitor(L.Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._stop_deep()
+        self._remove_step_hooks()
         if self._recording:
             _compat.cuda_record_memory_history(False)
             self._recording = False
@@ -111,6 +116,7 @@ class MemoryMonitor(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop_deep()
+        self._remove_step_hooks()
         if self._recording and isinstance(exception, torch.OutOfMemoryError):
             path = self.snapshot_path or os.path.join(
                 trainer.log_dir or trainer.default_root_dir, "memory_snapshot_oom.pickle"
@@ -132,10 +138,38 @@ class MemoryMonitor(L.Callback):
         self._batch_step = trainer.global_step
         if trainer.sanity_checking or not self._is_deep_step(trainer.global_step) or self._deep is not None:
             return
+        if not pl_module.automatic_optimization:  # the user steps inside training_step: track the whole batch
+            self._start_deep(pl_module, trainer.optimizers)
+            return
+        # Automatic optimization runs forward, backward and the step inside `optimizer.step(closure)`: track
+        # exactly that call. Other callbacks' per-batch work (e.g. ActivationCompression's hooks, entered
+        # in their own `on_train_batch_start`) then surrounds the measurement wherever they stand in the
+        # callback list, so the step is measured as it runs. A batch that only accumulates never steps.
+        optimizers = list(trainer.optimizers)
+
+        def start(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if self._deep is None and any(optimizer is o for o in optimizers):
+                self._start_deep(pl_module, optimizers)
+                self._tracked_optimizer = optimizer
+
+        def stop(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if self._tracking is not None and optimizer is self._tracked_optimizer:
+                # the report is built at batch end: hooks cannot be removed while torch runs them
+                self._tracking.tracker.stop()
+
+        self._step_hooks = [register_optimizer_step_pre_hook(start), register_optimizer_step_post_hook(stop)]
+
+    def _start_deep(self, pl_module: L.LightningModule, optimizers: Any) -> None:
         self._deep = contextlib.ExitStack()
         self._tracking = self._deep.enter_context(
-            track_memory(pl_module, list(trainer.optimizers), device=self._device, by_module=False)
+            track_memory(pl_module, list(optimizers), device=self._device, by_module=False)
         )
+
+    def _finish_deep(self) -> None:
+        self._stop_deep()
+        if self._tracking is not None:
+            self._pending_report = self._tracking.report
+            self._tracking = None
 
     @override
     def on_train_batch_end(
@@ -143,10 +177,10 @@ class MemoryMonitor(L.Callback):
     ) -> None:
         step = self._batch_step
         record: dict[str, float] = {}
-        if self._deep is not None:
-            self._stop_deep()
-            report = self._tracking.report
-            self._tracking = None
+        self._finish_deep()
+        self._remove_step_hooks()
+        if self._pending_report is not None:
+            report, self._pending_report = self._pending_report, None
             self.last_report = report
             record["peak"] = report.peak_bytes
             record.update({category: report.breakdown[category] for category in CATEGORIES})
@@ -181,6 +215,12 @@ class MemoryMonitor(L.Callback):
         if self._deep is not None:
             deep, self._deep = self._deep, None
             deep.close()
+
+    def _remove_step_hooks(self) -> None:
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
+        self._tracked_optimizer = None
 
     # ------------------------------------------------------------------ summary
     @override

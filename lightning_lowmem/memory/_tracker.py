@@ -165,21 +165,44 @@ class StorageTracker(TorchDispatchMode):
         self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_pre))
         if self.track_modules and self._module_names:
             self._handles.append(nn.modules.module.register_module_forward_hook(self._on_module_post))
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._on_pack, lambda x: x)
+        # observe saved tensors without replacing the hooks below (e.g. activation compression entered
+        # first): pass each one on to them, so a tracked step stores activations exactly as an untracked one
+        below = _compat.top_saved_tensors_hooks()
+        if below is None:
+            pack, unpack = self._on_pack, _identity
+        else:
+            pack, unpack = _PassOn(self._on_pack, below[0]), below[1]
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._saved_hooks.__enter__()
         # compiled regions cannot run under a dispatch mode: run them eagerly (see module docstring)
         self._eager_stance = _compat.force_eager()
         self._eager_stance.__enter__()
         _ACTIVE.append(self)
+        self._stopped = False
         return super().__enter__()
+
+    def stop(self) -> None:
+        """Stop observing now; the report is built when the ``with`` block exits.
+
+        For a tracking window that must end inside a hook where the global hooks cannot be removed (an
+        optimizer step post-hook): the dispatch mode and saved-tensor hooks leave their stacks now, in
+        the order they entered; storages freed afterwards still update the counters (not the peaks), and
+        labels learnt at exit (optimizer state) still correct the snapshots.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            super().__exit__(None, None, None)
+        finally:
+            _ACTIVE.remove(self)
+            self._eager_stance.__exit__(None, None, None)
+            self._saved_hooks.__exit__(None, None, None)
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            super().__exit__(*exc)
+            self.stop()
         finally:
-            _ACTIVE.remove(self)
-            self._eager_stance.__exit__(*exc)
-            self._saved_hooks.__exit__(*exc)
             for optimizer in self.optimizers:
                 self._label_optimizer(optimizer)
             for handle in itertools.chain(self._handles, self._hooked_params.values()):
@@ -376,16 +399,20 @@ class StorageTracker(TorchDispatchMode):
                     self._hook_param(param)
 
     def _on_step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._stopped:
+            return
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
             self._label_optimizer(optimizer)
 
     def _on_step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._stopped:
+            return
         self._label_optimizer(optimizer)
         self._last_phase = "forward"
 
     def _on_module_pre(self, module: nn.Module, args: Any) -> None:
-        if _compat.in_backward():  # checkpoint recomputation: not a new forward
+        if self._stopped or _compat.in_backward():  # checkpoint recomputation: not a new forward
             return
         self._last_phase = "forward"  # a module forward starts the forward phase
         name = self._module_names.get(id(module)) if self.track_modules else None
@@ -418,6 +445,21 @@ class StorageTracker(TorchDispatchMode):
             by_module={name: dict(stats) for name, stats in self._module_stats.items()},
             end_bytes=self._total,
         )
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+class _PassOn:
+    """A pack hook that observes a saved tensor, then hands it to the pack hook it sits on."""
+
+    def __init__(self, observe: Callable[[torch.Tensor], Any], pack_below: Callable[[torch.Tensor], Any]) -> None:
+        self.observe = observe
+        self.pack_below = pack_below
+
+    def __call__(self, tensor: torch.Tensor) -> Any:
+        return self.pack_below(self.observe(tensor))
 
 
 def active_tracker() -> StorageTracker | None:
