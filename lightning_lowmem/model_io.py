@@ -22,6 +22,8 @@ This module imports neither Lightning nor the package's transforms, so every lay
 from __future__ import annotations
 
 import inspect
+import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Iterable
 
@@ -29,14 +31,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_lowmem.warnings import LowMemWarning
+
 __all__ = [
     "BatchCallError",
     "batch_size",
     "describe_batch",
+    "disable_kv_cache_",
     "forward_batch",
     "model_inputs",
     "output_logits",
     "output_loss",
+    "restore_kv_cache_",
     "has_forward_batch",
     "tensor_leaves",
 ]
@@ -182,3 +188,91 @@ def describe_batch(batch: Any) -> str:
     if isinstance(batch, (tuple, list)):
         return f"{type(batch).__name__}(" + ", ".join(describe(value) for value in batch) + ")"
     return describe(batch)
+
+
+# ----------------------------------------------------------------------------- the KV cache while training
+_KV_CACHE_HOLDS: dict[int, tuple[Any, set[str]]] = {}  # id(config) -> (weakref to it, reasons holding it off)
+
+
+def _holders(config: Any) -> set[str] | None:
+    hold = _KV_CACHE_HOLDS.get(id(config))  # by id: configs define __eq__ and are unhashable
+    if hold is not None and hold[0]() is not config:  # a dead config's id, reused
+        del _KV_CACHE_HOLDS[id(config)]
+        return None
+    return hold[1] if hold is not None else None
+
+
+def _configs_with_cache(module: nn.Module) -> list[tuple[str, str, Any]]:
+    """(module name, its class name, its config) of each model inside ``module`` with a ``use_cache`` flag."""
+    found: dict[int, tuple[str, str, Any]] = {}
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if config is not None and isinstance(getattr(config, "use_cache", None), bool):
+            found.setdefault(id(config), (name, type(sub).__name__, config))
+    return list(found.values())
+
+
+def disable_kv_cache_(module: nn.Module, reason: str = "activation checkpointing") -> list[str]:
+    """Set ``config.use_cache = False`` on every Hugging Face model inside ``module`` while ``reason`` holds it.
+
+    A causal LM in training mode still builds its generation KV cache, which keeps every layer's keys
+    and values alive until the output is freed: it undoes activation checkpointing and compression
+    (GPT-2: +37% peak, Llama: +50% against Hugging Face's own ``gradient_checkpointing_enable()``, which
+    turns it off too). Each ``reason`` (a technique) holds the cache off until
+    ``restore_kv_cache_(module, reason)``; the original value comes back when the last reason lets go.
+    Warns (:class:`LowMemWarning`) when it switches a value off, so once per model and run.
+
+    Args:
+        module: the model (a LightningModule holding a ``transformers`` model, or the model itself).
+        reason: the technique that needs it, e.g. ``"activation compression"``. Default:
+            ``"activation checkpointing"``.
+
+    Returns:
+        The names of the submodules whose config this call switched off (``""``: ``module`` itself).
+
+    Example::
+
+        >>> from lightning_lowmem.demo.hf import build_hf_model
+        >>> model = build_hf_model("gpt2")
+        >>> with warnings.catch_warnings(record=True):
+        ...     disable_kv_cache_(model), model.config.use_cache
+        ([''], False)
+        >>> restore_kv_cache_(model), model.config.use_cache
+        ([''], True)
+    """
+    changed, owners = [], []
+    for name, owner, config in _configs_with_cache(module):
+        holders = _holders(config)
+        if holders is None:
+            if not config.use_cache:
+                continue  # off already, by the user: nothing to restore
+            holders = set()
+            _KV_CACHE_HOLDS[id(config)] = (weakref.ref(config), holders)
+            config.use_cache = False
+            changed.append(name)
+            owners.append(owner)
+        holders.add(reason)
+    if changed:
+        warnings.warn(
+            f"{owners[0]}.config.use_cache=True builds a generation KV cache during training, which keeps every layer's "
+            f"keys and values alive and undoes {reason}; lightning_lowmem sets use_cache=False while it runs and "
+            "restores it afterwards (set it to False yourself to silence this).",
+            LowMemWarning,
+            stacklevel=2,
+        )
+    return changed
+
+
+def restore_kv_cache_(module: nn.Module, reason: str = "activation checkpointing") -> list[str]:
+    """Let go of ``reason``'s hold (see :func:`disable_kv_cache_`); returns the names whose cache came back on."""
+    restored = []
+    for name, _, config in _configs_with_cache(module):
+        holders = _holders(config)
+        if holders is None:
+            continue
+        holders.discard(reason)
+        if not holders:
+            config.use_cache = True
+            del _KV_CACHE_HOLDS[id(config)]
+            restored.append(name)
+    return restored

@@ -32,13 +32,21 @@ class ActivationCheckpointing(L.Callback):
         nested: also wrap chosen modules inside other chosen ones, e.g. ``policy=["Block", "*.attn"]``:
             backward then holds one attention's activations at a time instead of a whole block's, for
             one more forward of the inner modules. Default: ``False``.
+        strict: a policy that matches no submodule stops ``fit`` with an error listing the model's
+            module classes; ``False`` warns and trains without checkpointing. Default: ``True``.
+
+    Hugging Face models: the blocks are found by class name (``"GPT2Block"``, ``"LlamaDecoderLayer"``,
+    ``"BertLayer"``, ``"T5Block"``) or ``"auto"``; ``config.use_cache`` is switched off while fitting (a
+    training-time KV cache keeps what checkpointing frees; one :class:`LowMemWarning`) and restored in
+    ``teardown``. Do not also call the model's ``gradient_checkpointing_enable()`` (it would recompute twice).
 
     Raises:
         TypeError / ValueError: ``policy`` has an unsupported type or value (int < 1, empty string),
-            or ``nested`` is not a bool.
+            ``nested`` / ``strict`` is not a bool; at ``fit`` start, a policy matching no submodule.
 
     Warns:
-        NoEffectWarning: the policy matched no submodule of the LightningModule (names the policy).
+        NoEffectWarning: ``strict=False`` and the policy matched no submodule of the LightningModule.
+        LowMemWarning: the model already checkpoints itself (Hugging Face ``gradient_checkpointing_enable``).
 
     Example::
 
@@ -52,12 +60,14 @@ class ActivationCheckpointing(L.Callback):
         ['model.h.0', 'model.h.1']
     """
 
-    def __init__(self, policy: str | int | list[str] = "auto", nested: bool = False) -> None:
+    def __init__(self, policy: str | int | list[str] = "auto", nested: bool = False, strict: bool = True) -> None:
         _validate_policy(policy)
-        if not isinstance(nested, bool):
-            raise TypeError(f"`nested` must be a bool, got {type(nested).__name__}: {nested!r}")
+        for name, value in (("nested", nested), ("strict", strict)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}: {value!r}")
         self.policy = policy
         self.nested = nested
+        self.strict = strict
         self.wrapped: list[str] = []
         self._module: L.LightningModule | None = None
         self._restored_wrapped: list[str] | None = None
@@ -68,7 +78,16 @@ class ActivationCheckpointing(L.Callback):
         # wrapper around the model (DDP) calls the wrapped submodules as they are
         if self._module is not None:
             return
-        report = checkpoint_(pl_module, self.policy, nested=self.nested)
+        already = [name for name, sub in pl_module.named_modules() if getattr(sub, "is_gradient_checkpointing", False)]
+        if already:
+            warnings.warn(
+                f"ActivationCheckpointing: {already[0] or type(pl_module).__name__} already checkpoints its layers "
+                "(Hugging Face gradient_checkpointing_enable()); wrapping them again recomputes every block twice in "
+                "backward. Call gradient_checkpointing_disable() on the model or drop this callback.",
+                LowMemWarning,
+                stacklevel=2,
+            )
+        report = checkpoint_(pl_module, self.policy, nested=self.nested, strict=self.strict)
         self.wrapped = report.wrapped
         self._module = pl_module
         if report.wrapped:

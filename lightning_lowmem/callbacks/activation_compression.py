@@ -16,6 +16,7 @@ from lightning_lowmem.functional.compression import (
     CompressionStats,
     compress_activations,
 )
+from lightning_lowmem.model_io import disable_kv_cache_, restore_kv_cache_
 from lightning_lowmem.warnings import NoEffectWarning
 
 PREFIX = "lowmem/compression"
@@ -31,6 +32,9 @@ class ActivationCompression(L.Callback):
     non-float tensors and tensors under ``min_bytes`` stay exact; wrap code that must stay exact in
     :func:`~lightning_lowmem.functional.compression.exact_activations`. Gradients become approximate
     (int8: ~1% relative error on ``charlm``); training loss follows the baseline closely.
+
+    Hugging Face models get ``config.use_cache = False`` while fitting (restored in ``teardown``): a
+    training-time KV cache would keep the uncompressed keys and values alive.
 
     Logs ``lowmem/compression/ratio`` (bytes before / after packing) and
     ``lowmem/compression/packed_mib`` per step.
@@ -72,6 +76,7 @@ class ActivationCompression(L.Callback):
         self.stats = CompressionStats()  # cumulative over the run (resumable)
         self._step_stats: CompressionStats | None = None
         self._region: contextlib.ExitStack | None = None
+        self._kv_module: L.LightningModule | None = None
 
     @property
     def state_key(self) -> str:
@@ -88,6 +93,9 @@ class ActivationCompression(L.Callback):
             )
         if stage == "fit":
             rank_zero_info(f"ActivationCompression: saved activations packed as {self.mode} (>= {self.min_bytes} bytes)")
+            # a Hugging Face model's training-time KV cache keeps the uncompressed keys / values alive
+            self._kv_module = pl_module
+            disable_kv_cache_(pl_module, "activation compression")
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -120,6 +128,9 @@ class ActivationCompression(L.Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._close()
+        if self._kv_module is not None:
+            restore_kv_cache_(self._kv_module, "activation compression")
+            self._kv_module = None
 
     def _close(self) -> None:
         if self._region is not None:

@@ -21,9 +21,18 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_lowmem.model_io import disable_kv_cache_, restore_kv_cache_
 from lightning_lowmem.warnings import NoEffectWarning
 
-__all__ = ["CheckpointPolicy", "CheckpointReport", "checkpoint_", "checkpointed_modules", "resolve_policy", "uncheckpoint_"]
+__all__ = [
+    "CheckpointPolicy",
+    "CheckpointReport",
+    "checkpoint_",
+    "checkpointed_modules",
+    "no_match_message",
+    "resolve_policy",
+    "uncheckpoint_",
+]
 
 CheckpointPolicy = Union[str, int, type, tuple, list]
 """``"auto"``, a class name (``"Block"``), an fnmatch / regex pattern on module names (``"h.*"``,
@@ -37,10 +46,13 @@ class CheckpointReport:
     Attributes:
         policy: the policy as given (``repr`` for classes).
         wrapped: fully qualified names of the submodules now checkpointed (``""`` is the root).
+        kv_cache_disabled: Hugging Face models inside whose ``config.use_cache`` was switched off until
+            :func:`uncheckpoint_` (a training-time KV cache would keep what checkpointing frees).
     """
 
     policy: str
     wrapped: list[str] = field(default_factory=list)
+    kv_cache_disabled: list[str] = field(default_factory=list)
 
     @property
     def num_wrapped(self) -> int:
@@ -196,7 +208,27 @@ def _describe(policy: Any) -> str:
     return repr(policy)
 
 
-def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto", nested: bool = False) -> CheckpointReport:
+def no_match_message(module: nn.Module, policy: Any) -> str:
+    """Why ``policy`` matched nothing in ``module``: the classes it holds and the nearest names, for an error."""
+    import difflib
+
+    classes = Counter(type(sub).__name__ for sub in module.modules())
+    repeated = [name for name, count in classes.most_common() if count > 1]
+    shown = ", ".join(repeated[:12] + sorted(set(classes) - set(repeated))[: max(0, 16 - len(repeated))])
+    words = [p for p in (policy if isinstance(policy, (tuple, list)) else [policy]) if isinstance(p, str)]
+    names = list(classes) + [name for name, _ in module.named_modules() if name]
+    close = [match for word in words for match in difflib.get_close_matches(word, names, n=2, cutoff=0.6)]
+    hint = f" Did you mean {' or '.join(repr(c) for c in dict.fromkeys(close))}?" if close else ""
+    return (
+        f"activation checkpointing policy {_describe(policy)} matched no submodule of {type(module).__name__}.{hint} "
+        f"Its module classes (repeated first): [{shown}]. Use a class name, a module-name pattern (e.g. 'model.h.*') "
+        "or 'auto' (the repeated blocks of its nn.ModuleLists)"
+    )
+
+
+def checkpoint_(
+    module: nn.Module, policy: CheckpointPolicy = "auto", nested: bool = False, strict: bool = True
+) -> CheckpointReport:
     """Wrap the submodules of ``module`` chosen by ``policy`` with activation checkpointing, in place.
 
     Each chosen submodule runs under non-reentrant ``torch.utils.checkpoint.checkpoint`` while
@@ -222,16 +254,23 @@ def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto", nested: bo
               name matches that way, as a full-match regex (``r"h\\.[0-2]"``).
             * a module class, a tuple of classes, or a list mixing any of the above (union).
         nested: also wrap chosen modules that sit inside other chosen ones. Default: ``False``.
+        strict: a policy that matches no submodule is an error; ``False`` makes it a warning.
+            Default: ``True``.
+
+    Hugging Face models inside ``module`` get ``config.use_cache = False`` while any submodule is
+    wrapped (restored by :func:`uncheckpoint_`): their training-time KV cache would keep every layer's
+    keys and values alive, undoing the checkpointing.
 
     Returns:
         A :class:`CheckpointReport` listing the newly wrapped names.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module`` or ``policy`` has an unsupported type.
-        ValueError: ``policy`` is an int < 1 or an empty string.
+        ValueError: ``policy`` is an int < 1 or an empty string, or (``strict``) matches no submodule: the
+            message lists the model's module classes and the nearest names.
 
     Warns:
-        NoEffectWarning: the policy matched no submodule (the warning names the policy).
+        NoEffectWarning: ``strict=False`` and the policy matched no submodule.
 
     Example::
 
@@ -248,16 +287,15 @@ def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto", nested: bo
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
     if not isinstance(nested, bool):
         raise TypeError(f"`nested` must be a bool, got {type(nested).__name__}: {nested!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"`strict` must be a bool, got {type(strict).__name__}: {strict!r}")
     report = CheckpointReport(policy=_describe(policy))
     names = resolve_policy(module, policy, nested=nested)
     if not names:
-        warnings.warn(
-            f"activation checkpointing policy {_describe(policy)} matched no submodule of "
-            f"{type(module).__name__}; nothing is checkpointed. Use a class name (e.g. 'Block'), a name "
-            "pattern (e.g. 'layers.*') or 'auto'.",
-            NoEffectWarning,
-            stacklevel=2,
-        )
+        message = no_match_message(module, policy)
+        if strict:
+            raise ValueError(message + "; strict=False allows a policy that matches nothing.")
+        warnings.warn(message + "; nothing is checkpointed.", NoEffectWarning, stacklevel=2)
         return report
     for name in names:
         sub = module.get_submodule(name)
@@ -265,6 +303,8 @@ def checkpoint_(module: nn.Module, policy: CheckpointPolicy = "auto", nested: bo
             continue
         sub.forward = _CheckpointedForward(sub, sub.__dict__.get("forward"))
         report.wrapped.append(name)
+    if report.wrapped:
+        report.kv_cache_disabled = disable_kv_cache_(module, "activation checkpointing")
     return report
 
 
@@ -295,4 +335,6 @@ def uncheckpoint_(module: nn.Module, names: list[str] | None = None) -> list[str
             else:
                 del sub.forward
             undone.append(name)
+    if undone and not checkpointed_modules(module):
+        restore_kv_cache_(module, "activation checkpointing")
     return undone

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from lightning_lowmem import _compat
+from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
 
@@ -150,21 +151,22 @@ def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
 
 
 def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss used when none is given: a LightningModule's ``training_step``, else ``module(x).sum()``.
+    """The loss used when none is given: a LightningModule's ``training_step``, else the model's own.
 
-    A plain module's forward output (the first tensor when the batch is a tuple / list) is reduced with
-    a float ``sum``; give ``loss_fn`` to estimate a specific loss (e.g. cross-entropy saves softmax).
+    A plain module is called the package's way (:func:`lightning_lowmem.model_io.forward_batch`: its
+    ``forward_batch(batch)`` if it defines one, a dict batch as keywords, a tuple's first element):
+    a Hugging Face output's ``.loss`` is used when the batch has labels, otherwise the output (its
+    ``.logits``) is reduced with a float ``sum``. Give ``loss_fn`` to estimate a specific loss (e.g.
+    cross-entropy saves softmax).
     """
     if hasattr(module, "training_step") and callable(getattr(module, "training_step")):
         out = module.training_step(batch, 0)
         if isinstance(out, dict):
             out = out["loss"]
         return out
-    inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-    out = module(inputs)
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    return out.float().sum()
+    out = forward_batch(module, batch)
+    loss = output_loss(out)
+    return loss if loss is not None else output_logits(out).float().sum()
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -307,6 +309,13 @@ def _build_optimizer(name: str, params: list[torch.Tensor], kwargs: dict[str, An
 
 
 def _apply_model_techniques(model: nn.Module, config: TrainingConfig) -> None:
+    if config.activation_checkpointing is not None or config.activation_compression:
+        # as the callbacks do (model_io.disable_kv_cache_), on this throwaway copy: a Hugging Face model's
+        # training-time KV cache would keep what checkpointing / compression free
+        for sub in model.modules():
+            config_ = getattr(sub, "config", None)
+            if isinstance(getattr(config_, "use_cache", None), bool):
+                config_.use_cache = False
     if config.lora:
         from lightning_lowmem.functional.lora import apply_lora_
 
@@ -355,7 +364,7 @@ def _train_step(
                 loss = loss_fn(model, micro_batch)
             in_backward = config.optimizer.endswith("_in_backward")  # its steps run inside backward
             with _OptimizerScalars() if in_backward and fake else contextlib.nullcontext():
-                (loss / len(micro_batches)).backward()
+                (loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()  # as Lightning does
         del loss
     with _OptimizerScalars() if fake else contextlib.nullcontext():
         optimizer.step()

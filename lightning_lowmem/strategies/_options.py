@@ -177,6 +177,7 @@ class _LowMemoryOptions:
         self._microbatch: Any = None  # AutoMicrobatch run for a plan with micro-batches
         self._microbatch_owner: list[Any] = []  # the trainer's callback list it was added to
         self._loader_checked = False
+        self._kv_cache_held = False
 
     # ------------------------------------------------------------------ setup / teardown
     def _setup_environment_options(self) -> None:
@@ -199,6 +200,11 @@ class _LowMemoryOptions:
             self.checkpointed = checkpoint_(
                 module, self.activation_checkpointing, nested=self.nested_checkpointing
             ).wrapped
+        if fitting and self.activation_compression is not None and not self._kv_cache_held:
+            from lightning_lowmem.model_io import disable_kv_cache_
+
+            disable_kv_cache_(module, "activation compression")  # a training-time KV cache keeps keys/values whole
+            self._kv_cache_held = True
         if fitting and self.optimizer_name is not None and self._optimizer_swap is None:
             from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
 
@@ -273,6 +279,11 @@ class _LowMemoryOptions:
 
             uncheckpoint_(module, self.checkpointed)
         self.checkpointed = []
+        if self._kv_cache_held and module is not None:
+            from lightning_lowmem.model_io import restore_kv_cache_
+
+            restore_kv_cache_(module, "activation compression")
+        self._kv_cache_held = False
         if self._optimizer_swap is not None:
             self._optimizer_swap.teardown(None, module, "fit")  # restores configure_optimizers
             self._optimizer_swap = None

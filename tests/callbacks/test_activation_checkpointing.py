@@ -76,8 +76,13 @@ def test_resume_restores_state_and_warns_on_a_different_wrap(tiny_trainer_kwargs
     assert checkpointed_modules(model) == []
 
 
-def test_policy_matching_nothing_warns(tiny_trainer_kwargs):
-    callback = ActivationCheckpointing(policy="Conv9d")
+def test_policy_matching_nothing_stops_fit_with_the_class_names(tiny_trainer_kwargs):
+    with pytest.raises(ValueError, match=r"'Blok' matched no submodule of CharLM\. Did you mean 'Block'\?"):
+        _fit([ActivationCheckpointing(policy="Blok")], tiny_trainer_kwargs, steps=1)
+
+
+def test_policy_matching_nothing_warns_when_not_strict(tiny_trainer_kwargs):
+    callback = ActivationCheckpointing(policy="Conv9d", strict=False)
     with pytest.warns(NoEffectWarning, match="'Conv9d' matched no submodule of CharLM"):
         _fit([callback], tiny_trainer_kwargs, steps=1)
     assert callback.wrapped == []

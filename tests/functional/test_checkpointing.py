@@ -185,15 +185,24 @@ def test_keyword_arguments_pass_through():
     assert x.grad is not None
 
 
-def test_policy_matching_nothing_warns_with_the_policy_name():
+def test_policy_matching_nothing_is_an_error_listing_the_classes():
+    model = _gpt()
+    with pytest.raises(ValueError, match=r"'Blok' matched no submodule of CharGPT\. Did you mean 'Block'\? .*classes.*Block"):
+        checkpoint_(model, "Blok")
+    with pytest.raises(ValueError, match="Conv2d matched no submodule"):
+        checkpoint_(model, nn.Conv2d)
+    assert checkpointed_modules(model) == []
+
+
+def test_strict_false_only_warns():
     model = _gpt()
     with pytest.warns(NoEffectWarning, match="'Conv9d'"):
-        report = checkpoint_(model, "Conv9d")
+        report = checkpoint_(model, "Conv9d", strict=False)
     assert report.wrapped == []
-    with pytest.warns(NoEffectWarning, match="Conv2d"):
-        checkpoint_(model, nn.Conv2d)
     with pytest.warns(NoEffectWarning, match="'auto'"):
-        checkpoint_(nn.Linear(2, 2), "auto")
+        checkpoint_(nn.Linear(2, 2), "auto", strict=False)
+    with pytest.raises(TypeError, match="`strict` must be a bool"):
+        checkpoint_(model, "Block", strict="yes")
 
 
 @pytest.mark.parametrize(
