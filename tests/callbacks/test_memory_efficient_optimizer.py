@@ -9,7 +9,7 @@ from lightning_lowmem.demo.digits import DigitsClassifier, DigitsDataModule
 def test_bad_name_raises():
     with pytest.raises(ValueError, match="`optimizer`='nope' is unknown"):
         MemoryEfficientOptimizer("nope")
-    with pytest.raises(ValueError, match="`lr` must be >= 0, got -0.1"):
+    with pytest.raises(ValueError, match="`lr` must be a number >= 0, got -0.1"):
         MemoryEfficientOptimizer("adafactor", lr=-0.1)
 
 
