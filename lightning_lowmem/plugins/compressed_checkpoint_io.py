@@ -202,20 +202,38 @@ class CompressedCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}, got {storage_options!r}")
         packed, num_sparse = pack_sparse_tree(checkpoint, self.min_sparsity, self.min_numel) if self.sparse else (checkpoint, 0)
-        buffer = io.BytesIO()
-        torch.save(packed, buffer)
-        raw = buffer.getbuffer()
+        if type(get_filesystem(path)).__name__ != "LocalFileSystem":  # remote: serialize in memory, write once
+            buffer = io.BytesIO()
+            torch.save(packed, buffer)
+            self._write(path, buffer.getbuffer(), num_sparse, plain_file=None)
+            return
+        # torch.save straight to a temporary file named so that torch names its archive after the target (as
+        # TorchCheckpointIO's file): when compression gains nothing, that file is renamed into place as it is
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        plain_file = target.with_name(f"{target.stem}.tmp-{os.getpid()}")
+        try:
+            torch.save(packed, plain_file)
+            self._write(path, memoryview(plain_file.read_bytes()), num_sparse, plain_file)
+        finally:
+            plain_file.unlink(missing_ok=True)
+
+    def _write(self, path: _PATH, raw: memoryview, num_sparse: int, plain_file: Path | None) -> None:
         stored = _pack_chunks(raw, self.codec, self.level, self.min_saving)
         framed_bytes = len(PREFIX) + _HEADER.size + _COUNT.size + sum(_CHUNK_ENTRY.size + len(c) for _, c in stored)
-        chunks_compressed = sum(compressed for compressed, _ in stored)
-        if num_sparse == 0 and framed_bytes >= len(raw):  # nothing gained: a plain torch.save file
-            written = _atomic_write(path, [raw], self.fsync)
+        if num_sparse == 0 and framed_bytes >= len(raw):  # nothing gained: the plain torch.save file
+            if plain_file is None:
+                written = _atomic_write(path, [raw], self.fsync)
+            else:
+                if self.fsync:
+                    with open(plain_file, "rb+") as handle:
+                        os.fsync(handle.fileno())
+                os.replace(plain_file, path)
+                written = len(raw)
         else:
             written = _atomic_write(path, _file_pieces(raw, stored, self.codec), self.fsync)
         self.last_save_stats = {"raw_bytes": len(raw), "file_bytes": written, "sparse_tensors": num_sparse,
-                                "chunks": len(stored), "chunks_compressed": chunks_compressed}  # fmt: skip
-        del raw, stored
-        buffer.close()
+                                "chunks": len(stored), "chunks_compressed": sum(c for c, _ in stored)}  # fmt: skip
 
     @override
     def load_checkpoint(
@@ -366,7 +384,7 @@ def _atomic_write(path: _PATH, pieces: Iterable[Any], fsync: bool = False) -> in
         return len(payload)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    temporary = target.with_name(f"{target.stem}.tmp-{os.getpid()}.framed")
     written = 0
     try:
         with open(temporary, "wb") as handle:
