@@ -30,8 +30,8 @@ _HEADER = struct.Struct("<8sB7sQI")  # magic, format version, codec name (padded
 _CHUNK_ENTRY = struct.Struct("<BQ")  # stored compressed (1) or raw (0), stored length
 _COUNT = struct.Struct("<I")
 _VERSION = 2  # 1: no prefix, one compressed stream; 2: prefix, chunks stored compressed or raw
-_CHUNK_BYTES = 4 * 2**20
-_SAMPLE_BYTES = 64 * 2**10
+_CHUNK_BYTES = 2**20
+_SAMPLE_BYTES = 16 * 2**10  # x 4 spots spread over a chunk
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -41,7 +41,7 @@ class CheckpointCorruptError(RuntimeError):
 def written_by_CompressedCheckpointIO(*_: Any) -> None:  # noqa: N802 - the name is the message
     """Called by a plain ``torch.load(weights_only=False)`` of a compressed file: say how to load it."""
     raise RuntimeError(
-        "this file was written by lightning_lowmem's CompressedCheckpointIO (compressed, not a torch.save file): "
+        "this file was written by lightning_lowmem's CompressedCheckpointIO (not a torch.save file): "
         "load it with `Trainer(plugins=[CompressedCheckpointIO()])` or "
         "`lightning_lowmem.plugins.CompressedCheckpointIO().load_checkpoint(path)`"
     )
@@ -85,17 +85,18 @@ def _decompress_chunk(payload: memoryview, codec: str, raw_length: int) -> bytes
 def _pack_chunks(raw: memoryview, codec: str, level: int, min_saving: float) -> list[tuple[bool, Any]]:
     """Each chunk of ``raw`` as ``(compressed, bytes)``: compressed only where that saves ``min_saving`` of it.
 
-    A 64 KiB sample decides first, so chunks of random float mantissas (dense weights) cost no full
-    compression attempt.
+    Four 16 KiB samples spread over the chunk decide first, so chunks of random float mantissas (dense
+    weights) cost no full compression attempt.
     """
     stored: list[tuple[bool, Any]] = []
     for chunk in _chunks(raw):
         if codec == "none":
             stored.append((False, chunk))
             continue
-        if len(chunk) > 2 * _SAMPLE_BYTES:
-            sample = chunk[:_SAMPLE_BYTES]
-            if len(_compress(sample, codec, level)) > (1 - min_saving) * len(sample):
+        if len(chunk) > 8 * _SAMPLE_BYTES:
+            step = len(chunk) // 4
+            samples = [chunk[i * step : i * step + _SAMPLE_BYTES] for i in range(4)]
+            if sum(len(_compress(sample, codec, level)) for sample in samples) > (1 - min_saving) * 4 * _SAMPLE_BYTES:
                 stored.append((False, chunk))
                 continue
         packed = _compress(chunk, codec, level)
@@ -114,10 +115,11 @@ class CompressedCheckpointIO(CheckpointIO):
 
     On save: tensors that are mostly zeros (pruned weights, their optimizer state) are stored as a bitmask
     plus their non-zero values (:mod:`lightning_lowmem.functional.sparse_format`); the ``torch.save`` bytes
-    are cut in 4 MiB chunks, each compressed with zstd or lz4 where that saves at least ``min_saving`` of it
-    (a 64 KiB sample decides) and stored raw otherwise, so dense weights (random float mantissas, ~8% gain)
-    cost no compression time. When nothing was packed and compression would not make the file smaller, the
-    plain ``torch.save`` bytes are written: the file is never larger than ``TorchCheckpointIO``'s. The file
+    are cut in 1 MiB chunks, each compressed with zstd or lz4 where that saves at least ``min_saving`` of it
+    (samples decide) and stored raw otherwise, so dense weights (random float mantissas, ~8% gain)
+    cost no compression time. When nothing was packed and compression would not shrink the whole file by
+    ``min_saving`` either, the plain ``torch.save`` file is written (it loads without this plugin): the file is
+    never larger than ``TorchCheckpointIO``'s. The file
     is written to a temporary file in the same directory and renamed over the target (``os.replace`` is
     atomic), so a process killed mid-save (``kill -9``, OOM killer, preemption) leaves the previous
     checkpoint intact; ``fsync=True`` also survives power loss.
@@ -137,7 +139,8 @@ class CompressedCheckpointIO(CheckpointIO):
         min_sparsity: share of zeros from which a tensor is packed. Default: 0.3.
         min_numel: tensors with fewer elements stay dense. Default: 1024.
         weights_only: default for ``load_checkpoint`` when Lightning passes ``None``. Default: ``True``.
-        min_saving: a chunk is stored compressed only when that saves this share of it. Default: 0.1.
+        min_saving: a chunk is stored compressed only when that saves this share of it; a file without
+            sparse tensors is framed only when that saves this share of it. Default: 0.1.
         fsync: flush the file to disk before the rename (durable across power loss; slower). Default: ``False``.
 
     Raises:
@@ -221,7 +224,7 @@ class CompressedCheckpointIO(CheckpointIO):
     def _write(self, path: _PATH, raw: memoryview, num_sparse: int, plain_file: Path | None) -> None:
         stored = _pack_chunks(raw, self.codec, self.level, self.min_saving)
         framed_bytes = len(PREFIX) + _HEADER.size + _COUNT.size + sum(_CHUNK_ENTRY.size + len(c) for _, c in stored)
-        if num_sparse == 0 and framed_bytes >= len(raw):  # nothing gained: the plain torch.save file
+        if num_sparse == 0 and framed_bytes > (1 - self.min_saving) * len(raw):  # too little gained: plain torch.save
             if plain_file is None:
                 written = _atomic_write(path, [raw], self.fsync)
             else:

