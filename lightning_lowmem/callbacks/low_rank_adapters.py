@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
 from lightning_lowmem.functional.lora import (
     ADAPTER_SUFFIXES,
     ALL_LINEAR,
@@ -22,6 +23,8 @@ from lightning_lowmem.functional.lora import (
 )
 
 PREFIX = "lowmem/lora"
+WRITER = "LowRankAdapters"
+FORMAT_VERSION = 1
 
 
 class LowRankAdapters(L.Callback):
@@ -110,6 +113,7 @@ class LowRankAdapters(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        guard_module_loading(trainer, pl_module)  # check what wrote a checkpoint before Lightning loads it
         if lora_layers(pl_module):  # a second fit / validate on the same wrapped module
             config = lora_config(pl_module)
             if config["r"] != self.r:
@@ -155,11 +159,42 @@ class LowRankAdapters(L.Callback):
         for logger in trainer.loggers:  # once per fit: a logger call, not pl_module.log's per-step repeat
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    def _settings(self) -> dict[str, Any]:
+        return {"r": self.r, "alpha": self.alpha, "quantize_base": self.quantize_base}
+
+    def checkpoint_reader(self) -> tuple[str, Any]:
+        """(writer, accept) for :func:`lightning_lowmem.checkpoints.check`: the same adapter settings only."""
+
+        def accept(entry: dict[str, Any]) -> str | None:
+            if entry.get("version", 1) > FORMAT_VERSION:
+                return f"a newer lightning_lowmem wrote it (version {entry.get('version')}); upgrade lightning_lowmem."
+            different = {k: v for k, v in self._settings().items() if k in entry and entry[k] != v}
+            if different:
+                saved = ", ".join(f"{k}={entry[k]!r}" for k in different)
+                mine = ", ".join(f"{k}={v!r}" for k, v in different.items())
+                return f"its adapters have {saved} but this Trainer's LowRankAdapters has {mine}; use {entry.get('needs')}."
+            return None
+
+        return WRITER, accept
+
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        settings = self._settings()
+        defaults = {"alpha": 16.0, "quantize_base": None}
+        arguments = ", ".join(f"{k}={v!r}" for k, v in settings.items() if k not in defaults or v != defaults[k])
+        target = self.report.wrapped if self.report else self.target
+        record(
+            checkpoint, writer=WRITER, format="full" if self.save_base_weights else "adapters-only",
+            version=FORMAT_VERSION, needs=f"callbacks=[LowRankAdapters({arguments})] (same target layers)",
+            target=list(target) if isinstance(target, (list, tuple)) else str(target), **settings,
+        )  # fmt: skip
         if not self.save_base_weights:
             state = checkpoint["state_dict"]
             checkpoint["state_dict"] = {k: v for k, v in state.items() if k.endswith(ADAPTER_SUFFIXES)}
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        unguard_module_loading(pl_module)
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -9,9 +9,20 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem.functional.optimizers import available_optimizers, build_optimizer
+from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
+from lightning_lowmem.functional.optimizer_state import mark_state_dict
+from lightning_lowmem.functional.optimizers import (
+    available_optimizers,
+    build_optimizer,
+    check_loaded_state,
+    check_optimizer_kwargs,
+    state_layout,
+)
 
 _GROUP_KEYS_KEPT = ("lr", "weight_decay")
+_TORCHAO_BACKED = ("adamw8bit", "adamw4bit", "adamw_bf16_sr")
+WRITER = "MemoryEfficientOptimizer"
+FORMAT_VERSION = 1
 
 
 class MemoryEfficientOptimizer(L.Callback):
@@ -29,17 +40,33 @@ class MemoryEfficientOptimizer(L.Callback):
             from it). Needed when the new optimizer reads ``lr`` differently, e.g. Adafactor's step size
             relative to each weight's RMS. Default: ``None`` (keep the configured ``lr``).
         weight_decay: likewise for weight decay. Default: ``None`` (keep the configured value).
-        **optimizer_kwargs: further arguments for the new optimizer (Python only; LightningCLI reads the
-            named arguments).
+        betas: Adam-family ``(beta1, beta2)``. Default: ``None`` (the optimizer's default).
+        eps: the optimizer's ``eps`` (a float; Adafactor takes ``(eps1, eps2)``). Default: ``None``.
+        momentum: SGD momentum. Default: ``None`` (0.9 for ``"sgd"``).
+        optimizer_kwargs: any other argument of the chosen optimizer, e.g. ``{"amsgrad": True}``,
+            ``{"block_size": 128}`` (YAML: a mapping). Default: ``None``.
+        **kwargs: the same as ``optimizer_kwargs``, as Python keywords.
+
+    Every argument is checked against the chosen optimizer's signature here, at construction: a typo
+    raises with the accepted names and a did-you-mean, instead of failing in ``configure_optimizers``.
+
+    Checkpoints record the optimizer (``lightning_lowmem.checkpoints``) and mark its saved state so that a
+    ``Trainer`` without this callback refuses it with a message naming the callback to add; a ``Trainer``
+    whose ``MemoryEfficientOptimizer`` keeps a different kind of state (8-bit vs float AdamW, AdamW vs
+    Adafactor...) refuses it before the model weights are loaded. Names with the same state layout resume
+    each other (``"adamw8bit"`` and ``"adamw8bit_in_backward"``).
 
     Raises:
-        ValueError: unknown ``optimizer``, or a negative ``lr`` / ``weight_decay``.
+        ValueError: unknown ``optimizer``; an argument the optimizer does not take; a value it refuses
+            (negative ``lr`` / ``weight_decay``, ``betas`` outside [0, 1)...); one argument given twice.
 
     Example::
 
         >>> cb = MemoryEfficientOptimizer("adafactor_in_backward", lr=0.05)
         >>> cb.optimizer, cb.optimizer_kwargs
         ('adafactor_in_backward', {'lr': 0.05})
+        >>> MemoryEfficientOptimizer("adamw8bit", betas=(0.9, 0.99), optimizer_kwargs={"amsgrad": True}).optimizer_kwargs
+        {'amsgrad': True, 'betas': (0.9, 0.99)}
     """
 
     def __init__(
@@ -47,22 +74,34 @@ class MemoryEfficientOptimizer(L.Callback):
         optimizer: str = "adamw8bit",
         lr: float | None = None,
         weight_decay: float | None = None,
-        **optimizer_kwargs: Any,
+        betas: tuple[float, float] | None = None,
+        eps: float | tuple[float | None, float] | None = None,
+        momentum: float | None = None,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
         if not isinstance(optimizer, str) or optimizer.lower() not in available_optimizers():
-            raise ValueError(f"`optimizer`={optimizer!r} is unknown; choose one of {available_optimizers()}")
-        for name, value in (("lr", lr), ("weight_decay", weight_decay)):
-            if value is not None:
-                if value < 0:
-                    raise ValueError(f"`{name}` must be >= 0, got {value}")
-                optimizer_kwargs[name] = value
+            from lightning_lowmem.functional.optimizers import _check_name
+
+            _check_name(optimizer)  # raises with the list and a did-you-mean
+        if optimizer_kwargs is not None and not isinstance(optimizer_kwargs, dict):
+            raise ValueError(f"`optimizer_kwargs` must be a mapping of argument names to values, got {optimizer_kwargs!r}")
         self.optimizer = optimizer.lower()
-        self.optimizer_kwargs = optimizer_kwargs
+        merged: dict[str, Any] = dict(optimizer_kwargs or {})
+        named = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps, "momentum": momentum}
+        for name, value in [*kwargs.items(), *((k, v) for k, v in named.items() if v is not None)]:
+            if name in merged and merged[name] != value:
+                raise ValueError(f"`{name}` is given twice ({merged[name]!r} in optimizer_kwargs, {value!r}); give it once")
+            merged[name] = value
+        check_optimizer_kwargs(self.optimizer, merged, owner=f"MemoryEfficientOptimizer({self.optimizer!r})")
+        _check_values(self.optimizer, merged)
+        self.optimizer_kwargs = merged
         self._module: L.LightningModule | None = None
         self._replaced: list[torch.optim.Optimizer] = []
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        guard_module_loading(trainer, pl_module)  # check what wrote a checkpoint before Lightning loads it
         if stage != "fit" or self._module is not None:
             return
         original = pl_module.configure_optimizers
@@ -104,8 +143,54 @@ class MemoryEfficientOptimizer(L.Callback):
 
         return walk(config)
 
+    def checkpoint_reader(self) -> tuple[str, Any]:
+        """(writer, accept) for :func:`lightning_lowmem.checkpoints.check`: state of the same layout only."""
+
+        def accept(entry: dict[str, Any]) -> str | None:
+            written = entry.get("format")
+            if entry.get("version", 1) > FORMAT_VERSION:
+                return f"a newer lightning_lowmem wrote it (version {entry.get('version')}); upgrade lightning_lowmem."
+            if written not in available_optimizers():
+                return f"optimizer {written!r} is unknown to this lightning_lowmem."
+            if state_layout(written) != state_layout(self.optimizer):
+                return (
+                    f"its {_describe(written)} cannot be continued by this Trainer's "
+                    f"MemoryEfficientOptimizer({self.optimizer!r}) ({_describe(self.optimizer)}). Resume with "
+                    f"MemoryEfficientOptimizer({written!r}), or start a new run from the weights only "
+                    f"(e.g. `YourModule.load_from_checkpoint(path)`)."
+                )
+            return None
+
+        return WRITER, accept
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        needs = f"callbacks=[MemoryEfficientOptimizer({self.optimizer!r})]"
+        record(checkpoint, writer=WRITER, format=self.optimizer, version=FORMAT_VERSION, needs=needs, needed_for=["fit"])
+        message = (
+            f"lightning_lowmem: this optimizer state was written by MemoryEfficientOptimizer({self.optimizer!r}) "
+            f"({_describe(self.optimizer)}); add {needs} to the Trainer that resumes it, or load the weights only"
+        )
+        states = checkpoint.get("optimizer_states") or []
+        for index, optimizer in enumerate(trainer.optimizers[: len(states)]):
+            if any(optimizer is replaced for replaced in self._replaced):
+                states[index] = mark_state_dict(states[index], message)
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Checkpoints written without this callback carry no record: check their optimizer state's layout
+        # here, before Lightning loads it (and after the weights; the recorded case was checked before).
+        if trainer.state.fn == "fit":
+            for state in checkpoint.get("optimizer_states") or []:
+                check_loaded_state(self.optimizer, state)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer}
+
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        unguard_module_loading(pl_module)
         if self._module is not None:
             self._module.__dict__.pop("configure_optimizers", None)
             self._module = None
@@ -113,3 +198,33 @@ class MemoryEfficientOptimizer(L.Callback):
             if hasattr(opt, "remove_hooks"):
                 opt.remove_hooks()
         self._replaced.clear()
+
+
+def _describe(name: str) -> str:
+    family, precision = state_layout(name)
+    return f"{'AdamW' if family == 'adam' else family.capitalize() if family != 'sgd' else 'SGD'} state" + (
+        f" in {precision.replace('bit', '-bit')}" if precision != "float" else ""
+    )
+
+
+def _check_values(name: str, kwargs: dict[str, Any]) -> None:
+    """Refuse values the optimizer would refuse, now rather than in ``configure_optimizers``."""
+    for key in ("lr", "weight_decay", "momentum"):
+        value = kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+            raise ValueError(f"`{key}` must be a number >= 0, got {value!r}")
+    betas = kwargs.get("betas")
+    if betas is not None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(
+            isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas
+        ):
+            raise ValueError(f"`betas` must be two numbers in [0, 1), e.g. [0.9, 0.999], got {betas!r}")
+    if name.removesuffix("_in_backward") in _TORCHAO_BACKED:
+        return  # building a torchao optimizer imports torchao (slow, noisy on CPU): the checks above suffice
+    probe = torch.nn.Parameter(torch.zeros(2, 2))
+    try:
+        optimizer = build_optimizer(name, [probe], **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"MemoryEfficientOptimizer({name!r}) refuses {kwargs}: {err}") from err
+    if hasattr(optimizer, "remove_hooks"):
+        optimizer.remove_hooks()

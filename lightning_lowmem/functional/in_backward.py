@@ -7,7 +7,9 @@ parameter's gradient is alive at a time instead of the whole model's.
 The wrapper is a regular ``torch.optim.Optimizer`` whose ``step(closure)`` only runs the closure (the
 backward inside it does the real steps). That keeps Lightning's automatic optimization loop, LR
 schedulers (the wrapper's ``param_groups`` are the ones read at each inner step) and checkpointing
-(``state_dict`` / ``load_state_dict`` hold every inner optimizer's state) working unchanged.
+(``state_dict`` / ``load_state_dict`` hold every inner optimizer's state) working unchanged. The wrapper's
+param groups carry the inner optimizer's full hyperparameters (``betas``, ``eps``...), and its saved state
+has the inner optimizer's layout, so a checkpoint resumes bit-identically under the same name.
 
 Limits: gradient accumulation and gradient clipping cannot work (there is never a full gradient);
 every backward is an optimizer step.
@@ -44,12 +46,18 @@ class OptimizerInBackward(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], inner: str = "adamw", **kwargs: Any) -> None:
-        from lightning_lowmem.functional.optimizers import available_optimizers, build_optimizer
+        from lightning_lowmem.functional.optimizers import (
+            attach_state_hooks,
+            available_optimizers,
+            build_optimizer,
+            check_optimizer_kwargs,
+        )
 
         if not isinstance(inner, str) or inner.lower() not in available_optimizers() or "in_backward" in inner:
             allowed = [n for n in available_optimizers() if "in_backward" not in n]
             raise ValueError(f"`inner`={inner!r} is not a plain optimizer name; choose one of {allowed}")
         self.inner_name = inner.lower()
+        check_optimizer_kwargs(self.inner_name, kwargs, owner=f"{self.inner_name}_in_backward")
         self.inner_kwargs = dict(kwargs)
         super().__init__(params, dict(kwargs))
         self.inner_optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {}
@@ -59,11 +67,15 @@ class OptimizerInBackward(torch.optim.Optimizer):
             for param in group["params"]:
                 if not param.requires_grad:
                     continue
-                inner_opt = build_optimizer(self.inner_name, [{"params": [param], **options}])
+                inner_opt = build_optimizer(self.inner_name, [{"params": [param], **options}], **self.inner_kwargs)
                 self.inner_optimizers[param] = inner_opt
                 # share the per-parameter state dict so the wrapper's state_dict() sees it
                 self.state[param] = inner_opt.state[param]
                 self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, inner_opt)))
+                for key, value in inner_opt.param_groups[0].items():  # betas, eps...: a complete saved group
+                    if key != "params":
+                        group.setdefault(key, float(value) if isinstance(value, torch.Tensor) else value)
+        attach_state_hooks(self, f"{self.inner_name}_in_backward")
 
     def _make_hook(self, group_index: int, inner_opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -98,13 +110,21 @@ class OptimizerInBackward(torch.optim.Optimizer):
         than the parameter's (e.g. float32 state of bfloat16 weights under stochastic rounding) is not
         cast on the way.
         """
-        super().load_state_dict(state_dict)  # groups; ids in saved order
+        from lightning_lowmem.functional.optimizer_state import normalize_loaded_state
+
+        state_dict = normalize_loaded_state(state_dict)  # plain-tensor low-bit state -> torchao tensors
+        super().load_state_dict(state_dict)  # groups (checked against this optimizer's layout); ids in saved order
+        for group in self.param_groups:  # a torchao optimizer saves lr as a tensor; schedulers expect a float
+            if isinstance(group.get("lr"), torch.Tensor):
+                group["lr"] = float(group["lr"])
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for saved_id, param in zip(saved_group["params"], group["params"]):
                 inner_opt = self.inner_optimizers.get(param)
                 if inner_opt is None:
                     continue
                 inner_group = {**{k: v for k, v in inner_opt.param_groups[0].items() if k != "params"}, "params": [0]}
+                for key in inner_group.keys() & group.keys() - {"params", "lr"}:  # saved betas, eps... (lr: hook)
+                    inner_group[key] = group[key]
                 saved_state = state_dict["state"].get(saved_id)
                 inner_opt.load_state_dict({"state": {0: saved_state} if saved_state else {}, "param_groups": [inner_group]})
                 self.state[param] = inner_opt.state[param]

@@ -170,7 +170,9 @@ def _matches(name: str, pattern: str) -> bool:
 def _select(module: nn.Module, target: str | type | Sequence[str | type]) -> dict[str, nn.Module]:
     candidates = {name: sub for name, sub in module.named_modules() if _is_candidate(sub)}
     if target == ALL_LINEAR:
-        selected = {n: m for n, m in candidates.items() if n.rsplit(".", 1)[-1] not in HEAD_NAMES}
+        # output heads: by name, or by a weight shared with an embedding (BERT's MLM decoder, tied lm_heads)
+        tied = {id(sub.weight) for sub in module.modules() if isinstance(sub, nn.Embedding)}
+        selected = {n: m for n, m in candidates.items() if n.rsplit(".", 1)[-1] not in HEAD_NAMES and id(m.weight) not in tied}
         if not selected:
             raise ValueError(
                 f"`target`='{ALL_LINEAR}' found no nn.Linear / Conv1D layer (output heads {HEAD_NAMES} are left "
@@ -193,10 +195,11 @@ def _select(module: nn.Module, target: str | type | Sequence[str | type]) -> dic
         if not hits:
             names = sorted(candidates)
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
             raise ValueError(
-                f"`target` pattern {pattern!r} matches no nn.Linear / Conv1D layer of {type(module).__name__}. "
-                f"Patterns match a layer's qualified name exactly, as a dotted suffix, or as an fnmatch glob; "
-                f"layer names are: [{shown or 'none'}]"
+                f"`target` pattern {pattern!r} matches no nn.Linear / Conv1D layer of {type(module).__name__}; "
+                f"its linear layers end in: {leaves}. Patterns match a layer's qualified name exactly, as a dotted "
+                f"suffix, or as an fnmatch glob; layer names are: [{shown or 'none'}]"
             )
         selected.update(hits)
     return {name: layer for name, layer in candidates.items() if name in selected}  # module order
@@ -239,8 +242,9 @@ def apply_lora_(
         r: adapter rank, > 0. Default: 8.
         alpha: the update ``B @ A`` is scaled by ``alpha / r``. Default: 16.0.
         dropout: dropout on the adapters' input, in [0, 1). Default: 0.0.
-        target: which layers: ``"all-linear"`` (every ``nn.Linear`` / ``Conv1D`` except output heads
-            named ``lm_head``, ``head``, ``classifier``, ``score``), or a pattern / type or a list of
+        target: which layers: ``"all-linear"`` (every ``nn.Linear`` / ``Conv1D`` except output heads:
+            those named ``lm_head``, ``head``, ``classifier``, ``score``, and those whose weight is an
+            embedding's, e.g. BERT's tied MLM decoder), or a pattern / type or a list of
             them. A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
             matches ``"h.0.attn.c_attn"``), as an fnmatch glob (``"h.*.mlp.*"``), or a class name
             (``"Conv1D"``). Each pattern must match at least one layer. Default: ``"all-linear"``.

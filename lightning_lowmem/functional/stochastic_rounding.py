@@ -89,11 +89,12 @@ class StochasticRounding(torch.optim.Optimizer):
     _PLAIN = ("adamw", "adam", "sgd", "adafactor")
 
     def __init__(self, params: Iterable[Any], inner: str = "adafactor", **kwargs: Any) -> None:
-        from lightning_lowmem.functional.optimizers import build_optimizer
+        from lightning_lowmem.functional.optimizers import build_optimizer, check_optimizer_kwargs
 
         if not isinstance(inner, str) or inner.lower() not in self._PLAIN:
             raise ValueError(f"`inner`={inner!r} cannot be stochastically rounded; choose one of {list(self._PLAIN)}")
         self.inner_name = inner.lower()
+        check_optimizer_kwargs(self.inner_name, kwargs, owner=f"{self.inner_name}_bf16_sr")
         super().__init__(params, dict(kwargs))
         self._proxies: dict[torch.Tensor, torch.nn.Parameter] = {}
         inner_groups = []
@@ -110,6 +111,9 @@ class StochasticRounding(torch.optim.Optimizer):
                 group.setdefault(key, value)
         self.defaults = {**self.inner.defaults, **self.defaults}
         self._link_state()
+        from lightning_lowmem.functional.optimizers import attach_state_hooks
+
+        attach_state_hooks(self, self.inner_name)  # the inner optimizer's state layout
 
     @staticmethod
     def _empty(param: torch.Tensor) -> torch.Tensor:
@@ -156,6 +160,9 @@ class StochasticRounding(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load hyperparameters into the wrapper and the float32 state into the inner optimizer."""
+        from lightning_lowmem.functional.optimizer_state import normalize_loaded_state
+
+        state_dict = normalize_loaded_state(state_dict)
         super().load_state_dict(state_dict)  # param_groups (lr, ...); its state copy is cast to bf16: replaced
         self.inner.load_state_dict(state_dict)  # same layout, keyed by the float32 proxies: stays float32
         self._link_state()

@@ -32,9 +32,9 @@ def _loader() -> DataLoader:
     return DataLoader(BlockDataset(data, 16), batch_size=8, shuffle=False)  # fixed order: exact resume
 
 
-def _fit(model: L.LightningModule, kwargs: dict, callbacks: list, **trainer_args) -> L.Trainer:
+def _fit(model: L.LightningModule, kwargs: dict, callbacks: list, ckpt_path=None, **trainer_args) -> L.Trainer:
     trainer = L.Trainer(**{**kwargs, **trainer_args}, callbacks=callbacks, limit_val_batches=0)
-    trainer.fit(model, train_dataloaders=_loader())
+    trainer.fit(model, train_dataloaders=_loader(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -143,7 +143,8 @@ def test_bad_arguments_and_mismatched_resume(tiny_trainer_kwargs):
         LowRankAdapters(target=5)
     with pytest.raises(ValueError, match="`target` must be a non-empty list"):
         LowRankAdapters(target=[])
-    with pytest.raises(ValueError, match=r"pattern 'q_proj' matches no .*layer names are: \[model\.h\.0\.attn\.c_attn"):
+    with pytest.raises(ValueError, match=r"pattern 'q_proj' matches no .*end in: \['c_attn', 'c_fc', 'c_proj', 'lm_head'\]"
+                                         r".*layer names are: \[model\.h\.0\.attn\.c_attn"):
         _fit(_charlm(), tiny_trainer_kwargs, [LowRankAdapters(target=["q_proj"])], max_steps=1)
     with pytest.raises(ValueError, match="trained with r=8 but this LowRankAdapters has r=4"):
         LowRankAdapters(r=4).load_state_dict({"lora_config": {"r": 8, "alpha": 16.0, "quantize_base": None}})
@@ -161,3 +162,31 @@ def test_base_weights_path_loads_pretrained_weights_before_wrapping(tiny_trainer
         LowRankAdapters(base_weights_path="missing.ckpt").setup(L.Trainer(**tiny_trainer_kwargs), _charlm(), "fit")
     with pytest.raises(ValueError, match="`base_weights_path` must be a file path or None, got int"):
         LowRankAdapters(base_weights_path=3)
+
+
+def _adapters_only_checkpoint(tiny_trainer_kwargs, tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    kwargs = {**tiny_trainer_kwargs, "enable_checkpointing": True}
+    _fit(_charlm(), kwargs, [LowRankAdapters(r=4), checkpoint], max_epochs=1, limit_train_batches=2)
+    return next((tmp_path / "ckpt").glob("*.ckpt"))
+
+
+def test_adapters_only_checkpoint_without_the_callback_names_it_before_loading(tiny_trainer_kwargs, tmp_path):
+    from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
+    from lightning_lowmem.checkpoints import CheckpointMismatchError, records
+
+    path = _adapters_only_checkpoint(tiny_trainer_kwargs, tmp_path)
+    assert records(torch.load(path, weights_only=True))["LowRankAdapters"]["format"] == "adapters-only"
+    model = _charlm()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # another lowmem component is there: the check runs before Lightning loads any weight
+    with pytest.raises(CheckpointMismatchError, match=r"written with LowRankAdapters \(format 'adapters-only', version 1\), "
+                                                      r"which the loading side lacks: add callbacks=\[LowRankAdapters\(r=4\)\]"):
+        _fit(model, tiny_trainer_kwargs, [MemoryEfficientOptimizer("adamw")], max_epochs=2, limit_train_batches=2,
+             ckpt_path=path)  # fmt: skip
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    with pytest.raises(CheckpointMismatchError, match=r"its adapters have r=4 but this Trainer's LowRankAdapters has r=8"):
+        _fit(_charlm(), tiny_trainer_kwargs, [LowRankAdapters(r=8)], max_epochs=2, limit_train_batches=2, ckpt_path=path)
+    # no lowmem component at all: nothing of ours runs before Lightning's strict weight load (documented limit)
+    with pytest.raises(RuntimeError, match=r"(?s)Missing key\(s\) in state_dict.*Unexpected key\(s\) in state_dict: .*lora_A"):
+        _fit(_charlm(), tiny_trainer_kwargs, [], max_epochs=2, limit_train_batches=2, ckpt_path=path)

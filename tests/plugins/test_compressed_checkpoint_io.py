@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import io
 import os
 import signal
 import subprocess
@@ -57,7 +58,7 @@ def test_round_trip_every_tensor_equal(tmp_path, codec):
     assert loaded["epoch"] == 2 and loaded["callbacks"] == {"x": {"best": None}}
     assert loaded["state_dict"]["tied"] is loaded["state_dict"]["w_sparse"]
     assert checkpoint_io.last_save_stats["sparse_tensors"] == 3  # w_sparse (tied once), bf16, exp_avg
-    assert not list(tmp_path.glob(".*tmp*"))  # no temporary file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]  # no temporary file left behind
 
 
 def test_reads_plain_torch_save_checkpoints(tmp_path):
@@ -125,16 +126,22 @@ _WRITER = """
 import sys, time, torch
 from lightning_lowmem.plugins import compressed_checkpoint_io as cio
 
-def stalled(raw, codec, level, _real=cio._compress_chunks):
-    chunks = _real(raw, codec, level)
-    yield next(chunks)
-    print("HALF", flush=True)  # half-written: the parent kills us now
-    time.sleep(120)
-    yield from chunks
+def stalled(path, pieces, fsync=False, _real=cio._atomic_write):
+    def slow():
+        written = 0
+        for piece in pieces:
+            piece = bytes(piece)
+            if written < (1 << 16) <= written + len(piece):  # a piece big enough to pass the write buffer
+                yield piece[: len(piece) // 2]
+                print("HALF", flush=True)  # half-written: the parent kills us now
+                time.sleep(120)
+                piece = piece[len(piece) // 2 :]
+            written += len(piece)
+            yield piece
+    return _real(path, slow(), fsync)
 
-cio._compress_chunks = stalled
-cio._CHUNK_BYTES = 1 << 16
-big = {"state_dict": {"w": torch.randn(512, 512)}, "epoch": 2}
+cio._atomic_write = stalled
+big = {"state_dict": {"w": torch.randn(512, 512), "pruned": torch.zeros(512, 512)}, "epoch": 2}
 cio.CompressedCheckpointIO().save_checkpoint(big, sys.argv[1])
 """
 
@@ -148,7 +155,7 @@ def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
                               stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
         assert writer.stdout.readline().strip() == "HALF"
-        temporary = list(tmp_path.glob(".last.ckpt.tmp-*"))
+        temporary = list(tmp_path.glob("last.tmp-*.framed"))
         assert len(temporary) == 1 and temporary[0].stat().st_size > 0  # the new one was being written
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=30)
@@ -194,8 +201,8 @@ def test_trainer_checkpoints_and_resume_match_torch_checkpoint_io(tmp_path, tiny
     plain_path, plain = _fit_and_resume({**kwargs, "default_root_dir": str(tmp_path / "plain")}, [])
     packed_path, packed = _fit_and_resume({**kwargs, "default_root_dir": str(tmp_path / "packed")},
                                           [CompressedCheckpointIO()])
-    with open(packed_path, "rb") as handle:
-        assert handle.read(8) == compressed_checkpoint_io.MAGIC
+    with open(packed_path, "rb") as handle:  # 2x64 weights, mostly zero-free: chunks stored, some compressed
+        assert handle.read(len(compressed_checkpoint_io.PREFIX) + 8) == compressed_checkpoint_io.PREFIX + b"LOWMEMCK"
     expected = _tensors(torch.load(plain_path, weights_only=True))
     got = _tensors(CompressedCheckpointIO().load_checkpoint(packed_path))
     assert expected.keys() == got.keys() and len(expected) > 6  # weights and AdamW state
@@ -225,3 +232,88 @@ def test_storage_options_rejected(tmp_path):
 
 def test_docstring_example_runs():
     assert doctest.testmod(compressed_checkpoint_io, extraglobs={"torch": torch, "os": os}).failed == 0
+
+
+@pytest.mark.parametrize("cut_from_end", [1, 22, 400, 0.3])
+def test_truncated_plain_file_anywhere_raises_corrupt(tmp_path, cut_from_end):
+    path = tmp_path / "plain.ckpt"
+    torch.save(_checkpoint(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - (cut_from_end if cut_from_end >= 1 else int(cut_from_end * len(data)))])
+    # failed before: ValueError: negative seek value
+    with pytest.raises(CheckpointCorruptError, match=r"plain\.ckpt.*truncated or damaged: torch.load failed"):
+        CompressedCheckpointIO().load_checkpoint(path)
+
+
+def test_plain_torch_load_of_a_compressed_file_names_the_plugin(tmp_path, tiny_trainer_kwargs):
+    path = tmp_path / "packed.ckpt"
+    CompressedCheckpointIO().save_checkpoint(_checkpoint(), path)
+    assert path.read_bytes().startswith(compressed_checkpoint_io.PREFIX)
+    # failed before: "Weights only load failed ... Re-running with weights_only=False will likely succeed" (it did not)
+    with pytest.raises(Exception, match=r"Unsupported global: GLOBAL lightning_lowmem\.plugins\.compressed_checkpoint_io"
+                                        r"\.written_by_CompressedCheckpointIO"):
+        torch.load(path, weights_only=True)
+    with pytest.raises(RuntimeError, match=r"written by lightning_lowmem's CompressedCheckpointIO.*"
+                                           r"load it with `Trainer\(plugins=\[CompressedCheckpointIO\(\)\]\)`"):
+        torch.load(path, weights_only=False)
+    with pytest.raises(Exception, match=r"written_by_CompressedCheckpointIO"):  # a Trainer without the plugin
+        L.Trainer(max_steps=6, **tiny_trainer_kwargs).fit(_Regressor(), ckpt_path=path)
+
+
+def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):
+    torch.manual_seed(0)
+    dense = {"state_dict": {f"w{i}": torch.randn(512, 512) for i in range(5)}, "epoch": 1}  # 5 MiB of mantissas
+    torch.save(dense, tmp_path / "dense.ckpt")
+    plain = (tmp_path / "dense.ckpt").read_bytes()  # what TorchCheckpointIO writes there
+    checkpoint_io = CompressedCheckpointIO()
+    checkpoint_io.save_checkpoint(dense, tmp_path / "dense.ckpt")
+    stats = checkpoint_io.last_save_stats
+    assert stats["chunks"] == 6 and stats["chunks_compressed"] <= 1  # 1 MiB chunks of mantissas raw (the tail: zip index)
+    assert (tmp_path / "dense.ckpt").read_bytes() == plain  # the very same bytes: loads without the plugin
+    loaded = checkpoint_io.load_checkpoint(tmp_path / "dense.ckpt")
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in dense["state_dict"].items())
+    # mixed: one sparse tensor packed, dense chunks raw, the file framed and smaller
+    mixed = {"state_dict": {**dense["state_dict"], "zeros": torch.zeros(512, 512)}}
+    checkpoint_io.save_checkpoint(mixed, tmp_path / "mixed.ckpt")
+    assert checkpoint_io.last_save_stats["sparse_tensors"] == 1
+    assert (tmp_path / "mixed.ckpt").read_bytes().startswith(compressed_checkpoint_io.PREFIX)
+    assert torch.equal(checkpoint_io.load_checkpoint(tmp_path / "mixed.ckpt")["state_dict"]["w3"], dense["state_dict"]["w3"])
+
+
+def test_damaged_chunk_table_raises(tmp_path):
+    path = tmp_path / "a.ckpt"
+    CompressedCheckpointIO().save_checkpoint(_checkpoint(), path)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte in the last chunk
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"a\.ckpt.*truncated or damaged"):
+        CompressedCheckpointIO().load_checkpoint(path)
+
+
+def test_reads_version_one_files(tmp_path):
+    import struct
+    import zlib
+
+    import zstandard
+
+    buffer = io.BytesIO()
+    torch.save({"epoch": 7, "w": torch.arange(4.0)}, buffer)
+    raw = buffer.getvalue()
+    header = struct.pack("<8sB7sQI", b"LOWMEMCK", 1, b"zstd".ljust(7, b"\0"), len(raw), zlib.crc32(raw))
+    (tmp_path / "v1.ckpt").write_bytes(header + zstandard.ZstdCompressor().compress(raw))
+    assert CompressedCheckpointIO().load_checkpoint(tmp_path / "v1.ckpt")["epoch"] == 7
+
+
+def test_quantized_weights_load_under_lightnings_callable_map_location(tmp_path):
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    quantize_(model, Int8WeightOnlyConfig())
+    path = tmp_path / "q.ckpt"
+    CompressedCheckpointIO().save_checkpoint({"state_dict": model.state_dict()}, path)
+    # failed before: RuntimeError: Callable map_location not supported with _rebuild_wrapper_subclass
+    loaded = CompressedCheckpointIO().load_checkpoint(path, map_location=lambda storage, loc: storage)
+    weight = loaded["state_dict"]["0.weight"]
+    assert type(weight).__name__ == type(model[0].weight).__name__ and weight.device.type == "cpu"
+    assert torch.equal(weight.dequantize(), model[0].weight.dequantize())
