@@ -173,7 +173,10 @@ def test_load_from_checkpoint_with_quantize_like_checkpoint(tiny_trainer_kwargs,
         loaded = LoadsQuantized.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
         assert type(loaded.fc2.weight).__name__ == "Int8Tensor"
         assert torch.equal(loaded(inputs), module(inputs))
-        assert quantize_like_checkpoint(loaded, torch.load(ckpt_path, weights_only=True)) == []  # already quantized
+        again = torch.load(ckpt_path, weights_only=True)
+        assert quantize_like_checkpoint(loaded, again) == ["fc1", "fc2"]  # quantized layers take the checkpoint's tensors
+        loaded.load_state_dict(again["state_dict"])
+        assert torch.equal(loaded(inputs), module(inputs))
     float_checkpoint = {"state_dict": ErrorModule().state_dict()}
     assert quantize_like_checkpoint(ErrorModule(), float_checkpoint) == []
 

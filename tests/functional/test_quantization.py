@@ -12,16 +12,15 @@ from torch import nn
 
 from lightning_lowmem.functional.quantization import (
     available_modes,
-    convert_qat_,
     dequantize_,
     drop_zero_point,
     drop_zero_points_,
-    prepare_qat_,
     quantize_,
     quantized_copy,
     search_float_fallback,
     torchao_config,
 )
+from lightning_lowmem.functional.quantization_qat import convert_qat_, prepare_qat_
 from lightning_lowmem.functional.quantization_static import quantize_static
 from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.warnings import NoEffectWarning
