@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.callbacks import _quantized_checkpoints
+from lightning_lowmem.callbacks import _ptq_static, _quantized_checkpoints
 from lightning_lowmem.callbacks._quantized_checkpoints import (  # re-exported: the documented import path
     CHECKPOINT_KEY,
     load_quantized_checkpoint,
@@ -31,7 +29,7 @@ from lightning_lowmem.functional.quantization import (
     quantize_,
     search_float_fallback,
 )
-from lightning_lowmem.functional.quantization_layers import check_patterns, is_conv1d, matches_any, set_submodule, tied_groups
+from lightning_lowmem.functional.quantization_layers import check_patterns, set_submodule, tied_groups
 from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.memory.units import format_bytes
 from lightning_lowmem.model_io import BatchCallError, forward_batch, has_forward_batch, model_inputs
@@ -39,19 +37,8 @@ from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
 __all__ = ["PostTrainingQuantization", "load_quantized_checkpoint", "quantize_like_checkpoint"]
 
-_STATIC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
-
-
 def _expand(units: dict[str, list[str]], chosen: Sequence[str]) -> list[str]:
     return [name for unit in chosen for name in units[unit]]
-
-
-def _device(module: nn.Module) -> torch.device:
-    """Where ``module`` lives (an exported int8 graph may hold its weights as buffers only)."""
-    tensor = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 class PostTrainingQuantization(L.Callback):
@@ -185,6 +172,7 @@ class PostTrainingQuantization(L.Callback):
         self._replaced_io: Any = None
         self._call_checked = False
         self._time_latency = latency_batches > 0
+        self._last_static: tuple[tuple[str, ...], QuantizationReport] | None = None
 
     @property
     @override
@@ -299,7 +287,8 @@ class PostTrainingQuantization(L.Callback):
         if self.mode == "int8_static":
             if loader is None:
                 raise ValueError("mode='int8_static' calibrates on validation (or training) batches; no loader is attached.")
-            calibration = self._calibration_inputs(pl_module, loader)
+            assert self.module_name is not None
+            calibration = _ptq_static.calibration_calls(pl_module, self.module_name, loader, self.calibration_batches)
         result = None
         chosen = candidates
         units = self._units(pl_module, candidates)  # a tied group is one candidate of the search
@@ -367,7 +356,7 @@ class PostTrainingQuantization(L.Callback):
         was_training = pl_module.training
         pl_module.eval()
         try:
-            batch = move_data_to_device(batch, _device(pl_module))
+            batch = move_data_to_device(batch, _ptq_static.device_of(pl_module))
             run = functools.partial(forward_batch, pl_module)
             figures["latency_s"] = measure_latency(run, (batch,), repeats=self.latency_batches, warmup=2)
         except BatchCallError as err:
@@ -377,25 +366,6 @@ class PostTrainingQuantization(L.Callback):
         return figures
 
     # --- which layers: in-place candidates, tied groups as one unit; int8_static: the child's Linear/Conv --
-
-    def _candidates(self, pl_module: L.LightningModule, skip: bool = True) -> list[str]:
-        skip_modules = self.skip_modules if skip else ()
-        if self.mode != "int8_static":
-            return quantizable_layers(
-                pl_module, self.mode, filter_fn=self.filter_fn if skip else None, skip_modules=skip_modules,
-                group_size=self.group_size, embeddings=self.embeddings,
-            )  # fmt: skip
-        assert self.module_name is not None
-        child = pl_module.get_submodule(self.module_name)
-        tied = {f"{self.module_name}.{name}" for group in tied_groups(child) for name in group}
-        names = []
-        for fqn, layer in child.named_modules(prefix=self.module_name):
-            if not (isinstance(layer, _STATIC_TYPES) or is_conv1d(layer)) or fqn in tied:
-                continue
-            if matches_any(fqn, layer, skip_modules) or (skip and self.filter_fn is not None and not self.filter_fn(layer, fqn)):
-                continue
-            names.append(fqn)
-        return names
 
     def _units(self, pl_module: L.LightningModule, candidates: list[str]) -> dict[str, list[str]]:
         """Search unit (first layer of a tied group, or the layer) -> the layers it stands for."""
@@ -408,66 +378,35 @@ class PostTrainingQuantization(L.Callback):
                 seen.update(units[name])
         return units
 
-    def _calibration_inputs(self, pl_module: L.LightningModule, loader: Any) -> list[Any]:
-        """The calls (positional and keyword inputs) the child ``module_name`` receives on the first validation
-        batches, the model being run as the package always runs it (:func:`~lightning_lowmem.model_io.forward_batch`)."""
-        from lightning_lowmem.functional.quantization_static import ModelCall
-
-        assert self.module_name is not None
-        captured: list[ModelCall] = []
-
-        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            detach = lambda value: value.detach() if isinstance(value, torch.Tensor) else value  # noqa: E731
-            captured.append(ModelCall(tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}))
-
-        handle = pl_module.get_submodule(self.module_name).register_forward_pre_hook(record, with_kwargs=True)
-        device = _device(pl_module)
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            with torch.no_grad():
-                for index, batch in enumerate(loader):
-                    if index >= self.calibration_batches:
-                        break
-                    try:
-                        forward_batch(pl_module, move_data_to_device(batch, device))
-                    except BatchCallError as err:
-                        raise BatchCallError(
-                            f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}"
-                        ) from None
-        finally:
-            handle.remove()
-            pl_module.train(was_training)
-        if not captured:
-            raise ValueError(
-                f"`module_name`={self.module_name!r} was never called while the model ran on {self.calibration_batches} "
-                f"validation batches; name the submodule your forward / forward_batch actually calls."
-            )
-        return captured
-
-    def _quantize_static(
-        self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[Any], *, compile: bool | None = None
-    ) -> QuantizationReport:
-        """Static int8 of a copy of the child with exactly ``names`` quantized (``report.module``: to install)."""
-        from lightning_lowmem.functional.quantization_compile import compile_inference
-        from lightning_lowmem.functional.quantization_static import quantize_static
-
-        prefix = f"{self.module_name}."
-        chosen = {name.removeprefix(prefix) for name in names}
-        child = copy.deepcopy(pl_module.get_submodule(self.module_name))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NoEffectWarning)  # evaluating "none quantized" is expected
-            report = quantize_static(child, calibration[0], calibration, filter_fn=lambda _, fqn: fqn in chosen)
-        report.converted = [prefix + name for name in report.converted]
-        report.conv1d = [prefix + name for name in report.conv1d]
-        if self.compile if compile is None else compile:
-            report.module = compile_inference(report.module)
-        return report
-
     def _set_child(self, pl_module: L.LightningModule, child: nn.Module) -> nn.Module:
         """Install ``child`` as the submodule ``module_name``; returns the one it replaced."""
         assert self.module_name is not None
         return set_submodule(pl_module, self.module_name, child)
+
+    def _candidates(self, pl_module: L.LightningModule, skip: bool = True) -> list[str]:
+        skip_modules, filter_fn = (self.skip_modules, self.filter_fn) if skip else ((), None)
+        if self.mode == "int8_static":
+            assert self.module_name is not None
+            return _ptq_static.static_candidates(pl_module, self.module_name, skip_modules, filter_fn)
+        return quantizable_layers(
+            pl_module, self.mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=self.group_size,
+            embeddings=self.embeddings,
+        )  # fmt: skip
+
+    def _quantize_static(
+        self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[Any], *, compile: bool | None = None
+    ) -> QuantizationReport:
+        assert self.module_name is not None
+        compile = self.compile if compile is None else compile
+        evaluated, self._last_static = self._last_static, None
+        if evaluated is not None and evaluated[0] == tuple(names):  # the search already built it: no second export
+            report = evaluated[1]
+            if compile:
+                from lightning_lowmem.functional.quantization_compile import compile_inference
+
+                report.module = compile_inference(report.module)
+            return report
+        return _ptq_static.quantize_child(pl_module, self.module_name, names, calibration, compile=compile)
 
     @contextmanager
     def _quantized_for_evaluation(self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[Any] | None) -> Iterator[None]:
@@ -479,6 +418,7 @@ class PostTrainingQuantization(L.Callback):
                 return
             assert calibration is not None
             report = self._quantize_static(pl_module, names, calibration, compile=False)
+            self._last_static = (tuple(names), report)
             previous = self._set_child(pl_module, report.module)
             try:
                 yield
@@ -501,10 +441,11 @@ class PostTrainingQuantization(L.Callback):
     ) -> float:
         """``monitor`` of ``pl_module`` with exactly ``names`` quantized; the float weights come back after."""
         with self._quantized_for_evaluation(pl_module, names, calibration):
-            accelerator = "gpu" if _device(pl_module).type == "cuda" else "cpu"
+            accelerator = "gpu" if _ptq_static.device_of(pl_module).type == "cuda" else "cpu"
             evaluator = L.Trainer(
                 accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, callbacks=[],
+                limit_val_batches=trainer.limit_val_batches,  # the user's own validation budget
             )  # fmt: skip
             results = evaluator.validate(pl_module, dataloaders=loader, verbose=False)
         pl_module.trainer = trainer

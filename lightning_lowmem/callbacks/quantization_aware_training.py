@@ -23,7 +23,6 @@ from lightning_lowmem.functional.quantization_qat import (
     set_fake_quant_enabled,
 )
 from lightning_lowmem.functional.quantization_serialization import is_quantized_tensor
-from lightning_lowmem.memory.units import format_bytes
 
 __all__ = ["QuantizationAwareTraining"]
 

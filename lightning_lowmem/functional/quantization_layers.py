@@ -14,6 +14,7 @@ Nothing here imports Lightning, torchao or transformers.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from typing import Iterable, Sequence
 
@@ -157,8 +158,11 @@ def check_patterns(
             continue
         listed = list(candidates) or names
         shown = ", ".join(listed[:8]) + (f", ... ({len(listed)} in all)" if len(listed) > 8 else "")
+        words = sorted({name.rsplit(".", 1)[-1] for name in names} | set(names) | set(classes))
+        close = difflib.get_close_matches(pattern, words, n=3)
         raise ValueError(
-            f"`{argument}` entry {pattern!r} matches no submodule of {type(module).__name__}. Entries match a "
-            f"module's qualified name exactly, as a dotted suffix ('lm_head') or as an fnmatch glob ('*.attn.*'), "
-            f"or a class name. Quantizable layers: [{shown or 'none'}]; layer classes: {classes}."
+            f"`{argument}` entry {pattern!r} matches no submodule of {type(module).__name__}"
+            + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+            + ". Entries match a module's qualified name exactly, as a dotted suffix ('lm_head') or as an fnmatch glob "
+            f"('*.attn.*'), or a class name. Quantizable layers: [{shown or 'none'}]; layer classes: {classes}."
         )
