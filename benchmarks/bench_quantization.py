@@ -332,6 +332,10 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
             "target": f"charlm: QAT intx4 (group {size}) ends with a lower val loss than PTQ intx4 (same format, same steps)",
             "measured": f"PTQ {ptq_drop:+.2f}% vs QAT {qat_drop:+.2f}% (vs the float arm)", "met": qat_drop < ptq_drop,
         })  # fmt: skip
+    from lightning_lowmem.functional.quantization_static import cpu_has_vnni
+
+    vnni = cpu_has_vnni()
+    ptq_costs = " / ".join(f"{_relative_increase(losses['ptq'], losses['float']):+.2f}% (g{size})" for size, losses in qat.items())
     notes = (
         "speedup = float32 latency / mode latency at the listed batch, eager modes against eager float32 and compiled "
         "modes against compiled float32 (`compile_inference`: torch.compile with Inductor freezing, so the pt2e graph "
@@ -349,10 +353,15 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         "int4_weight_only has no CPU kernel in torchao 0.18 "
         "(intx4 = int4 values in int8 bytes). QAT arms: both start from the trained float model and get the same "
         "extra steps at lr 1e-3; PTQ quantizes the float arm. QAT covers nn.Linear only, so both arms keep the embedding "
-        "tables float (PTQ with embeddings=False). int4 PTQ of the nn.Linear layers loses almost nothing on either model "
-        "(digits no accuracy drop, charlm < 0.05% loss), so there is no real drop for QAT to recover; the QAT target is "
-        "read as QAT ending below PTQ at the same format. The intx4_weight_only rows also hold the embedding tables in "
-        "int4 values (groups of 32): compare their delta with the PTQ arms' (nn.Linear only)."
+        "tables float (PTQ with embeddings=False); charlm's head is not tied, so QAT converts the same layers as PTQ. "
+        f"int4 PTQ of the nn.Linear layers costs charlm {ptq_costs} val loss here (vs the float arm), so there is "
+        "little drop for QAT to recover; the QAT target is read as QAT ending below PTQ at the same format. The "
+        "intx4_weight_only rows also hold the embedding tables in int4 values (groups of 32): compare their delta with "
+        "the PTQ arms' (nn.Linear only)."
+        f" This CPU {'has' if vnni else 'has no'} VNNI (AVX512-VNNI / AMX) for oneDNN's int8 kernels and is shared with "
+        "other jobs: absolute milliseconds swing between runs, compare ratios measured in the same run (interleaved). "
+        "Without VNNI, eager torchao int8 (int8_dynamic above all) is many times slower than float, and the compiled "
+        "static path gains far less than on a VNNI CPU."
     )
     rows += hf_rows
     targets += _hf_targets(hf_rows)

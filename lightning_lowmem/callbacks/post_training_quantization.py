@@ -196,7 +196,8 @@ class PostTrainingQuantization(L.Callback):
                     f"`module_name`={self.module_name!r} is not a submodule of {type(pl_module).__name__}; "
                     f"its children are {children}."
                 ) from None
-        check_patterns(pl_module, self.skip_modules, "skip_modules", self._candidates(pl_module, skip=False))
+        if not self.quantized:  # names of the float model (an int8_static child is a graph afterwards)
+            check_patterns(pl_module, self.skip_modules, "skip_modules", self._candidates(pl_module, skip=False))
         if self._hook_handle is None:
             self._hook_handle = pl_module.register_load_state_dict_pre_hook(self._prepare_before_load)
         if self._replaced_io is None:  # so that `ckpt_path=` may hold quantized tensors of older checkpoints

@@ -233,7 +233,8 @@ def quantize_(
 
     Returns:
         A :class:`QuantizationReport` (``report.summary()`` says what was converted); ``report.module``
-        is the quantized model (a new exported ``GraphModule`` for ``"int8_static"``, ``module`` itself
+        is the quantized model (for ``"int8_static"`` a new exported ``GraphModule``, or a
+        ``StaticInt8Module`` around it for models exported with ``use_cache=False``; ``module`` itself
         otherwise).
 
     Raises:
@@ -265,10 +266,13 @@ def quantize_(
 
         if calibration_data is None:
             raise ValueError("mode='int8_static' needs `calibration_data` (an iterable of input batches).")
+        check_patterns(module, skip_modules, "skip_modules")
         batches = list(calibration_data)
-        return quantize_static(
+        report = quantize_static(
             module, example_inputs or batches[0], batches, filter_fn=filter_fn, skip_modules=skip_modules
         )
+        warn_if_mostly_float(module, report, stacklevel=3)
+        return report
     device = next((p.device.type for p in module.parameters()), "cpu")
     reason = _unsupported_reason(mode, device)
     if reason is not None:
