@@ -128,6 +128,13 @@ def prepare_for_load(module: nn.Module, state_dict: dict[str, Any], prefix: str 
     record = pop_instruction(state_dict, prefix)
     _refuse_static(record, "the checkpoint")
     conv1d = [name for name in (record or {}).get("conv1d", []) if _is_conv1d_at(module, name)]
+    # without a record (a weights_only Lightning checkpoint skips callbacks' hooks): a quantized weight arriving
+    # at a Conv1D was saved from its nn.Linear form, the only form the package quantizes
+    conv1d += [
+        name
+        for name, layer in module.named_modules()
+        if name not in conv1d and is_conv1d(layer) and is_quantized_tensor(state_dict.get(f"{prefix}{name}.weight"))
+    ]
     convert_conv1d_(module, conv1d)
     adopted: dict[tuple[Any, ...], nn.Parameter] = {}
     names = []

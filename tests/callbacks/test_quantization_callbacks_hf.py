@@ -269,3 +269,20 @@ def test_qat_on_t5_converts_the_four_way_tie_once(tiny_trainer_kwargs):
     assert callback.report.tied == [tied]
     assert len({id(module.get_submodule(name).weight) for name in tied}) == 1
     assert callback.report.size_ratio > 3.0
+
+
+def test_weights_only_lightning_checkpoint_of_quantized_gpt2_loads_through_the_callback(gpt2_checkpoint, tiny_trainer_kwargs, tmp_path):
+    """`save_checkpoint(weights_only=True)` skips callbacks' hooks: no record, torchao's own pickling."""
+    module, path = gpt2_checkpoint
+    trainer = L.Trainer(callbacks=[PostTrainingQuantization()], limit_val_batches=1, **tiny_trainer_kwargs)
+    trainer.validate(module, data("gpt2"), verbose=False)  # attach the module to a trainer to save it
+    bare = str(tmp_path / "weights_only.ckpt")
+    trainer.save_checkpoint(bare, weights_only=True)
+    fresh = hf_module("gpt2", seed=1)
+    tester = L.Trainer(callbacks=[PostTrainingQuantization()], limit_val_batches=1, **tiny_trainer_kwargs)
+    tester.validate(fresh, data("gpt2"), ckpt_path=bare, verbose=False)
+    fresh.eval()
+    assert type(fresh.model.transformer.h[0].attn.c_proj).__name__ == "Linear"  # inferred: quantized => saved as Linear
+    data("gpt2").setup("fit")
+    batch = next(iter(data("gpt2").val_dataloader()))
+    assert torch.equal(logits(fresh, batch), logits(module, batch))
