@@ -245,7 +245,11 @@ def _lightning_cli(args: list[str], run: bool = True, estimate_only: bool = Fals
                 # warning; 0 is the same seed without the warning
                 seed_everything_default=True if "PL_GLOBAL_SEED" in os.environ else 0,
                 save_config_kwargs={"overwrite": True},
-                parser_kwargs={"exit_on_error": False, **{name: {"exit_on_error": False} for name in LIGHTNING_SUBCOMMANDS}},
+                parser_kwargs={
+                    "prog": "lowmem",
+                    "exit_on_error": False,
+                    **{name: {"exit_on_error": False} for name in LIGHTNING_SUBCOMMANDS},
+                },
                 args=args,
                 run=run,
             )
@@ -447,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lowmem`` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_startup_logs()
+    # Lightning 2.6 on torch >= 2.13 warns about its own use of torch's pytree on every fit
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
     if not argv or argv[0] in ("-h", "--help"):
         print(OVERVIEW % "\n".join(f"  {name:<9} {text}" for name, text in SUBCOMMANDS.items()))
         return 0 if argv else 2
