@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -118,22 +120,30 @@ def test_one_signal_stops_the_whole_demo_and_keeps_finished_runs(signum, tmp_pat
     """A subprocess (a signal cannot be sent to pytest itself): ~15 s, most of it importing Lightning."""
     script = SIGNAL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)
-    lines: list[str] = []
+    stderr = (tmp_path / "stderr.txt").open("w")  # a file: an unread pipe could fill up and block the demo
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True)
+    reader.start()
+    seen: list[str] = []
     deadline = time.monotonic() + 300
-    for line in process.stdout:  # wait until the second run has started: the first one is finished
-        lines.append(line)
-        if line.startswith("[2/4]") or time.monotonic() > deadline:
-            break
+    while not any(line.startswith("[2/4]") for line in seen):  # the first run is finished, the second started
+        try:
+            seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+        except queue.Empty:
+            process.kill()
+            pytest.fail(f"the demo did not reach its second run in 300 s: {''.join(seen)}")
     time.sleep(1.0)  # inside the second fit
     process.send_signal(signum)
     try:
-        rest, err = process.communicate(timeout=60)
+        process.wait(timeout=60)
     except subprocess.TimeoutExpired:
         process.kill()
         raise
-    out = "".join(lines) + rest
+    reader.join(timeout=10)
+    stderr.close()
+    err = (tmp_path / "stderr.txt").read_text()
+    out = "".join(seen) + "".join(lines.get() for _ in range(lines.qsize()))
     assert process.returncode == 128 + signum, (out, err)
     assert "[3/4]" not in out  # the demo did not go on with the next run
     assert f"interrupted by {signal.Signals(signum).name} after 1/4 runs" in out
