@@ -215,6 +215,10 @@ def explain_parse_error(message: str, option_names: Iterable[str] = ()) -> str:
     if unrecognized:
         first = unrecognized.group(1).split()[0].lstrip("-").split("=")[0]
         return f"unrecognized arguments: {unrecognized.group(1)}{did_you_mean(first, option_names)}"
+    required = re.match(r"the following arguments are required: (.*)", message)
+    if required:  # "fit.model" -> "model"
+        names = [re.sub(r"^(fit|validate|test|predict)\.", "", n.strip()) for n in required.group(1).split(",")]
+        return f"missing {', '.join(names)}: give --{names[0]} CLASS_PATH or a config with a `{names[0]}:` section"
     if lines and lines[0].startswith("Problems parsing config"):
         return f"the config could not be read: {one_line(message.split(':', 1)[1])}"
     if head:  # a plain value of the wrong type: "trainer.precision" given "bf17"
@@ -227,7 +231,8 @@ def explain_parse_error(message: str, option_names: Iterable[str] = ()) -> str:
             return f"{where}{given!r} is not accepted{hint}; choose one of {', '.join(dict.fromkeys(choices))}"
         reasons = [l.strip()[2:] for l in lines if l.strip().startswith("- ")]
         reasons = [r for r in reasons if not r.startswith(("Expected a <class 'NoneType'>", "Not a valid subclass"))]
-        reason = reasons[0] if reasons else (lines[1] if len(lines) > 1 else "invalid value")
+        inline = lines[0][head.end():].strip()  # 'Parser key "config": File does not exist: ...'
+        reason = inline or (reasons[0] if reasons else (lines[1] if len(lines) > 1 else "invalid value"))
         return f"{where}{_type_words(one_line(reason))}" + (f" (given {given})" if given else "")
     return one_line(message)
 

@@ -95,9 +95,10 @@ def test_bad_callback_in_yaml_is_one_error_line(case, tmp_path, capfd):
         (["--trainer.max_stepz=3"], "error: unrecognized arguments: --trainer.max_stepz=3 (did you mean 'trainer.max_steps'?)"),
         (["--model.n_layr=2"], "error: model: lightning_lowmem.demo.CharLM has no argument 'n_layr' (did you mean 'n_layer'?)"),
         (["--model=lightning_lowmem.demo.CharLN"], "(did you mean lightning_lowmem.demo.CharLM?)"),
+        (["--config=/no/such.yaml"], "error: config: file does not exist: '/no/such.yaml'"),
     ],
     ids=["strategy-value", "model-value", "data-value", "strategy-name", "precision", "trainer-option", "model-arg",
-         "model-class"],
+         "model-class", "config-file"],
 )
 def test_bad_value_on_the_command_line_is_one_error_line(args, expected, tmp_path, capfd):
     config = tmp_path / "ok.yaml"
@@ -105,6 +106,11 @@ def test_bad_value_on_the_command_line_is_one_error_line(args, expected, tmp_pat
     assert main(["fit", "--config", str(config), *args]) == 2
     lines = _error_lines(capfd)
     assert len(lines) == 2 and expected in lines[0], lines
+
+
+def test_fit_without_a_model_says_what_is_missing(capfd):
+    assert main(["fit"]) == 2
+    assert _error_lines(capfd)[0] == "error: missing model: give --model CLASS_PATH or a config with a `model:` section"
 
 
 def test_lowmem_debug_shows_the_original_error(tmp_path, monkeypatch):
