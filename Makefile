@@ -48,3 +48,21 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info lightning_logs demo_output
+
+# GPU check (docs/gpu.md). Here: `make gpu-wheels` fetches the wheels the GPU machine lacks (scripts/gpu_wheels.txt)
+# into .gpu-wheels/. There (its python3 holds torch; no venv, no registry): `make gpu-check` installs them with
+# --no-index --no-deps into a scratch folder on PYTHONPATH, runs the cuda-marked tests and
+# `python -m benchmarks --device cuda --quick`, and writes benchmarks/results/*_cuda.* and $OUT.
+# `make gpu-check-dry`: the same parts on CPU with tiny settings, outputs to a scratch folder (CI runs it).
+GPU_PYTHON ?= python3
+
+.PHONY: gpu-wheels gpu-check gpu-check-dry
+
+gpu-wheels:
+	$(GPU_PYTHON) scripts/gpu_wheels.py download
+
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py
+
+gpu-check-dry: $(STAMP)
+	$(PY) scripts/gpu_check.py --dry-run

@@ -291,6 +291,12 @@ def _hf_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run(device: str = "cpu", quick: bool = False) -> dict:
+    from benchmarks.common import smoke
+
+    if device == "cuda" or smoke():  # the CUDA study (int4 on tinygemm): benchmarks/int4_cuda.py; smoke runs it on CPU
+        from benchmarks.int4_cuda import quantization_cuda
+
+        return quantization_cuda(device, quick)
     warnings.filterwarnings("ignore")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
