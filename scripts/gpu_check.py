@@ -193,11 +193,14 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def run_parts(parts: list[Part], deadline_s: float, env: dict[str, str], logs: Path, junit_dir: Path) -> list[Record]:
-    started = time.monotonic()
+def run_parts(
+    parts: list[Part], deadline_s: float, env: dict[str, str], logs: Path, junit_dir: Path, clock: Any = time.monotonic
+) -> list[Record]:
+    """Run ``parts`` in order; each gets its budget or what is left before ``deadline_s`` (from now)."""
+    started = clock()
     records = []
     for part in parts:
-        left = deadline_s - (time.monotonic() - started) - BUNDLE_RESERVE_S
+        left = deadline_s - (clock() - started) - BUNDLE_RESERVE_S
         log = logs / f"{part.name.replace(':', '_')}.log"
         if part.command is None:
             if part.name == "install":  # dry run without wheels: the pinned list still parses
@@ -258,8 +261,9 @@ def summary(records: list[Record], dry_run: bool, total_s: float, deadline_s: fl
     benches = [r for r in records if r.name.startswith("bench")]
     tests = by_name.get("tests")
     targets = [
-        {"target": "the whole check finishes well inside 8 minutes", "measured": f"{total_s:.0f} s (deadline {deadline_s:.0f} s)",
-         "met": total_s <= 8 * 60},
+        {"target": "the dry run finishes inside its deadline (CPU: not a GPU timing)" if dry_run
+         else "the whole check finishes well inside 8 minutes", "measured": f"{total_s:.0f} s (deadline {deadline_s:.0f} s)",
+         "met": total_s <= (deadline_s if dry_run else 8 * 60)},
         {"target": "the package imports under the machine's torch (every public name)",
          "measured": f"torch {environment.get('torch', '?')}: {environment.get('public_names', 0)} names",
          "met": by_name.get("env") is not None and by_name["env"].status == "ok"},

@@ -123,14 +123,16 @@ def download(directory: Path = WHEELS, pins: list[Pin] | None = None, python: st
     return wheels
 
 
-def install(target: Path, directory: Path = WHEELS, python: str = sys.executable, cross: bool = False) -> list[Path]:
+def install(
+    target: Path, directory: Path = WHEELS, python: str = sys.executable, cross: bool = False, pins: list[Pin] | None = None
+) -> list[Path]:
     """``pip install --no-index --no-deps --target target`` of the checked wheels; returns them.
 
     Nothing is resolved or fetched and nothing installed is replaced: the target folder is separate
     (put it on ``PYTHONPATH``). ``cross=True`` installs for CPython 3.12 manylinux x86-64 whatever runs
     pip (the dry run does that here: the files land, nothing is imported from them).
     """
-    wheels = check(directory)
+    wheels = check(directory, pins)
     target.mkdir(parents=True, exist_ok=True)
     command = [python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
                "--disable-pip-version-check", "--upgrade", "--target", str(target)]  # fmt: skip

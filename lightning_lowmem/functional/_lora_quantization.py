@@ -24,7 +24,7 @@ def dequantized(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch
     torchao's int4 tinygemm format (``Int4TilePackedTo4dTensor``) has no ``dequantize``; its own kernel
     gives it back: ``linear(I, W) = W^T``.
     """
-    if hasattr(weight, "dequantize"):
+    if type(weight).dequantize is not torch.Tensor.dequantize:  # the format's own (torch's is for torch.ao qtensors)
         dense = weight.dequantize()
     else:
         eye = torch.eye(weight.shape[1], dtype=weight.dtype, device=weight.device)  # (in, in)
