@@ -12,6 +12,7 @@ by what runs on CPU (``intx4_weight_only``; QLoRA with an int8 base), labelled a
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import statistics
 import warnings
@@ -45,7 +46,7 @@ def _train(device: str, steps: int, batch_size: int = 32) -> tuple[CharGPT, list
     torch.manual_seed(0)
     model = CharGPT(GPTConfig(**shape)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = iter(data.train_dataloader())
+    batches = itertools.chain.from_iterable(data.train_dataloader() for _ in itertools.count())  # epochs on end
     for _ in range(steps):
         x, y = (t.to(device) for t in next(batches))
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
