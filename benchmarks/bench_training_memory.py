@@ -245,7 +245,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     eager = smoke() or not _can_compile()  # the smoke run checks code paths: no minutes of CPU compilation
     size = SIZES["smoke"] if smoke() else SIZES["cpu"]
     # a quick CUDA run steps the 4-bit stack eagerly: compiling torchao's step once per weight shape takes
-    # longer than the whole benchmark's time budget; tests/functional/test_gpu_optimizers_cuda.py and the
+    # longer than the whole benchmark's time budget; tests/functional/test_optimizers_cuda.py and the
     # optimizers benchmark cover the compiled step
     eager_names = (FOUR_BIT_STACK,) if quick and device == "cuda" else ()
     try:

@@ -130,6 +130,10 @@ def test_summary_and_bundle_write_results_logs_and_out(tmp_path):
     tests = gpu_check.Record("tests", "failed", 20.0, 120)
     gpu_check._enrich(tests, logs / "tests.log", logs)
     assert tests.detail == "3 passed, 1 failed, 0 errors, 1 skipped"
+    cut = gpu_check.Record("tests", "timeout", 150.0, 150)  # no JUnit file: the -v lines are counted
+    (logs / "cut.log").write_text("tests/a_cuda.py::test_x PASSED [ 10%]\ntests/a_cuda.py::test_y FAILED [ 20%]\n")
+    gpu_check._enrich(cut, logs / "cut.log", tmp_path)
+    assert cut.extra["counts"] == {"tests": 2, "failures": 1, "errors": 0, "skipped": 0}
     bench = gpu_check.Record("bench:estimate", "ok", 30.0, 75)
     (logs / "bench_estimate.log").write_text("| a target | 1.0 | yes |\n| another | 2.0 | **no** |\n")
     gpu_check._enrich(bench, logs / "bench_estimate.log", logs)
