@@ -36,7 +36,7 @@ def test_qlora_int4_base_is_small_close_and_trains(dtype):
     assert base <= (0.2 if dtype == torch.float32 else 0.35) * full, (base, full)
     with torch.no_grad():
         start = model(x).float()  # the adapters start at B = 0: the quantized base alone
-    assert ((start - reference).norm() / reference.norm()).item() < 0.15
+    assert 1e-3 < ((start - reference).norm() / reference.norm()).item() < 0.25  # int4: ~7% a layer, three layers
 
     frozen = [layer.weight for layer in (model[0], model[2], model[4])]
     def inner(weight: torch.Tensor) -> list[torch.Tensor]:

@@ -34,4 +34,4 @@ def test_int4_weight_only_packs_and_stays_close():
     with torch.no_grad():
         out = model(x).float()
     change = ((out - reference).norm() / reference.norm()).item()
-    assert 1e-4 < change < 0.15, change  # quantized for real, and still the same function
+    assert 1e-3 < change < 0.2, change  # quantized for real (int4: ~6% a layer here), still the same function
