@@ -304,18 +304,23 @@ def summary(records: list[Record], dry_run: bool, total_s: float, deadline_s: fl
             "parts": [asdict(r) for r in records]}  # fmt: skip
 
 
-def bundle(result: dict[str, Any], results_dir: Path, logs: Path, out: Path, dry_run: bool) -> list[Path]:
-    """Write the summary beside the benchmark results and into ``out``, with a tarball of results + logs."""
+def bundle(result: dict[str, Any], results_dir: Path, logs: Path, out: Path, dry_run: bool, partial: bool = False) -> list[Path]:
+    """Write the summary beside the benchmark results and into ``out``, with a tarball of results + logs.
+
+    A ``partial`` run (``--only``) writes its summary into ``out`` alone, as ``gpu_check_cuda_partial``:
+    unpacking its tarball never replaces the summary of a full run.
+    """
     sys.path.insert(0, str(ROOT))
     from benchmarks.__main__ import to_markdown, write_combined
 
-    name = "gpu_check_dryrun" if dry_run else "gpu_check_cuda"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
-    (results_dir / f"{name}.md").write_text(to_markdown(result))
+    name = "gpu_check_dryrun" if dry_run else "gpu_check_cuda_partial" if partial else "gpu_check_cuda"
+    summary_dir = out if partial and not dry_run else results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    summary_dir.mkdir(parents=True, exist_ok=True)
+    (summary_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
+    (summary_dir / f"{name}.md").write_text(to_markdown(result))
     if not dry_run:
         write_combined(results_dir)
-    out.mkdir(parents=True, exist_ok=True)
     archive = out / "gpu_check_results.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         pattern = "*.*" if dry_run else "*_cuda.*"
@@ -326,7 +331,8 @@ def bundle(result: dict[str, Any], results_dir: Path, logs: Path, out: Path, dry
             tar.add(path, arcname=f"gpu_check_logs/{path.name}")
     written = [archive]
     for suffix in ("json", "md"):
-        shutil.copy(results_dir / f"{name}.{suffix}", out / f"{name}.{suffix}")
+        if summary_dir != out:
+            shutil.copy(summary_dir / f"{name}.{suffix}", out / f"{name}.{suffix}")
         written.append(out / f"{name}.{suffix}")
     return written
 
@@ -397,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         records.append(Record("install-check", "failed", 0.0, 0.0, "a torch package landed in the wheel target: remove it from the list"))
     total = time.monotonic() - started
     result = summary(records, args.dry_run, total, deadline)
-    written = bundle(result, results_dir, logs, out, args.dry_run)
+    written = bundle(result, results_dir, logs, out, args.dry_run, partial=bool(args.only))
     from benchmarks.__main__ import to_markdown
 
     print(to_markdown(result), flush=True)

@@ -152,6 +152,10 @@ def test_summary_and_bundle_write_results_logs_and_out(tmp_path):
     assert {"benchmarks/results/estimate_cuda.json", "benchmarks/results/gpu_check_cuda.json", "gpu_check_logs/env.log"} <= names
     assert "benchmarks/results/estimate.json" not in names
     assert json.loads((out / "gpu_check_cuda.json").read_text())["parts"][1]["status"] == "failed"
+    # a partial run (--only) keeps its summary out of the results: unpacking it leaves a full run's alone
+    written = gpu_check.bundle(result, results, logs, tmp_path / "partial", dry_run=False, partial=True)
+    assert {p.name for p in written} == {"gpu_check_results.tar.gz", "gpu_check_cuda_partial.json", "gpu_check_cuda_partial.md"}
+    assert not (results / "gpu_check_cuda_partial.json").exists()
 
 
 def test_cuda_test_files_are_exactly_the_files_with_cuda_tests():
