@@ -105,6 +105,11 @@ class StaticInt8Module(nn.Module):
         return self.graph(*args, **{**kwargs, **self.constants})
 
 
+def _has_observers(prepared: nn.Module) -> bool:
+    """Did ``prepare_pt2e`` insert observers (submodules ``activation_post_process_<n>``)?"""
+    return any(name.startswith("activation_post_process") for name, _ in prepared.named_children())
+
+
 def _constants(module: nn.Module, call: ModelCall) -> dict[str, Any]:
     try:
         parameters = inspect.signature(module.forward).parameters
@@ -201,8 +206,22 @@ def quantize_static(
         with torch.no_grad():
             kwargs = {**example.kwargs, **constants}
             dynamic = _dynamic_batch(inspect.signature(module.forward).bind(*example.args, **kwargs).arguments)
-            exported = torch.export.export(module, example.args, kwargs=kwargs, dynamic_shapes=dynamic).module()
-            prepared = prepare_pt2e(exported, quantizer)
+            prepared = None
+            for strict in (False, True):
+                # torch >= 2.11's non-strict export records no `source_fn_stack`, which the quantizer's
+                # pattern matching needs: it then inserts no observer and would quantize nothing, silently
+                exported = torch.export.export(
+                    module, example.args, kwargs=kwargs, dynamic_shapes=dynamic, strict=strict
+                ).module()
+                prepared = prepare_pt2e(exported, quantizer)
+                if _has_observers(prepared):
+                    break
+            else:
+                raise RuntimeError(
+                    f"int8_static: torchao's X86InductorQuantizer inserted no observer into the exported graph of "
+                    f"{type(module).__name__} (torch {torch.__version__}), so nothing would be quantized. Use an "
+                    "in-place mode instead, e.g. mode='int8_dynamic' or 'int8_weight_only'."
+                )
             for call in calls:  # calibration: observers record activation ranges
                 prepared(*call.args, **{**call.kwargs, **constants})
             converted = convert_pt2e(prepared)
