@@ -290,6 +290,14 @@ def quantize_(
             stacklevel=2,
         )
         return QuantizationReport(mode, bytes_before, bytes_before, [], module)
+    if mode == "int4_weight_only":  # torchao's int4 (tinygemm) packs bf16 weights only; it asserts otherwise
+        dtypes = sorted({str(module.get_submodule(name).weight.dtype) for name in names} - {"torch.bfloat16"})
+        if dtypes:
+            raise ValueError(
+                f"`mode`='int4_weight_only' quantizes bfloat16 weights; {type(module).__name__} has {dtypes} weights. "
+                "Convert first (model.to(torch.bfloat16), or train with precision='bf16-true'), or use "
+                "mode='intx4_weight_only'."
+            )
     converted_bytes = _weight_bytes(module, names)
     conv1d, tied = _quantize_layers(module, mode, names, group_size=group_size)
     report = QuantizationReport(

@@ -35,3 +35,9 @@ def test_int4_weight_only_packs_and_stays_close():
         out = model(x).float()
     change = ((out - reference).norm() / reference.norm()).item()
     assert 1e-3 < change < 0.2, change  # quantized for real (int4: ~6% a layer here), still the same function
+
+
+def test_int4_weight_only_on_float32_weights_is_a_clear_error():
+    model = nn.Sequential(nn.Linear(256, 256)).cuda()  # float32: torchao's int4 packing would assert
+    with pytest.raises(ValueError, match=r"quantizes bfloat16 weights; Sequential has \['torch.float32'\]"):
+        quantize_(model, "int4_weight_only")
