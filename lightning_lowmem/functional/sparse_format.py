@@ -17,11 +17,13 @@ import torch
 
 __all__ = [
     "SPARSE_MARKER",
+    "from_sparse_state_dict",
     "is_packed_sparse",
     "pack_sparse",
     "pack_sparse_tree",
     "packed_nbytes",
     "should_pack",
+    "to_sparse_state_dict",
     "unpack_sparse",
     "unpack_sparse_tree",
 ]
@@ -191,3 +193,49 @@ def unpack_sparse_tree(obj: Any) -> Any:
         return value
 
     return visit(obj)
+
+
+def to_sparse_state_dict(state_dict: dict[str, torch.Tensor], min_sparsity: float = 0.5) -> dict[str, Any]:
+    """Pack tensors with at least ``min_sparsity`` zeros as bitmask + non-zero values (loads with ``weights_only=True``).
+
+    Each packed entry becomes ``{"shape": [...], "bitmask": uint8 (numel/8 bytes), "values": 1-D tensor}``. A
+    tensor under several keys (tied weights) is packed once: the keys share one entry, which ``torch.save``
+    stores once and :func:`from_sparse_state_dict` turns back into one shared tensor.
+
+    Example::
+
+        >>> sd = {"w": torch.tensor([[0.0, 2.0], [0.0, 0.0]])}
+        >>> torch.equal(from_sparse_state_dict(to_sparse_state_dict(sd))["w"], sd["w"])
+        True
+    """
+    packed: dict[str, Any] = {}
+    memo: dict[int, Any] = {}
+    for key, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() < 8:
+            packed[key] = tensor
+            continue
+        if id(tensor) not in memo:
+            nonzero = (tensor != 0).flatten().cpu()
+            dense = 1.0 - float(nonzero.float().mean()) < min_sparsity
+            memo[id(tensor)] = tensor if dense else {
+                "shape": list(tensor.shape), "bitmask": _pack_bits(nonzero), "values": tensor.flatten().cpu()[nonzero].clone()
+            }  # fmt: skip
+        packed[key] = memo[id(tensor)]
+    return packed
+
+
+def from_sparse_state_dict(packed: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_sparse_state_dict` (keys that shared one packed entry share one tensor again)."""
+    state_dict: dict[str, torch.Tensor] = {}
+    memo: dict[int, torch.Tensor] = {}
+    for key, value in packed.items():
+        if isinstance(value, dict) and {"shape", "bitmask", "values"} <= value.keys():
+            if id(value) not in memo:
+                shape = torch.Size(value["shape"])
+                dense = torch.zeros(shape.numel(), dtype=value["values"].dtype)
+                dense[_unpack_bits(value["bitmask"], shape.numel())] = value["values"]
+                memo[id(value)] = dense.view(shape)
+            state_dict[key] = memo[id(value)]
+        else:
+            state_dict[key] = value
+    return state_dict
