@@ -148,6 +148,7 @@ class ScheduledPruning(Callback):
             pruning_fn = method
         self.method = _method_name(pruning_fn)
         self.parameter_names = list(parameter_names or self.PARAMETER_NAMES)
+        self._names_given = parameter_names is not None
         for name in self.parameter_names:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"`parameter_names` entries must be parameter names like 'weight', got {name!r}")
@@ -256,11 +257,12 @@ class ScheduledPruning(Callback):
         if not pairs:  # ModelPruning prunes only the names each module has; error if a name exists nowhere
             present = {n.rsplit(".", 1)[-1] for n, _ in pl_module.named_parameters()}
             missing = [n for n in names if n not in present]
-            if missing:
+            if missing and self._names_given:  # the default ["weight", "bias"] fits bias-free models (Llama)
                 raise ValueError(
                     f"`parameter_names` contains {missing}, which no module has;"
                     f" parameter names present: {sorted(present)}"
                 )
+            names = [n for n in names if n in present]
         return collect_prunable(pl_module, names, None, pairs or None, embeddings=self.prune_embeddings)
 
     @override
