@@ -225,3 +225,17 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run_bit_for_bit(tiny_traine
     assert full_masks.keys() == resumed_masks.keys() and len(full_masks) == 15  # 8 Conv1D, 5 LayerNorm, wte (+ tied head), wpe
     assert all(torch.equal(full_masks[n], resumed_masks[n]) for n in full_masks)
     assert get_mask(resumed.model.lm_head) is get_mask(resumed.model.transformer.wte)  # still one shared mask
+
+
+def test_hf_gpt2_structural_removal_through_the_callback(tiny_trainer_kwargs):
+    model = hf_module("gpt2", **NO_DROPOUT["gpt2"])
+    pruning = ScheduledPruning("ln_structured", schedule="linear", target_sparsity=0.5, end_step=2, structural=True,
+                               parameter_names=["weight"], use_global_unstructured=False, pruning_norm=2)
+    trainer = L.Trainer(**{**tiny_trainer_kwargs, "max_steps": 4, "callbacks": [pruning]})
+    trainer.fit(model, _hf_loaders("gpt2"))  # 2 steps after the removal, on the smaller model
+    for block in model.model.transformer.h:
+        assert block.mlp.c_fc.nf == 128 and block.mlp.c_proj.weight.shape == (128, 64)  # 256 FFN units -> 128
+        assert block.attn.c_attn.weight.shape == (64, 192)
+    assert pruning.structural_done and pruning.state_dict()["structural_shapes"]["model.transformer.h.0.mlp.c_fc.weight"] == [64, 128]
+    opt_params = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert opt_params == {id(p) for p in model.parameters()}
