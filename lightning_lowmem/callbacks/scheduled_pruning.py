@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence, Union
 
 import lightning as L
@@ -340,7 +341,7 @@ class ScheduledPruning(Callback):
     ) -> None:
         if self.structural and self._example_input is None:  # one row of the model inputs, to trace the graph
             x = batch[0] if isinstance(batch, (tuple, list)) else batch
-            if isinstance(x, dict):  # Hugging Face dict batch: the model is called with keywords
+            if isinstance(x, Mapping):  # Hugging Face dict batch / BatchEncoding: the model is called with keywords
                 self._example_input = {k: v[:1].detach().clone() for k, v in x.items() if isinstance(v, torch.Tensor)}
             else:
                 self._example_input = x[:1].detach().clone()

@@ -23,7 +23,7 @@ from typing import Any, Callable, Union
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -179,7 +179,8 @@ class DistillationModule(L.LightningModule):
         """The frozen teacher, built from its source on first access; ``None`` once a cache replaced it."""
         if not self._teacher_slot and self._teacher_source_slot and self._cache is None:
             hp = self.hparams
-            self._teacher_slot.append(prepare_teacher(self._teacher_source_slot[0], hp.teacher_checkpoint, hp.teacher_precision))
+            teacher = prepare_teacher(self._teacher_source_slot[0], hp.teacher_checkpoint, hp.teacher_precision)
+            self._teacher_slot.append(teacher)
         return self._teacher_slot[0] if self._teacher_slot else None
 
     def release_teacher(self) -> None:
@@ -376,6 +377,16 @@ class DistillationModule(L.LightningModule):
             flat = torch.where(mask.reshape(-1), flat, self.hparams.ignore_index)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=self.hparams.ignore_index)
 
+    def _warn_unshifted_once(self) -> None:
+        if not getattr(self, "_warned_unshifted", False):
+            self._warned_unshifted = True
+            rank_zero_warn(
+                "DistillationModule: the student returned no `.loss` for a dict batch with `labels`, so the hard-label "
+                "term is a cross-entropy of its logits against `labels` position by position (no shift). For a causal "
+                "LM whose labels are its input ids, return the model's own `.loss` (take `labels` in forward) or "
+                "override `batch_targets` to shift them."
+            )
+
     @staticmethod
     def _counted(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return values[mask] if mask is not None else values.reshape(-1)
@@ -394,6 +405,8 @@ class DistillationModule(L.LightningModule):
         student_features = dict(self._student_recorder.features) if self._student_recorder else {}
         teacher_features = dict(self._teacher_recorder.features) if self._teacher_recorder else {}
         dict_batch = isinstance(batch, Mapping)
+        if dict_batch and targets is not None and output_loss(output) is None and self.hparams.alpha < 1:
+            self._warn_unshifted_once()
         losses = self.distillation_loss(
             student_logits, teacher_logits, targets, student_features, teacher_features,
             mask=mask if dict_batch else None, student_loss=output_loss(output) if dict_batch else None,

@@ -209,3 +209,18 @@ def test_conv1d_to_linear_docstring_runs():
 
     result = doctest.testmod(teacher, extraglobs={"torch": torch, "nn": nn})
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_student_without_its_own_loss_gets_a_warning_about_the_unshifted_hard_term():
+    class LogitsOnly(nn.Module):  # takes no labels: returns logits only
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    teacher, student = teacher_and_student("gpt2", "gpt2")
+    module = DistillationModule(LogitsOnly(student), teacher, alpha=0.5)
+    with pytest.warns(UserWarning, match=r"no `.loss` for a dict batch with `labels`.*no shift"):
+        module.training_step(hf_batch("gpt2", 16), 0)
