@@ -122,7 +122,10 @@ class MemoryEfficientOptimizer(L.Callback):
                 new = build_optimizer(self.optimizer, groups, **self.optimizer_kwargs)
                 for old_group, new_group in zip(opt.param_groups, new.param_groups):
                     if "initial_lr" in old_group:  # set by schedulers created on the old optimizer
-                        new_group["initial_lr"] = new_group["lr"] if "lr" in self.optimizer_kwargs else old_group["initial_lr"]
+                        initial = new_group["lr"] if "lr" in self.optimizer_kwargs else old_group["initial_lr"]
+                        # torchao keeps `lr` as a tensor that schedulers fill in place: a shared one would
+                        # make the schedule's base decay with it (LambdaLR compounding, lost on resume)
+                        new_group["initial_lr"] = initial.clone() if isinstance(initial, torch.Tensor) else initial
                 mapping[id(opt)] = new
                 self._replaced.append(new)
                 rank_zero_info(f"MemoryEfficientOptimizer: {type(opt).__name__} -> {type(new).__name__}")

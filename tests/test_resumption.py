@@ -1,0 +1,293 @@
+"""One resumption test over every stateful callback, strategy option and plugin (Composer's pattern, no xfails).
+
+For each configuration: an uninterrupted run of ``STEPS`` optimizer steps; a second run of the same
+configuration, in a forked child process that is killed with a real ``SIGKILL`` (its whole process group:
+ranks included) one step after a checkpoint was written; a third run that resumes from that checkpoint's
+``last.ckpt`` with a model of *other* initial weights (everything must come from the file) and finishes the
+``STEPS``. The resumed run must end bit-identical to the uninterrupted one: the trained module's tensors
+(after ``on_train_end`` / ``on_fit_end``: pruning made permanent, QAT converted...) and the final checkpoint's
+weights, optimizer and LR-scheduler state and every callback's state (``torch.equal``, dtypes and shapes).
+
+Checkpoints are written at epoch ends (2 steps an epoch, the kill lands in the second epoch): Lightning
+resumes a plain ``DataLoader`` from the start of an epoch, so mid-epoch checkpoints would replay batches.
+Training draws no random numbers (no dropout, no shuffling) other than what a configuration does itself,
+and all runs use one intra-op thread: the same kernels, the same sums. torchao's optimizers run eagerly
+(``force_eager``): compiling their step takes tens of seconds on CPU and saves and loads the same state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_lowmem._compat import force_eager
+from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
+
+STEPS = 6  # 3 epochs of 2 steps; checkpoints at steps 2, 4, 6
+KILL_AFTER_STEP = 3  # the child dies in epoch 2, its last checkpoint is the one of step 2
+SAMPLES, BATCH = 8, 4
+
+
+def _warmup_then_decay(step: int) -> float:
+    return min(1.0, (step + 1) / 3) * 0.8 ** max(0, step - 2)
+
+
+class TinyLM(L.LightningModule):
+    """A 2-layer CharGPT (n_embd 32) on 8 fixed random sequences, AdamW, per-step LR warmup and decay."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_then_decay)  # from base_lrs at each step
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return _token_loader(BATCH // self.trainer.world_size)
+
+
+def _token_loader(batch_size: int) -> torch.utils.data.DataLoader:
+    """8 fixed random sequences of 16 bytes (and their next bytes), in order."""
+    tokens = torch.randint(0, 256, (SAMPLES, 17), generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size)
+
+
+# ----------------------------------------------------------------------------- configurations
+def _callbacks(*factories: Callable[[], L.Callback]) -> Callable[[], dict[str, Any]]:
+    return lambda: {"callbacks": [factory() for factory in factories]}
+
+
+def _optimizer(name: str) -> Callable[[], dict[str, Any]]:
+    from lightning_lowmem.callbacks import MemoryEfficientOptimizer
+
+    return _callbacks(lambda: MemoryEfficientOptimizer(name, lr=1e-2))
+
+
+class _OutOfMemoryOnce(TinyLM):
+    """Runs out of memory (raises) on whole batches in its first step only: a transient peak."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 0 and batch[0].shape[0] > 1:
+            raise torch.OutOfMemoryError("simulated: batch too large")
+        return super().training_step(batch, batch_idx)
+
+
+def _distillation() -> dict[str, Any]:
+    from lightning_lowmem.distillation import DistillationModule
+
+    student = CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))  # from the run's seed
+    with torch.random.fork_rng():
+        torch.manual_seed(2)  # the teacher: the same pretrained model in every run
+        teacher = CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=48, block_size=16))
+    module = DistillationModule(student, teacher, hint_layers={"h.1.mlp.c_fc": "h.1.mlp.c_fc"}, lr=1e-2)
+    return {"module": module, "train_dataloaders": _token_loader(BATCH)}
+
+
+def _zero1() -> dict[str, Any]:
+    from lightning_lowmem.strategies import LowMemoryDDPStrategy
+
+    return {"devices": 2, "strategy": LowMemoryDDPStrategy(zero_optimizer=True, start_method="fork")}
+
+
+def _strategy(**options: Any) -> Callable[[], dict[str, Any]]:
+    def build() -> dict[str, Any]:
+        from lightning_lowmem.strategies import LowMemoryStrategy
+
+        return {"strategy": LowMemoryStrategy(**options)}
+
+    return build
+
+
+def _compressed_io() -> dict[str, Any]:
+    from lightning_lowmem.callbacks import ScheduledPruning
+    from lightning_lowmem.plugins import CompressedCheckpointIO
+
+    pruning = ScheduledPruning(target_sparsity=0.6, start_step=1, end_step=5, frequency=2, make_pruning_permanent=False)
+    return {"plugins": [CompressedCheckpointIO(min_numel=256)], "callbacks": [pruning]}  # sparse tensors on disk
+
+
+def _lazy(path: str, *args: Any, **kwargs: Any) -> Callable[[], L.Callback]:
+    def build() -> L.Callback:
+        module, _, name = path.rpartition(".")
+        return getattr(__import__(module, fromlist=[name]), name)(*args, **kwargs)
+
+    return build
+
+
+_CB = "lightning_lowmem.callbacks."
+CONFIGS: dict[str, Callable[[], dict[str, Any]]] = {
+    "plain": lambda: {},
+    # ScheduledPruning: step schedule (prunes at steps 1, 3, 5), ModelPruning's per-epoch rule, structural removal
+    "pruning-step": _callbacks(_lazy(_CB + "ScheduledPruning", schedule="cubic", target_sparsity=0.6, start_step=1,
+                                     end_step=5, frequency=2, make_pruning_permanent=False)),
+    "pruning-step-random": _callbacks(_lazy(_CB + "ScheduledPruning", "random_unstructured", target_sparsity=0.5,
+                                            start_step=1, end_step=5, frequency=2)),
+    "pruning-epoch": _callbacks(_lazy(_CB + "ScheduledPruning", amount=0.3, use_lottery_ticket_hypothesis=True)),
+    "pruning-structural": _callbacks(_lazy(_CB + "ScheduledPruning", "ln_structured", target_sparsity=0.5, start_step=0,
+                                           end_step=2, structural=True, parameter_names=["weight"])),
+    # QAT from step 1: the resumed run starts at step 2, past start_step, and must fake-quantize from its first step
+    "qat-intx4": _callbacks(_lazy(_CB + "QuantizationAwareTraining", "intx4_weight_only", start_step=1)),
+    "qat-int8": _callbacks(_lazy(_CB + "QuantizationAwareTraining", "int8_weight_only", start_step=1)),
+    **{f"optimizer-{name}": _optimizer(name) for name in
+       ("adamw8bit", "adamw4bit", "adamw8bit_in_backward", "adafactor", "adafactor_in_backward", "sgd")},
+    "optimizer-adamw_bf16_sr": lambda: {"precision": "bf16-true", **_optimizer("adamw_bf16_sr")()},
+    "optimizer-adafactor_bf16_sr": lambda: {"precision": "bf16-true", **_optimizer("adafactor_bf16_sr")()},
+    "auto-microbatch": lambda: {"module": _OutOfMemoryOnce(), **_callbacks(_lazy(_CB + "AutoMicrobatch"))()},
+    # adapters-only checkpoints: the frozen base comes from the model's own (pretrained) weights, as a teacher does
+    "lora": lambda: {"same_base": True, **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, alpha=8.0))()},
+    "qlora-int8": lambda: {"same_base": True, **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, quantize_base="int8"))()},
+    "lora-save-base-weights": _callbacks(_lazy(_CB + "LowRankAdapters", r=4, save_base_weights=True)),
+    "activation-compression-int8": _callbacks(_lazy(_CB + "ActivationCompression", "int8", min_bytes=0)),
+    "activation-compression-bf16": _callbacks(_lazy(_CB + "ActivationCompression", "bf16", min_bytes=0)),
+    "activation-checkpointing": _callbacks(_lazy(_CB + "ActivationCheckpointing", "auto")),
+    # its history holds the process's resident set size: a measurement of each process, compared by presence
+    "memory-monitor": lambda: {"measured": {"rss", "rss_before", "rss_after"},
+                               **_callbacks(_lazy(_CB + "MemoryMonitor", log_every_n_steps=1))()},
+    "distillation": _distillation,
+    "strategy-bf16-mixed": _strategy(precision="bf16-mixed"),
+    "strategy-options": _strategy(optimizer="adamw4bit", activation_checkpointing="auto", activation_compression="int8",
+                                  compression_min_bytes=0),
+    "strategy-bf16-true-adafactor_bf16_sr": _strategy(precision="bf16-true", optimizer="adafactor_bf16_sr"),
+    "strategy-memory-budget": _strategy(memory_budget="600KB"),
+    "strategy-zero1-2-processes": _zero1,
+    "compressed-checkpoint-io": _compressed_io,
+}
+
+
+# ----------------------------------------------------------------------------- runs
+class _KillAfter(L.Callback):
+    """``kill -9`` of this process group (launcher and every rank) once training finished ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.killpg(0, signal.SIGKILL)
+
+
+def _fit(name: str, root: Path, *, seed: int = 0, ckpt_path: Path | None = None, kill: bool = False):
+    torch.manual_seed(seed)
+    spec = CONFIGS[name]()
+    spec.pop("measured", None)
+    module = spec.pop("module", None) or TinyLM(0 if spec.pop("same_base", False) else seed)
+    loaders = spec.pop("train_dataloaders", None)
+    saver = ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, every_n_epochs=1, save_last=True)
+    callbacks = [*spec.pop("callbacks", []), saver, *([_KillAfter(KILL_AFTER_STEP)] if kill else [])]
+    trainer = L.Trainer(accelerator="cpu", devices=spec.pop("devices", 1), max_epochs=STEPS // (SAMPLES // BATCH),
+                        callbacks=callbacks, default_root_dir=root, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, **spec)  # fmt: skip
+    trainer.fit(module, loaders, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def _killed_child(name: str, root: Path) -> None:
+    os.setpgrp()  # a process group of its own: the kill takes the ranks it launches and nothing else
+    _fit(name, root, kill=True)
+    os._exit(3)  # not killed: the parent reports it
+
+
+def _run_killed(name: str, root: Path) -> Path:
+    child = multiprocessing.get_context("fork").Process(target=_killed_child, args=(name, root))
+    child.start()
+    child.join(timeout=300)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == -signal.SIGKILL, f"{name}: the child ended with {child.exitcode}, not SIGKILL"
+    return root / "ckpt" / "last.ckpt"
+
+
+# ----------------------------------------------------------------------------- comparison
+def _tensor_parts(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A plain tensor as itself, a tensor subclass (torchao quantized weights) as its inner tensors."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return {"": tensor}
+    names, _ = tensor.__tensor_flatten__()
+    return {f".{n}{k}": v for n in names for k, v in _tensor_parts(getattr(tensor, n)).items()}
+
+
+def _differences(a: Any, b: Any, path: str = "", measured: frozenset[str] = frozenset()) -> list[str]:
+    """Where ``a`` and ``b`` differ (values of the keys in ``measured``: only their type)."""
+    if path.rpartition("/")[2] in measured:
+        return [] if type(a) is type(b) else [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or type(a) is not type(b):
+            return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
+        parts_a, parts_b = _tensor_parts(a), _tensor_parts(b)
+        if parts_a.keys() != parts_b.keys():
+            return [f"{path}: inner tensors {sorted(parts_a)} vs {sorted(parts_b)}"]
+        found = []
+        for key, x in parts_a.items():
+            y = parts_b[key]
+            if x.dtype != y.dtype or x.shape != y.shape:
+                found.append(f"{path}{key}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
+            elif not torch.equal(x, y):
+                delta = (x.double() - y.double()).abs().max().item() if x.is_floating_point() else "?"
+                found.append(f"{path}{key}: values differ (max abs difference {delta})")
+        return found
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path}: keys {sorted(map(str, a.keys() ^ b.keys()))} in one only"]
+        return [d for key in a for d in _differences(a[key], b[key], f"{path}/{key}", measured)]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]", measured)]
+    return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} vs {b!r}"]
+
+
+_COMPARED = ("state_dict", "optimizer_states", "lr_schedulers", "callbacks", "global_step", "epoch", "lightning_lowmem")
+
+
+def _final_checkpoint(trainer: L.Trainer, root: Path) -> dict[str, Any]:
+    checkpoint = trainer.strategy.checkpoint_io.load_checkpoint(root / "ckpt" / "last.ckpt")
+    kept = {key: checkpoint.get(key) for key in _COMPARED}
+    # ModelCheckpoint's own state names its run's directory: the one thing that must differ
+    kept["callbacks"] = {k: v for k, v in (kept["callbacks"] or {}).items() if not k.startswith("ModelCheckpoint")}
+    return kept
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_kill_9_and_resume_is_bit_identical_to_an_uninterrupted_run(name, tmp_path):
+    with _one_thread(), force_eager():
+        full_trainer, full = _fit(name, tmp_path / "full")
+        last = _run_killed(name, tmp_path / "killed")
+        assert sorted(p.name for p in last.parent.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+        resumed_trainer, resumed = _fit(name, tmp_path / "killed", seed=1, ckpt_path=last)
+    full_checkpoint = _final_checkpoint(full_trainer, tmp_path / "full")
+    assert full_checkpoint["global_step"] == STEPS  # (a multi-process launcher's own Trainer keeps step 0)
+    differences = _differences(full.state_dict(), resumed.state_dict(), "module")  # after on_train_end/on_fit_end
+    measured = frozenset(CONFIGS[name]().get("measured", ()))
+    differences += _differences(full_checkpoint, _final_checkpoint(resumed_trainer, tmp_path / "killed"), "checkpoint", measured)
+    assert not differences, f"{name}: " + "; ".join(differences[:8])
