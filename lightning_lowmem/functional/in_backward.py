@@ -68,6 +68,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 if not param.requires_grad:
                     continue
                 inner_opt = build_optimizer(self.inner_name, [{"params": [param], **options}], **self.inner_kwargs)
+                if hasattr(inner_opt, "seed_offset"):  # stochastic rounding: one random stream per parameter
+                    inner_opt.seed_offset = len(self.inner_optimizers)
                 self.inner_optimizers[param] = inner_opt
                 # share the per-parameter state dict so the wrapper's state_dict() sees it
                 self.state[param] = inner_opt.state[param]

@@ -60,7 +60,10 @@ def _torchao_optim(class_name: str) -> Callable[..., torch.optim.Optimizer]:
 def _adamw_bf16_sr(params: Any, **kw: Any) -> torch.optim.Optimizer:
     import torchao.optim
 
-    return _tensor_lr(torchao.optim._AdamW(params, bf16_stochastic_round=True, **kw))
+    from lightning_lowmem.functional.stochastic_rounding import seed_rounding_draws
+
+    # torchao rounds with the global generator, which no checkpoint holds: seed it from the step count
+    return seed_rounding_draws(_tensor_lr(torchao.optim._AdamW(params, bf16_stochastic_round=True, **kw)))
 
 
 def _adafactor(params: Any, **kw: Any) -> torch.optim.Optimizer:

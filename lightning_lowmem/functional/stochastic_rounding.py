@@ -10,13 +10,81 @@ the rounding error is zero on average and small updates add up.
 The float32 copy is made per parameter for the step only, so the extra memory is one parameter's float32
 weight and gradient at a time, and the inner optimizer's state stays float32 (Adafactor's factored
 state is tiny). Float32 parameters are stepped directly.
+
+The random draws are a pure function of the optimizer's own step count (:func:`rounding_seed`), never of
+the global random state: Lightning does not save that state in checkpoints, so a run resumed from one
+would otherwise round differently from the uninterrupted run. With the step count in the optimizer's
+state, a resumed run draws exactly what the uninterrupted one drew, and the global random state is left
+as it was (dropout and data shuffling are unaffected by the rounding).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import torch
+
+from lightning_lowmem._compat import is_fake
+
+_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def rounding_seed(step: int, index: int = 0, offset: int = 0) -> int:
+    """The seed of the rounding draws of parameter ``index`` at optimizer step ``step``.
+
+    Args:
+        step: the optimizer step the draws are for (what the optimizer's state records).
+        index: the parameter's position in the optimizer. Default: 0.
+        offset: distinguishes optimizers stepping one parameter each (optimizer-in-backward). Default: 0.
+
+    Returns:
+        A seed in ``[0, 2**63)``; different steps and parameters get unrelated streams.
+
+    Example::
+
+        >>> rounding_seed(3, 1) == rounding_seed(3, 1) != rounding_seed(4, 1)
+        True
+    """
+    return (step * _MIX[0] + index * _MIX[1] + offset * _MIX[2]) % (1 << 63)
+
+
+def _state_step(state: dict[str, Any]) -> int | None:
+    """The step count one parameter's optimizer state records (``None`` if it keeps none, e.g. SGD)."""
+    step = state.get("step")
+    if step is None:
+        return None
+    return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+
+def seed_rounding_draws(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make an optimizer that rounds with the global random generator (torchao's ``bf16_stochastic_round``)
+    draw from a stream seeded by its own step count, restoring the global random state afterwards.
+
+    A resumed run then rounds exactly as the uninterrupted one (the step count is in the optimizer's
+    state; the global random state is in no checkpoint). Set ``optimizer.seed_offset`` to tell apart
+    optimizers of one parameter each. Returns ``optimizer`` (its ``step`` wrapped).
+    """
+    step = optimizer.step
+    optimizer.seed_offset = 0  # type: ignore[attr-defined]
+
+    @functools.wraps(step)
+    def seeded_step(*args: Any, **kwargs: Any) -> Any:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(is_fake(p) for p in params):  # a memory estimate: values do not matter, devices may not exist
+            return step(*args, **kwargs)
+        counts = (_state_step(optimizer.state[p]) for p in params if p in optimizer.state)
+        count = next((c for c in counts if c is not None), 0)
+        seed = rounding_seed(count, 0, optimizer.seed_offset)  # type: ignore[attr-defined]
+        cuda = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            torch.default_generator.manual_seed(seed)
+            for index in cuda:
+                torch.cuda.default_generators[index].manual_seed(seed)
+            return step(*args, **kwargs)
+
+    optimizer.step = seeded_step  # type: ignore[method-assign]
+    return optimizer
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -73,7 +141,9 @@ class StochasticRounding(torch.optim.Optimizer):
 
     The wrapper's ``param_groups`` are the ones LR schedulers edit (copied to the inner optimizer at each
     step); ``state_dict`` holds the inner float32 state, and ``load_state_dict`` restores it without a
-    detour through bfloat16.
+    detour through bfloat16. Each parameter's rounding draws are seeded by :func:`rounding_seed` from
+    the step its inner state records, so a resumed run rounds as the uninterrupted one (an inner
+    optimizer without a step count, SGD, counts this wrapper's steps, which restart on resume).
 
     Example::
 
@@ -110,6 +180,8 @@ class StochasticRounding(torch.optim.Optimizer):
             for key, value in inner_group.items():  # the inner defaults (eps, betas, ...) become visible here
                 group.setdefault(key, value)
         self.defaults = {**self.inner.defaults, **self.defaults}
+        self.seed_offset = 0  # set per parameter by OptimizerInBackward
+        self._steps = 0  # the step count of inner optimizers that keep none
         self._link_state()
         from lightning_lowmem.functional.optimizers import attach_state_hooks
 
@@ -139,20 +211,26 @@ class StochasticRounding(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_groups()
-        rounded: list[tuple[torch.Tensor, torch.nn.Parameter]] = []
-        for param, proxy in self._proxies.items():
+        self._steps += 1
+        rounded: list[tuple[int, torch.Tensor, torch.nn.Parameter]] = []
+        for index, (param, proxy) in enumerate(self._proxies.items()):
             if param.grad is None:
                 continue
             if param.dtype == torch.float32:
                 proxy.data, proxy.grad = param.data, param.grad  # stepped in place
             elif param.dtype == torch.bfloat16:
                 proxy.data, proxy.grad = param.float(), param.grad.float()
-                rounded.append((param, proxy))
+                rounded.append((index, param, proxy))
             else:
                 raise TypeError(f"StochasticRounding steps bfloat16 or float32 parameters, got {param.dtype}")
         self.inner.step()
-        for param, proxy in rounded:
-            stochastic_round_(param.data, proxy.data)
+        for index, param, proxy in rounded:
+            generator = None  # a memory estimate's fake tensors (maybe "cuda" on a host without one): no draws
+            if not is_fake(param):
+                step = _state_step(self.inner.state[proxy])
+                seed = rounding_seed(self._steps if step is None else step, index, self.seed_offset)
+                generator = torch.Generator(param.device).manual_seed(seed)
+            stochastic_round_(param.data, proxy.data, generator)
         for param, proxy in self._proxies.items():
             if proxy.grad is not None or proxy.numel():
                 proxy.grad, proxy.data = None, self._empty(param)
