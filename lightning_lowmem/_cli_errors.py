@@ -24,7 +24,7 @@ from typing import Any, Iterable
 CONFIG_ERROR_TYPES: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError, NotImplementedError)
 
 
-class ConfigError(Exception):
+class ConfigError(ValueError):
     """A configuration mistake; its message is the one line printed after ``error:``."""
 
 

@@ -110,6 +110,23 @@ from lightning_lowmem.demo import run as demo
 sys.path.insert(0, {tests!r})
 from test_demo_run import tiny_settings
 demo.settings_for = tiny_settings
+import time, lightning as L
+made = []
+_trainer = demo._trainer
+
+
+class Pause(L.Callback):  # the second run waits inside its fit, so the signal lands there on any machine
+    def on_train_batch_start(self, *args):
+        print("PAUSED IN FIT 2", flush=True)
+        time.sleep(120)
+
+
+def trainer(title, *args, callbacks=(), **kwargs):
+    made.append(title)
+    return _trainer(title, *args, callbacks=[*callbacks, Pause()] if len(made) == 2 else callbacks, **kwargs)
+
+
+demo._trainer = trainer
 from lightning_lowmem.cli import main
 raise SystemExit(main(["demo", "--workloads", "digits", "--out", {out!r}]))
 """
@@ -127,13 +144,12 @@ def test_one_signal_stops_the_whole_demo_and_keeps_finished_runs(signum, tmp_pat
     reader.start()
     seen: list[str] = []
     deadline = time.monotonic() + 300
-    while not any(line.startswith("[2/4]") for line in seen):  # the first run is finished, the second started
+    while not any(line.startswith("PAUSED IN FIT 2") for line in seen):  # run 1 finished, run 2 inside its fit
         try:
             seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
         except queue.Empty:
             process.kill()
             pytest.fail(f"the demo did not reach its second run in 300 s: {''.join(seen)}")
-    time.sleep(1.0)  # inside the second fit
     process.send_signal(signum)
     try:
         process.wait(timeout=60)
