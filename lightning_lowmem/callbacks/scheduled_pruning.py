@@ -213,6 +213,7 @@ class ScheduledPruning(Callback):
         self._module: nn.Module | None = None  # the LightningModule of the current fit (targets are re-found in it)
         self._original: dict[str, torch.Tensor] = {}
         self._example_input: Any = None
+        self._load_hook: Any = None  # structural: resizes a fresh model to a pruned checkpoint's shapes
 
     def _build_schedule(self, end_step: int) -> Callable[[int], float]:
         args = self._schedule_args
@@ -268,6 +269,8 @@ class ScheduledPruning(Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.structural and self._load_hook is None:  # before Lightning loads a `ckpt_path`'s weights
+            self._load_hook = pl_module.register_load_state_dict_pre_hook(self._shrink_before_load)
         if stage != "fit":
             return
         self._module = pl_module
@@ -452,6 +455,24 @@ class ScheduledPruning(Callback):
         self.structural_shapes = state_dict.get("structural_shapes")
         self._original = dict(state_dict.get("original", {}))
 
+    @staticmethod
+    def _shrink_before_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Resuming after the structural removal: give the fresh (unpruned) model the checkpoint's smaller
+        shapes, so its weights load (and the optimizer, configured after, holds the pruned parameters)."""
+        from lightning_lowmem.functional.structural_pruning import restore_shapes_
+
+        current = {name: list(t.shape) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        shapes = {key[len(prefix):]: list(value.shape) for key, value in state_dict.items()
+                  if key.startswith(prefix) and isinstance(value, torch.Tensor)}  # fmt: skip
+        changed = {name: shape for name, shape in shapes.items() if name in current and current[name] != shape}
+        shrunk = all(len(shape) == len(current[name]) and all(a <= b for a, b in zip(shape, current[name]))
+                     for name, shape in changed.items())  # fmt: skip
+        if changed and shrunk:  # anything else is another model: Lightning's size-mismatch error says so
+            restore_shapes_(module, changed)
+
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._example_input = None
+        if self._load_hook is not None:
+            self._load_hook.remove()
+            self._load_hook = None
