@@ -74,11 +74,11 @@ def _token_loader(batch_size: int) -> torch.utils.data.DataLoader:
 
 
 # ----------------------------------------------------------------------------- configurations
-def _callbacks(*factories: Callable[[], L.Callback]) -> Callable[[], dict[str, Any]]:
-    return lambda: {"callbacks": [factory() for factory in factories]}
+def _callbacks(*factories: Callable[[], L.Callback]) -> Callable[[Path], dict[str, Any]]:
+    return lambda root: {"callbacks": [factory() for factory in factories]}
 
 
-def _optimizer(name: str) -> Callable[[], dict[str, Any]]:
+def _optimizer(name: str) -> Callable[[Path], dict[str, Any]]:
     from lightning_lowmem.callbacks import MemoryEfficientOptimizer
 
     return _callbacks(lambda: MemoryEfficientOptimizer(name, lr=1e-2))
@@ -93,25 +93,28 @@ class _OutOfMemoryOnce(TinyLM):
         return super().training_step(batch, batch_idx)
 
 
-def _distillation() -> dict[str, Any]:
+def _distillation(root: Path, cache: bool = False) -> dict[str, Any]:
     from lightning_lowmem.distillation import DistillationModule
 
     student = CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))  # from the run's seed
     with torch.random.fork_rng():
         torch.manual_seed(2)  # the teacher: the same pretrained model in every run
         teacher = CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=48, block_size=16))
-    module = DistillationModule(student, teacher, hint_layers={"h.1.mlp.c_fc": "h.1.mlp.c_fc"}, lr=1e-2)
+    if cache:  # teacher outputs cached on the first fit; a resumed run reuses the file the killed one wrote
+        module = DistillationModule(student, teacher, teacher_cache=str(root / "teacher.cache"), lr=1e-2)
+    else:
+        module = DistillationModule(student, teacher, hint_layers={"h.1.mlp.c_fc": "h.1.mlp.c_fc"}, lr=1e-2)
     return {"module": module, "train_dataloaders": _token_loader(BATCH)}
 
 
-def _zero1() -> dict[str, Any]:
+def _zero1(root: Path) -> dict[str, Any]:
     from lightning_lowmem.strategies import LowMemoryDDPStrategy
 
     return {"devices": 2, "strategy": LowMemoryDDPStrategy(zero_optimizer=True, start_method="fork")}
 
 
-def _strategy(**options: Any) -> Callable[[], dict[str, Any]]:
-    def build() -> dict[str, Any]:
+def _strategy(**options: Any) -> Callable[[Path], dict[str, Any]]:
+    def build(root: Path) -> dict[str, Any]:
         from lightning_lowmem.strategies import LowMemoryStrategy
 
         return {"strategy": LowMemoryStrategy(**options)}
@@ -119,11 +122,11 @@ def _strategy(**options: Any) -> Callable[[], dict[str, Any]]:
     return build
 
 
-def _compressed_io() -> dict[str, Any]:
+def _compressed_io(root: Path) -> dict[str, Any]:
     from lightning_lowmem.callbacks import ScheduledPruning
     from lightning_lowmem.plugins import CompressedCheckpointIO
 
-    pruning = ScheduledPruning(target_sparsity=0.6, start_step=1, end_step=5, frequency=2, make_pruning_permanent=False)
+    pruning = ScheduledPruning(target_sparsity=0.6, start_step=1, end_step=5, frequency=3, make_pruning_permanent=False)
     return {"plugins": [CompressedCheckpointIO(min_numel=256)], "callbacks": [pruning]}  # sparse tensors on disk
 
 
@@ -136,13 +139,14 @@ def _lazy(path: str, *args: Any, **kwargs: Any) -> Callable[[], L.Callback]:
 
 
 _CB = "lightning_lowmem.callbacks."
-CONFIGS: dict[str, Callable[[], dict[str, Any]]] = {
-    "plain": lambda: {},
-    # ScheduledPruning: step schedule (prunes at steps 1, 3, 5), ModelPruning's per-epoch rule, structural removal
+CONFIGS: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "plain": lambda root: {},
+    # ScheduledPruning: step schedules pruning at steps 1, 4, 5: the resumed run's first step (3) prunes nothing, so
+    # only restored masks keep the pruned weights at zero; ModelPruning's per-epoch rule; structural removal
     "pruning-step": _callbacks(_lazy(_CB + "ScheduledPruning", schedule="cubic", target_sparsity=0.6, start_step=1,
-                                     end_step=5, frequency=2, make_pruning_permanent=False)),
+                                     end_step=5, frequency=3, make_pruning_permanent=False)),
     "pruning-step-random": _callbacks(_lazy(_CB + "ScheduledPruning", "random_unstructured", target_sparsity=0.5,
-                                            start_step=1, end_step=5, frequency=2)),
+                                            start_step=1, end_step=5, frequency=3)),
     "pruning-epoch": _callbacks(_lazy(_CB + "ScheduledPruning", amount=0.3, use_lottery_ticket_hypothesis=True)),
     "pruning-structural": _callbacks(_lazy(_CB + "ScheduledPruning", "ln_structured", target_sparsity=0.5, start_step=0,
                                            end_step=2, structural=True, parameter_names=["weight"])),
@@ -150,21 +154,24 @@ CONFIGS: dict[str, Callable[[], dict[str, Any]]] = {
     "qat-intx4": _callbacks(_lazy(_CB + "QuantizationAwareTraining", "intx4_weight_only", start_step=1)),
     "qat-int8": _callbacks(_lazy(_CB + "QuantizationAwareTraining", "int8_weight_only", start_step=1)),
     **{f"optimizer-{name}": _optimizer(name) for name in
-       ("adamw8bit", "adamw4bit", "adamw8bit_in_backward", "adafactor", "adafactor_in_backward", "sgd")},
-    "optimizer-adamw_bf16_sr": lambda: {"precision": "bf16-true", **_optimizer("adamw_bf16_sr")()},
-    "optimizer-adafactor_bf16_sr": lambda: {"precision": "bf16-true", **_optimizer("adafactor_bf16_sr")()},
-    "auto-microbatch": lambda: {"module": _OutOfMemoryOnce(), **_callbacks(_lazy(_CB + "AutoMicrobatch"))()},
+       ("adamw8bit", "adamw4bit", "adamw8bit_in_backward", "adafactor", "adafactor_in_backward", "sgd", "adamw_in_backward")},
+    "optimizer-adamw_bf16_sr": lambda root: {"precision": "bf16-true", **_optimizer("adamw_bf16_sr")(root)},
+    "optimizer-adafactor_bf16_sr": lambda root: {"precision": "bf16-true", **_optimizer("adafactor_bf16_sr")(root)},
+    "optimizer-adafactor_bf16_sr_in_backward": lambda root: {"precision": "bf16-true",
+                                                             **_optimizer("adafactor_bf16_sr_in_backward")(root)},
+    "auto-microbatch": lambda root: {"module": _OutOfMemoryOnce(), **_callbacks(_lazy(_CB + "AutoMicrobatch"))(root)},
     # adapters-only checkpoints: the frozen base comes from the model's own (pretrained) weights, as a teacher does
-    "lora": lambda: {"same_base": True, **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, alpha=8.0))()},
-    "qlora-int8": lambda: {"same_base": True, **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, quantize_base="int8"))()},
+    "lora": lambda root: {"same_base": True, **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, alpha=8.0))(root)},
+    "qlora-int8": lambda root: {"same_base": True, **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, quantize_base="int8"))(root)},
     "lora-save-base-weights": _callbacks(_lazy(_CB + "LowRankAdapters", r=4, save_base_weights=True)),
     "activation-compression-int8": _callbacks(_lazy(_CB + "ActivationCompression", "int8", min_bytes=0)),
     "activation-compression-bf16": _callbacks(_lazy(_CB + "ActivationCompression", "bf16", min_bytes=0)),
     "activation-checkpointing": _callbacks(_lazy(_CB + "ActivationCheckpointing", "auto")),
     # its history holds the process's resident set size: a measurement of each process, compared by presence
-    "memory-monitor": lambda: {"measured": {"rss", "rss_before", "rss_after"},
-                               **_callbacks(_lazy(_CB + "MemoryMonitor", log_every_n_steps=1))()},
-    "distillation": _distillation,
+    "memory-monitor": lambda root: {"measured": {"rss", "rss_before", "rss_after"},
+                               **_callbacks(_lazy(_CB + "MemoryMonitor", log_every_n_steps=1))(root)},
+    "distillation-hint-layers": _distillation,
+    "distillation-teacher-cache": lambda root: _distillation(root, cache=True),
     "strategy-bf16-mixed": _strategy(precision="bf16-mixed"),
     "strategy-options": _strategy(optimizer="adamw4bit", activation_checkpointing="auto", activation_compression="int8",
                                   compression_min_bytes=0),
@@ -191,8 +198,8 @@ class _KillAfter(L.Callback):
 
 def _fit(name: str, root: Path, *, seed: int = 0, ckpt_path: Path | None = None, kill: bool = False):
     torch.manual_seed(seed)
-    spec = CONFIGS[name]()
-    spec.pop("measured", None)
+    spec = CONFIGS[name](root)
+    measured = frozenset(spec.pop("measured", ()))
     module = spec.pop("module", None) or TinyLM(0 if spec.pop("same_base", False) else seed)
     loaders = spec.pop("train_dataloaders", None)
     saver = ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, every_n_epochs=1, save_last=True)
@@ -201,7 +208,7 @@ def _fit(name: str, root: Path, *, seed: int = 0, ckpt_path: Path | None = None,
                         callbacks=callbacks, default_root_dir=root, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, **spec)  # fmt: skip
     trainer.fit(module, loaders, ckpt_path=ckpt_path)
-    return trainer, module
+    return trainer, module, measured
 
 
 def _killed_child(name: str, root: Path) -> None:
@@ -283,13 +290,12 @@ def _one_thread():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_kill_9_and_resume_is_bit_identical_to_an_uninterrupted_run(name, tmp_path):
     with _one_thread(), force_eager():
-        full_trainer, full = _fit(name, tmp_path / "full")
+        full_trainer, full, measured = _fit(name, tmp_path / "full")
         last = _run_killed(name, tmp_path / "killed")
         assert sorted(p.name for p in last.parent.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
-        resumed_trainer, resumed = _fit(name, tmp_path / "killed", seed=1, ckpt_path=last)
+        resumed_trainer, resumed, _ = _fit(name, tmp_path / "killed", seed=1, ckpt_path=last)
     full_checkpoint = _final_checkpoint(full_trainer, tmp_path / "full")
     assert full_checkpoint["global_step"] == STEPS  # (a multi-process launcher's own Trainer keeps step 0)
     differences = _differences(full.state_dict(), resumed.state_dict(), "module")  # after on_train_end/on_fit_end
-    measured = frozenset(CONFIGS[name]().get("measured", ()))
     differences += _differences(full_checkpoint, _final_checkpoint(resumed_trainer, tmp_path / "killed"), "checkpoint", measured)
     assert not differences, f"{name}: " + "; ".join(differences[:8])
