@@ -18,8 +18,9 @@ Checkpoints are written at epoch ends (2 steps an epoch, the kill lands in the s
 resumes a plain ``DataLoader`` from the start of an epoch, so mid-epoch checkpoints would replay batches.
 Training draws no random numbers from the global generator (no dropout, no shuffling): Lightning saves no
 random state, so those would make any Lightning run resume differently; what the package draws itself
-(random pruning, stochastic rounding) comes from seeds it keeps. All runs use one intra-op thread: the same kernels, the same sums. torchao's optimizers run eagerly
-(``force_eager``): compiling their step takes tens of seconds on CPU and saves and loads the same state.
+(random pruning, stochastic rounding) comes from seeds it keeps. All runs use one intra-op thread: the same
+kernels, the same sums. torchao's optimizers run eagerly (``force_eager``): compiling their step takes tens of
+seconds on CPU and saves and loads the same state.
 """
 
 from __future__ import annotations
@@ -115,10 +116,10 @@ def _distillation(root: Path, cache: bool = False) -> dict[str, Any]:
     return {"module": module, "train_dataloaders": _token_loader(BATCH)}
 
 
-def _zero1(root: Path) -> dict[str, Any]:
+def _zero1(root: Path, **options: Any) -> dict[str, Any]:
     from lightning_lowmem.strategies import LowMemoryDDPStrategy
 
-    return {"devices": 2, "strategy": LowMemoryDDPStrategy(zero_optimizer=True, start_method="fork")}
+    return {"devices": 2, "strategy": LowMemoryDDPStrategy(zero_optimizer=True, start_method="fork", **options)}
 
 
 def _strategy(**options: Any) -> Callable[[Path], dict[str, Any]]:
@@ -190,6 +191,9 @@ CONFIGS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "strategy-memory-budget": _strategy(memory_budget="1MB", precision="32-true", optimizer="adamw",
                                         activation_compression="bf16", compression_min_bytes=0),
     "strategy-zero1-2-processes": _zero1,
+    "strategy-zero1-adamw8bit": lambda root: _zero1(root, optimizer="adamw8bit"),
+    "strategy-zero1-bf16-true-adafactor_bf16_sr": lambda root: _zero1(root, precision="bf16-true",
+                                                                      optimizer="adafactor_bf16_sr"),
     "compressed-checkpoint-io": _compressed_io,
 }
 
@@ -310,7 +314,8 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-_SLOW = ("strategy-memory-budget", "strategy-zero1-2-processes")  # plans 3 times / launches 6 processes: ~10 s each
+# ~10 s each: memory_budget plans in each of the 3 runs, ZeRO-1 forks 2 ranks in each
+_SLOW = ("strategy-memory-budget", *(name for name in CONFIGS if "zero1" in name))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW else n for n in CONFIGS])

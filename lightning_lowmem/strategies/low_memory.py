@@ -220,10 +220,11 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)  # a ZeRO wrapper keeps its own shard of the full state
-        from lightning_lowmem.strategies.zero import drop_duplicate_state
+        from lightning_lowmem.strategies.zero import drop_duplicate_state, reload_local_state
 
         for optimizer in self.optimizers:
             drop_duplicate_state(optimizer)
+            reload_local_state(optimizer)
 
     @classmethod
     @override

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["drop_duplicate_state", "shard_optimizer"]
+__all__ = ["drop_duplicate_state", "reload_local_state", "shard_optimizer"]
 
 
 def _accepted(constructor: Callable[..., Any], values: dict[str, Any]) -> dict[str, Any]:
@@ -87,3 +87,19 @@ def drop_duplicate_state(optimizer: Any) -> None:
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.state.clear()
+
+
+def reload_local_state(optimizer: Any) -> None:
+    """After ``load_state_dict`` on a ``ZeroRedundancyOptimizer``: load its shard into the local optimizer
+    through that optimizer's own ``load_state_dict``.
+
+    ``ZeroRedundancyOptimizer.load_state_dict`` writes each of this rank's saved states straight into
+    ``local.state[param]``, past the local optimizer's loading: low-bit state stays in the plain-tensor
+    form it is saved in (torchao's step then fails on a dict), and a wrapper that links its state to an
+    inner optimizer's (``StochasticRounding``) is cut from it. A no-op for any other optimizer.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer) and optimizer.optim.state:
+        local = optimizer.optim
+        local.load_state_dict(local.state_dict())  # the saved form, loaded as a checkpoint would be
