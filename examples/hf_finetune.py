@@ -50,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--optimizer", default=None, help="default: adamw8bit on CUDA, adafactor on CPU")
     parser.add_argument("--lr", type=float, default=5e-3)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2 (MemoryMonitor measures the second step), got {args.steps}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     float_bytes = state_bytes(shipped)["parameters"]
     report = quantize_(shipped, "int8_dynamic")
     int8_bytes = state_bytes(shipped)["parameters"]
-    quantized = trainer.validate(shipped, data, verbose=False)[0]["val_loss"]
+    plain = L.Trainer(limit_val_batches=10, logger=False, enable_checkpointing=False, enable_model_summary=False)
+    quantized = plain.validate(shipped, data, verbose=False)[0]["val_loss"]  # no training callbacks: a shipped model
     print(f"int8: {len(report.converted)} layers, {format_bytes(float_bytes)} -> {format_bytes(int8_bytes)} "
           f"({float_bytes / int8_bytes:.2f}x smaller), val_loss {quantized:.3f}")
     return {"val_loss_before": before, "val_loss_after": after, "val_loss_int8": quantized,

@@ -6,6 +6,7 @@ import warnings
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -78,7 +79,7 @@ class ActivationCheckpointing(L.Callback):
         # wrapper around the model (DDP) calls the wrapped submodules as they are
         if self._module is not None:
             return
-        already = [name for name, sub in pl_module.named_modules() if getattr(sub, "is_gradient_checkpointing", False)]
+        already = [name for name, sub in pl_module.named_modules() if _hf_checkpointing(sub)]
         if already:
             warnings.warn(
                 f"ActivationCheckpointing: {already[0] or type(pl_module).__name__} already checkpoints its layers "
@@ -115,3 +116,12 @@ class ActivationCheckpointing(L.Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_wrapped = list(state_dict.get("wrapped", []))  # compared in on_fit_start
+
+
+def _hf_checkpointing(module: torch.nn.Module) -> bool:
+    """Whether a ``transformers`` model has its own gradient checkpointing on (``is_activation_checkpointing``
+    since transformers 5, ``is_gradient_checkpointing`` before; read from the class, so no deprecation warning)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if isinstance(getattr(type(module), name, None), property):
+            return bool(getattr(module, name))
+    return False

@@ -247,3 +247,20 @@ def test_quantize_frozen_leaves_tied_weights_float():
     apply_lora_(model, r=4, quantize_base="int8", quantize_frozen=True)
     assert model.lm_head.weight is model.wte.weight and type(model.wte.weight) is torch.nn.Parameter
     assert type(model.wpe.weight) is not torch.nn.Parameter  # unshared: quantized
+
+
+def test_lora_on_a_model_quantized_with_quantize_():
+    """A model shipped in int8 (torchao ``Int8Tensor`` weights) takes adapters: it used to fail in
+    ``LoraLinear.__init__`` (``aten.new_empty`` is not implemented for ``Int8Tensor``)."""
+    from lightning_lowmem.functional.quantization import quantize_
+
+    model = _gpt()
+    quantize_(model, "int8_weight_only", embeddings=False)
+    reference = model(TOKENS)
+    report = apply_lora_(model, r=4)
+    assert len(report.wrapped) == 8
+    layer = lora_layers(model)["h.0.attn.c_attn"]
+    assert type(layer.weight).__name__ == "Int8Tensor" and layer.lora_A.dtype == torch.float32
+    assert torch.equal(model(TOKENS), reference)  # B = 0: exact at step 0
+    model(TOKENS).sum().backward()
+    assert layer.lora_B.grad.abs().sum() > 0 and not layer.lora_A.grad.any()  # B = 0: only B moves first
