@@ -1,0 +1,135 @@
+"""LowMemoryFSDPStrategy on CPU (gloo): sharded training with checkpointing + LoRA + 8-bit AdamW, checkpoints
+(consolidated and sharded) resumed on another number of processes, and the bad inputs."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_lowmem  # noqa: F401  (registers "lowmem_fsdp")
+from lightning_lowmem.callbacks import ActivationCheckpointing, LowRankAdapters
+from lightning_lowmem.demo.charlm import CharLM
+from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
+from lightning_lowmem.strategies.fsdp_checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+
+GLOBAL_BATCH = 8
+
+
+class _TinyLM(CharLM):
+    """A CharLM whose global batches are the same on any world size (rank r takes every r-th sample)."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layer=2, n_head=2, n_embd=128, block_size=8, lr=1e-2)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 256, (64, 9), generator=generator)
+        data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        world_size, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False)
+        return torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // world_size, sampler=sampler)
+
+
+class _Record(L.Callback):
+    """Each rank saves the full weights, its local share of the parameters and what trained."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        full = trainer.strategy.lightning_module_state_dict()  # collective; rank 0 receives the full tensors
+        params = list(pl_module.parameters())
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+        optimizer = trainer.optimizers[0]
+        states = [s for s in optimizer.state.values() if "exp_avg" in s]
+        torch.save(
+            {
+                "weights": {k: v.clone() for k, v in full.items()},
+                "local_fraction": local / sum(p.numel() for p in params),
+                "optimizer": type(optimizer).__name__,
+                "quantized_state": [type(getattr(s["exp_avg"], "_local_tensor", s["exp_avg"])).__name__ for s in states],
+                "checkpointed": trainer.callbacks and [c.wrapped for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)],
+                "trainable": sorted(n for n, p in pl_module.named_parameters() if p.requires_grad),
+            },
+            f"{self.directory}/rank{trainer.global_rank}.pt",
+        )
+
+
+def _callbacks(directory) -> list:
+    return [ActivationCheckpointing("auto"), LowRankAdapters(r=16, target=["c_fc"]), _Record(str(directory))]
+
+
+def _trainer(tmp_path, devices, strategy, max_steps, callbacks, **kwargs):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, callbacks=callbacks,
+                     logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                     default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=0, **kwargs)  # fmt: skip
+
+
+def _assert_same_weights(left: dict, right: dict) -> None:
+    assert left.keys() == right.keys()
+    for key in left:  # the reduction order differs between world sizes: equal up to float rounding
+        torch.testing.assert_close(left[key], right[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def _resume_on_one(tmp_path, ckpt_path, name) -> dict:
+    """Resume in this process, 1 rank, to step 4; the full weights it ends with."""
+    torch.manual_seed(1)  # different init: everything must come from the checkpoint
+    directory = tmp_path / name
+    directory.mkdir()
+    strategy = LowMemoryFSDPStrategy(optimizer="adamw8bit")
+    trainer = _trainer(directory, 1, strategy, 4, _callbacks(directory), enable_checkpointing=False)
+    trainer.fit(_TinyLM(), ckpt_path=ckpt_path)
+    return torch.load(directory / "rank0.pt")
+
+
+@pytest.mark.slow
+def test_two_processes_train_save_consolidated_and_resume_on_one(tmp_path):
+    """2 ranks (spawn): checkpointing + LoRA + adamw8bit; the step-2 checkpoint is one full file that
+    resumes on 1 rank to the same weights as the 2-rank run's step 4."""
+    torch.manual_seed(0)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    strategy = LowMemoryFSDPStrategy(optimizer="adamw8bit", start_method="spawn")
+    trainer = _trainer(tmp_path / "two", 2, strategy, 4, [*_callbacks(tmp_path), checkpoints])
+    trainer.fit(_TinyLM())
+    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+
+    # sharded: each rank holds half of every parameter; LoRA trains only adapters; 8-bit AdamW state
+    assert 0.45 < rank0["local_fraction"] < 0.55 and 0.45 < rank1["local_fraction"] < 0.55
+    assert rank0["checkpointed"] == [["model.h.0", "model.h.1"]]
+    assert rank0["trainable"] and all("lora" in name for name in rank0["trainable"])
+    assert rank0["optimizer"] == "AdamW8bit" and "OptimState8bit" in rank0["quantized_state"]
+    assert rank0["weights"] and not rank1["weights"]  # the full state dict is gathered on rank 0 only
+
+    step2 = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    assert step2.is_file()  # one consolidated file: loads on one process without any strategy
+    saved = torch.load(step2, weights_only=False)
+    assert all(not type(v).__name__ == "DTensor" for v in saved["state_dict"].values())
+    assert all(type(v) is torch.Tensor for s in saved["optimizer_states"][0]["state"].values() for v in s.values())
+    resumed = _resume_on_one(tmp_path, step2, "one")
+    _assert_same_weights(resumed["weights"], rank0["weights"])
+    assert "OptimState8bit" in resumed["quantized_state"]  # the dequantized moments were quantized again
+
+
+@pytest.mark.slow
+def test_four_processes_save_sharded_and_resume_on_one(tmp_path):
+    """4 ranks: a sharded (torch.distributed.checkpoint) folder; resumes on 1 rank directly and after
+    consolidation into one file, to the same weights as the 4-rank run."""
+    torch.manual_seed(0)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    strategy = LowMemoryFSDPStrategy(optimizer="adamw8bit", start_method="spawn", save_distributed_checkpoint=True)
+    trainer = _trainer(tmp_path / "four", 4, strategy, 4, [*_callbacks(tmp_path), checkpoints])
+    trainer.fit(_TinyLM())
+    rank0 = torch.load(tmp_path / "rank0.pt")
+    assert 0.2 < rank0["local_fraction"] < 0.3
+
+    step2 = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    assert is_sharded_checkpoint(step2)
+    _assert_same_weights(_resume_on_one(tmp_path, step2, "from_shards")["weights"], rank0["weights"])
+    with pytest.raises(ValueError, match=r"sharded FSDP checkpoint.*cannot read: load it with strategy='lowmem_fsdp'.*consolidate_checkpoint"):
+        _trainer(tmp_path / "plain", 1, "lowmem", 4, []).fit(_TinyLM(), ckpt_path=step2)
+    consolidate_checkpoint(step2, tmp_path / "full.ckpt")
+    _assert_same_weights(_resume_on_one(tmp_path, tmp_path / "full.ckpt", "from_full")["weights"], rank0["weights"])
