@@ -77,7 +77,7 @@ def _assert_same_weights(left: dict, right: dict) -> None:
 
 def _resume_on_one(tmp_path, ckpt_path, name) -> dict:
     """Resume in this process, 1 rank, to step 4; the full weights it ends with."""
-    torch.manual_seed(1)  # different init: everything must come from the checkpoint
+    torch.manual_seed(0)  # the same frozen base (LoRA checkpoints hold adapters only); lora_B starts at zero
     directory = tmp_path / name
     directory.mkdir()
     strategy = LowMemoryFSDPStrategy(optimizer="adamw8bit")
@@ -133,3 +133,72 @@ def test_four_processes_save_sharded_and_resume_on_one(tmp_path):
         _trainer(tmp_path / "plain", 1, "lowmem", 4, []).fit(_TinyLM(), ckpt_path=step2)
     consolidate_checkpoint(step2, tmp_path / "full.ckpt")
     _assert_same_weights(_resume_on_one(tmp_path, tmp_path / "full.ckpt", "from_full")["weights"], rank0["weights"])
+
+
+# ----------------------------------------------------------------------------- one process, bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"precision": "16-mixed"}, r"`precision`='16-mixed' is not supported with FSDP.*use 'bf16-mixed'"),
+        ({"optimizer": "adafactor"}, r"optimizer='adafactor' cannot step on FSDP's sharded \(DTensor\).*'adamw8bit'.*lowmem_ddp"),
+        ({"optimizer": "adamw4bit"}, r"optimizer='adamw4bit' cannot step.*Choose one of \['adam', 'adamw', 'adamw8bit'"),
+        ({"zero_optimizer": True}, r"`zero_optimizer`=True is for strategy='lowmem_ddp'.*FSDP already shards"),
+        ({"wrap_policy": 0}, r"`policy`=0 must be >= 1"),
+        ({"cpu_offload": "yes"}, r"`cpu_offload` must be True or False, got str"),
+        ({"start_method": "thread"}, r"`start_method`='thread' is unknown; choose one of \['popen', 'spawn'"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        LowMemoryFSDPStrategy(**kwargs)
+
+
+def test_registered_names_and_mixed_precision_policy():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["lowmem_fsdp"]["strategy"] is LowMemoryFSDPStrategy
+    assert StrategyRegistry["lowmem_fsdp_spawn"]["init_params"] == {"start_method": "spawn"}
+    policy = LowMemoryFSDPStrategy(precision="bf16-mixed").mixed_precision
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert LowMemoryFSDPStrategy(precision="bf16-mixed").precision_plugin.precision == "32-true"  # no autocast on top
+
+
+def test_one_process_trains_with_a_note_and_shards_the_blocks(tmp_path, caplog):
+    from torch.distributed.fsdp import FSDPModule
+
+    strategy = LowMemoryFSDPStrategy(wrap_policy="Block")
+    model = _TinyLM()
+    with caplog.at_level("INFO"):
+        _trainer(tmp_path, 1, strategy, 1, [], enable_checkpointing=False).fit(model)
+    assert strategy.shard_report.units == ["model.h.1", "model.h.0", ""]
+    assert isinstance(model.model.h[0], FSDPModule) and isinstance(model, FSDPModule)
+    assert "one process: nothing is sharded" in caplog.text
+
+
+def test_a_policy_that_matches_nothing_lists_the_module_classes(tmp_path):
+    strategy = LowMemoryFSDPStrategy(wrap_policy="GPT2Block")
+    with pytest.raises(ValueError, match=r"FSDP wrap policy 'GPT2Block' matched no submodule of _TinyLM.*\[Block, "):
+        _trainer(tmp_path, 1, strategy, 1, [], enable_checkpointing=False).fit(_TinyLM())
+
+
+def test_a_configured_optimizer_that_fails_on_dtensors_is_named(tmp_path):
+    class WithAdafactor(_TinyLM):
+        def configure_optimizers(self):
+            return torch.optim.Adafactor(self.parameters())
+
+    with pytest.raises(ValueError, match=r"the configured optimizer Adafactor \(like 'adafactor'\) cannot step"):
+        _trainer(tmp_path, 1, LowMemoryFSDPStrategy(), 1, [], enable_checkpointing=False).fit(WithAdafactor())
+
+
+def test_a_quantized_lora_base_is_a_clear_error(tmp_path):
+    callbacks = [LowRankAdapters(r=4, target=["c_fc"], quantize_base="int8")]
+    with pytest.raises(ValueError, match=r"FSDP cannot shard \d+ quantized parameter\(s\).*quantize_base=None.*lowmem_ddp"):
+        _trainer(tmp_path, 1, LowMemoryFSDPStrategy(), 1, callbacks, enable_checkpointing=False).fit(_TinyLM())
+
+
+def test_a_sharded_checkpoint_loaded_without_the_strategy_says_how_to_consolidate(tmp_path):
+    folder = tmp_path / "step=2.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"is a sharded FSDP checkpoint.*strategy='lowmem' cannot read.*consolidate_checkpoint"):
+        _trainer(tmp_path, 1, "lowmem", 1, []).fit(_TinyLM(), ckpt_path=folder)
