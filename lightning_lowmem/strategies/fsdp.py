@@ -227,6 +227,11 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
 
         for optimizer in self.optimizers:
             check_dtensor_optimizer(optimizer)
+            # frozen parameters (a LoRA base) leave the optimizer now, as LowRankAdapters does at fit start:
+            # a saved full optimizer state is keyed by trainable parameters only, and torch matches the
+            # param groups of a resumed run against it before that callback would run
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if p.requires_grad]
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
