@@ -53,7 +53,8 @@ class ShardReport:
 
     Attributes:
         policy: the wrap policy as given.
-        units: names of the submodules made FSDP units, innermost first; ``""`` (the root) last.
+        units: names of the submodules made FSDP units, in the order sharded (deepest first, later siblings
+            first); ``""`` (the root) last.
         world_size: processes the parameters are sharded over.
         reshard_after_forward: whether non-root units free their gathered parameters after forward.
         mixed_precision: ``(param_dtype, reduce_dtype)`` names, or ``None``.
@@ -153,7 +154,7 @@ def fully_shard_(
         >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
         >>> model = CharGPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
         >>> fully_shard_(model, "Block").units
-        ['h.0', 'h.1', '']
+        ['h.1', 'h.0', '']
         >>> dist.destroy_process_group()
     """
     import torch.distributed as dist

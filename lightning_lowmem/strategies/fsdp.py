@@ -237,6 +237,13 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return _waited(super().lightning_module_state_dict())
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The full (unsharded) weights on rank 0, empty elsewhere; a collective: every rank calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return _waited(get_model_state_dict(self.model, options=options))
+
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         # low-bit states (torchao AdamW8bit) are saved dequantized: a full state loads anywhere, and is
@@ -263,6 +270,7 @@ def _waited(state: Any, dequantize: bool = False) -> Any:
     """Plain tensors for torch's ``AsyncCollectiveTensor`` s (a gathered full state dict can hold them; they
     do not load with ``torch.load(weights_only=True)``) and, with ``dequantize``, for low-bit states."""
     import torch
+    from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_map
 
     def plain(value: Any) -> Any:
@@ -270,8 +278,15 @@ def _waited(state: Any, dequantize: bool = False) -> Any:
             return value
         if hasattr(value, "trigger_wait"):
             value = value.trigger_wait()
-        if dequantize and type(value) is not torch.Tensor and hasattr(value, "dequantize"):
-            value = value.dequantize()
+        if not dequantize:
+            return value
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if hasattr(local, "codes") and hasattr(local, "qmap"):  # torchao's low-bit optimizer state
+            plain_local = local.dequantize()
+            if not isinstance(value, DTensor):
+                return plain_local
+            return DTensor.from_local(plain_local, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())  # fmt: skip
         return value
 
     return tree_map(plain, state)
@@ -285,7 +300,7 @@ class _FullStateLauncher(_compat.lightning_multiprocessing_launcher()):  # type:
     """
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
-        full = trainer.strategy.lightning_module_state_dict()
+        full = trainer.strategy.full_state_dict()  # also with save_distributed_checkpoint=True
         module = trainer.lightning_module
         module.state_dict = lambda *args, **kwargs: full  # the base class asks the module
         try:

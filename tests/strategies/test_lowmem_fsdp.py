@@ -40,12 +40,12 @@ class _Record(L.Callback):
         self.start: dict = {}
 
     def on_train_start(self, trainer, pl_module):  # after a resumed checkpoint was loaded
-        self.start = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        self.start = {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()}
 
     def on_train_end(self, trainer, pl_module):
         from torch.distributed.tensor import DTensor
 
-        full = trainer.strategy.lightning_module_state_dict()  # collective; rank 0 receives the full tensors
+        full = trainer.strategy.full_state_dict()  # collective; rank 0 receives the full tensors
         params = list(pl_module.parameters())
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
         optimizer = trainer.optimizers[0]
