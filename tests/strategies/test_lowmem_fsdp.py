@@ -1,5 +1,5 @@
-"""LowMemoryFSDPStrategy on CPU (gloo): sharded training with checkpointing + LoRA + 8-bit AdamW, checkpoints
-(consolidated and sharded) resumed on another number of processes, and the bad inputs."""
+"""LowMemoryFSDPStrategy on CPU (gloo): sharded training with checkpointing + LoRA + 8-bit AdamW, consolidated
+checkpoints resumed on another number of processes, and the bad inputs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import lightning_lowmem  # noqa: F401  (registers "lowmem_fsdp")
 from lightning_lowmem.callbacks import ActivationCheckpointing, LowRankAdapters
 from lightning_lowmem.demo.charlm import CharLM
 from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
-from lightning_lowmem.strategies.fsdp_checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+from lightning_lowmem.strategies.fsdp_checkpoint import is_sharded_checkpoint
 
 GLOBAL_BATCH = 8
 
@@ -64,8 +64,9 @@ class _Record(L.Callback):
         )
 
 
-def _callbacks(directory) -> list:
-    return [ActivationCheckpointing("auto"), LowRankAdapters(r=16, target=["c_fc"]), _Record(str(directory))]
+def _callbacks(directory, save_base_weights: bool = False) -> list:
+    adapters = LowRankAdapters(r=16, target=["c_fc"], save_base_weights=save_base_weights)
+    return [ActivationCheckpointing("auto"), adapters, _Record(str(directory))]
 
 
 def _trainer(tmp_path, devices, strategy, max_steps, callbacks, **kwargs):
@@ -81,13 +82,13 @@ def _assert_same_weights(left: dict, right: dict, rtol: float = 1e-4, atol: floa
         torch.testing.assert_close(left[key], right[key], rtol=rtol, atol=atol, msg=lambda message: f"{key}: {message}")
 
 
-def _resume_on_one(tmp_path, ckpt_path, name) -> dict:
+def _resume_on_one(tmp_path, ckpt_path, name, save_base_weights: bool = False) -> dict:
     """Resume in this process, 1 rank, through epoch 1 (step 4, the same global batches); the record it ends with."""
     torch.manual_seed(0)  # the same frozen base (LoRA checkpoints hold adapters only); lora_B starts at zero
     directory = tmp_path / name
     directory.mkdir()
     strategy = LowMemoryFSDPStrategy(optimizer="adamw8bit")
-    trainer = _trainer(directory, 1, strategy, 4, _callbacks(directory), enable_checkpointing=False)
+    trainer = _trainer(directory, 1, strategy, 4, _callbacks(directory, save_base_weights), enable_checkpointing=False)
     trainer.fit(_TinyLM(), ckpt_path=ckpt_path)
     return torch.load(directory / "rank0.pt")
 
@@ -125,24 +126,22 @@ def test_two_processes_train_save_consolidated_and_resume_on_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_processes_save_sharded_and_resume_on_one(tmp_path):
-    """4 ranks: a sharded (torch.distributed.checkpoint) folder; resumes on 1 rank directly and after
-    consolidation into one file, to the same weights as the 4-rank run."""
+def test_four_processes_train_save_consolidated_and_resume_on_one(tmp_path):
+    """4 ranks: each holds a quarter of every parameter; the step-2 file resumes on 1 rank to the same weights."""
     torch.manual_seed(0)
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
-    strategy = LowMemoryFSDPStrategy(optimizer="adamw8bit", start_method="spawn", save_distributed_checkpoint=True)
+    strategy = LowMemoryFSDPStrategy(optimizer="adamw8bit", start_method="spawn")
     trainer = _trainer(tmp_path / "four", 4, strategy, 4, [*_callbacks(tmp_path), checkpoints])
     trainer.fit(_TinyLM())
     rank0 = torch.load(tmp_path / "rank0.pt")
     assert 0.2 < rank0["local_fraction"] < 0.3
-
     step2 = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
-    assert is_sharded_checkpoint(step2)
-    _assert_same_weights(_resume_on_one(tmp_path, step2, "from_shards")["weights"], rank0["weights"], rtol=0.05, atol=2.5e-3)
-    with pytest.raises(ValueError, match=r"sharded FSDP checkpoint.*cannot read: load it with strategy='lowmem_fsdp'.*consolidate_checkpoint"):
-        _trainer(tmp_path / "plain", 1, "lowmem", 4, []).fit(_TinyLM(), ckpt_path=step2)
-    consolidate_checkpoint(step2, tmp_path / "full.ckpt")
-    _assert_same_weights(_resume_on_one(tmp_path, tmp_path / "full.ckpt", "from_full")["weights"], rank0["weights"], rtol=0.05, atol=2.5e-3)
+    assert step2.is_file() and not is_sharded_checkpoint(step2)
+    saved = torch.load(step2, weights_only=False)
+    resumed = _resume_on_one(tmp_path, step2, "one")
+    for key, value in saved["state_dict"].items():
+        assert torch.equal(resumed["start_weights"][key], value), key
+    _assert_same_weights(resumed["weights"], rank0["weights"], rtol=0.05, atol=2.5e-3)
 
 
 # ----------------------------------------------------------------------------- one process, bad input
