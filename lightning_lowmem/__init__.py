@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "DistillationModule": "lightning_lowmem.distillation.module",
     "LowMemoryStrategy": "lightning_lowmem.strategies.low_memory",
     "LowMemoryDDPStrategy": "lightning_lowmem.strategies.low_memory",
+    "LowMemoryFSDPStrategy": "lightning_lowmem.strategies.fsdp",
     "CompressedCheckpointIO": "lightning_lowmem.plugins.compressed_checkpoint_io",
     "CheckpointCorruptError": "lightning_lowmem.plugins.compressed_checkpoint_io",
     # warnings

@@ -164,3 +164,99 @@ def force_eager() -> Any:
     if set_stance is None:
         return contextlib.nullcontext()
     return set_stance("force_eager")
+
+
+_FSDP_RESIZE_LISTENERS: list[Any] = []
+
+
+def on_fsdp_storage_resize(listener: Any) -> None:
+    """Call ``listener(tensor)`` after FSDP2 allocates or frees the storage behind ``tensor`` in place.
+
+    Why private: FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps each unsharded parameter and
+    all-gather output as a tensor whose *storage* it resizes (``untyped_storage().resize_(n)`` / ``(0)``
+    in ``_fsdp_param.alloc_storage`` / ``free_storage``). A storage resize is no tensor op, so a
+    ``TorchDispatchMode`` never sees it; the memory core would count every unsharded parameter as
+    alive for good. Wrapping the two module-level helpers (also imported by name into
+    ``_fsdp_param_group``) is the only hook there is. Idempotent per listener.
+    """
+    if listener in _FSDP_RESIZE_LISTENERS:
+        return
+    _FSDP_RESIZE_LISTENERS.append(listener)
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    if getattr(_fsdp_param.alloc_storage, "_lowmem_wrapped", False):
+        return
+
+    def notify(original: Any) -> Any:
+        def resize(tensor: torch.Tensor) -> None:
+            original(tensor)
+            for callback in _FSDP_RESIZE_LISTENERS:
+                callback(tensor)
+
+        resize._lowmem_wrapped = True  # type: ignore[attr-defined]
+        return resize
+
+    alloc, free = notify(_fsdp_param.alloc_storage), notify(_fsdp_param.free_storage)
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
+    if getattr(_fsdp_param_group, "alloc_storage", None) is not None:
+        _fsdp_param_group.alloc_storage = alloc
+
+
+def lightning_model_parallel_setup_steps() -> tuple[Any, Any]:
+    """Lightning's ``_materialize_distributed_module`` and ``_optimizers_to_device``.
+
+    Why private: ``LowMemoryFSDPStrategy.setup`` repeats ``ModelParallelStrategy.setup`` with the sharding
+    done by the strategy instead of the user's ``configure_model`` (the parent's ``setup`` rejects a
+    module without that hook); these are the two helpers the parent's ``setup`` calls.
+    """
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    return _materialize_distributed_module, _optimizers_to_device
+
+
+def lightning_multiprocessing_launcher() -> Any:
+    """Lightning's multiprocessing launcher class (``spawn`` / ``fork`` / ``forkserver``).
+
+    Why private: ``_MultiProcessingLauncher`` is how ``DDPStrategy(start_method="spawn")`` starts processes;
+    ``ModelParallelStrategy`` offers only the script launcher (re-running the command), which cannot
+    work from a notebook or a test. ``LowMemoryFSDPStrategy`` subclasses it to hand the full state dict
+    back to the main process (see ``strategies/fsdp.py``).
+    """
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    return _MultiProcessingLauncher
+
+
+def requantize_low_bit_state(optimizer: Any) -> int:
+    """Turn plain (dequantized) moments of a torchao low-bit AdamW back into its quantized buffers.
+
+    Why private: torchao's ``_AdamBase._new_buffer(p, signed)`` is the one place that knows which buffer a
+    parameter gets (quantized when its *local* shard has >= 4096 values divisible by the block size,
+    wrapped in a DTensor like the parameter). A full FSDP checkpoint stores the moments dequantized, so
+    they load on any number of processes; each rank re-quantizes its own shard here. Returns how many
+    buffers were converted (0 for any other optimizer).
+    """
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    new_buffer = getattr(inner, "_new_buffer", None)
+    if new_buffer is None or not hasattr(inner, "_subclass_zeros"):
+        return 0
+    converted = 0
+    for group in inner.param_groups:
+        for param in group["params"]:
+            state = inner.state.get(param, {})
+            for key, signed in (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False)):
+                value = state.get(key)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                local = value.to_local() if hasattr(value, "to_local") else value
+                if type(local) is not torch.Tensor:
+                    continue  # already quantized
+                buffer = new_buffer(param, signed)
+                buffer_local = buffer.to_local() if hasattr(buffer, "to_local") else buffer
+                if type(buffer_local) is torch.Tensor:
+                    continue  # too small to quantize: plain either way
+                buffer_local.copy_(local)
+                state[key] = buffer
+                converted += 1
+    return converted

@@ -57,7 +57,7 @@ Run `lowmem <subcommand> --help` for its options. Examples:
   lowmem demo --quick"""
 
 ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
-                       [--real-weights] [--fine-tune]
+                       [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
                        (--config CONFIG.yaml | --model CLASS_PATH [--data CLASS_PATH]) [...]
 
 Predict the peak memory of one training step without allocating it, and (with --budget) plan the
@@ -76,7 +76,10 @@ options:
                                                        a dict batch (Hugging Face models)
   --json              machine-readable output
   --real-weights      build the model for real (default: on the meta device, no weight memory)
-  --fine-tune         also plan LoRA / QLoRA candidates"""
+  --fine-tune         also plan LoRA / QLoRA candidates
+  --devices N         processes (GPUs) the step runs on; the batch is one process's batch
+  --strategy NAME     ddp, zero1 (lowmem_ddp + zero_optimizer) or fsdp (lowmem_fsdp): per-rank
+                      peaks, without the devices"""
 
 
 # ----------------------------------------------------------------------------- startup noise
@@ -363,6 +366,8 @@ def estimate_main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--real-weights", action="store_true")
     parser.add_argument("--fine-tune", action="store_true")
+    parser.add_argument("--devices", default=None)
+    parser.add_argument("--strategy", default=None)
     parser.add_argument("-h", "--help", action="store_true")
     own, rest = parser.parse_known_args(argv)
     if own.help:
@@ -391,6 +396,23 @@ def estimate_main(argv: list[str]) -> int:
     except ConfigError as err:
         _print_error(str(err), hint)
         return 2
+    if own.devices is not None or own.strategy is not None:
+        from lightning_lowmem.memory.sharding import check_sharding
+
+        strategy = (own.strategy or "ddp").removeprefix("lowmem_")
+        try:
+            devices = int(own.devices) if own.devices is not None else 1
+        except ValueError:
+            devices = own.devices
+        try:
+            check_sharding(devices, strategy)
+        except ValueError as err:
+            _print_error(str(err).replace("`world_size`", "--devices").replace("`sharding`", "--strategy"), hint)
+            return 2
+        if own.budget is not None:
+            _print_error("--budget plans one process; drop --devices / --strategy to plan, or --budget to estimate", hint)
+            return 2
+        techniques = {**techniques, "world_size": devices, "sharding": strategy}
     if batch is None:
         batch = _first_batch(cli.datamodule)
     device = own.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -412,10 +434,13 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         if own.json:
             print(json.dumps(report.to_dict(), indent=2, default=str))
             return 0
-        label = TrainingConfig(**{k: v for k, v in techniques.items() if k != "lora"}).describe()
+        label = TrainingConfig(**{k: v for k, v in techniques.items() if k not in ("lora", "world_size", "sharding")}).describe()
         if techniques.get("lora"):
             label += f" + lora({techniques['lora']})"
-        console.print(report.to_table(title=f"Estimated training step on {where}: {label}"))
+        if "per_rank" in report.meta:
+            console.print(_per_rank_table(report, f"Estimated per-rank training step on {where}: {label}"))
+        else:
+            console.print(report.to_table(title=f"Estimated training step on {where}: {label}"))
         console.print(f"batch: {describe_batch(batch)}", markup=False)
         return 0
     loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
@@ -444,6 +469,27 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         f"{format_bytes(plan.predicted_peak_bytes)} (budget {format_bytes(plan.budget_bytes)}, device {where})"
     )
     return 0
+
+
+def _per_rank_table(report: Any, title: str) -> Any:
+    """One row per rank: peak and breakdown (``estimate_memory(..., world_size=N, sharding=...)``)."""
+    from rich.table import Table
+
+    from lightning_lowmem.memory import format_bytes
+    from lightning_lowmem.memory.report import CATEGORIES
+
+    meta = report.meta
+    table = Table(title=f"{title} | {meta['sharding']} x {meta['world_size']} processes")
+    table.add_column("rank", justify="right")
+    for category in CATEGORIES:
+        table.add_column(category, justify="right")
+    table.add_column("peak", justify="right", style="bold")
+    for rank in meta["per_rank"]:
+        table.add_row(str(rank["rank"]), *(format_bytes(rank["breakdown"][c]) for c in CATEGORIES),
+                      format_bytes(rank["peak_bytes"]))  # fmt: skip
+    for name, value in report.overheads.items():
+        table.add_row(f"+ {name}", *[""] * len(CATEGORIES), format_bytes(value))
+    return table
 
 
 # ----------------------------------------------------------------------------- entry point

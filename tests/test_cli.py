@@ -234,3 +234,22 @@ def test_cli_startup_prints_no_torchao_noise():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stderr
     assert "_C_mxfp8" not in err and "register_constant() on Enum" not in err, err
+
+
+def test_estimate_per_rank_for_a_strategy_and_devices(capsys):
+    """`--devices 2 --strategy fsdp` is estimate_memory(world_size=2, sharding="fsdp"); bad values are errors."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # left by an in-process Lightning run: the fake ranks need their own group
+        dist.destroy_process_group()
+    model_args = [*CHARLM_ARGS[:10], "--device", "cpu", "--batch-shape", "4x32,4x32"]
+    assert main(["estimate", "--json", "--devices", "2", "--strategy", "fsdp", *model_args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    batch = (torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 32, dtype=torch.long))
+    expected = estimate_memory(CharLM(n_layer=2, n_embd=64, n_head=2, block_size=32), batch, device="cpu",
+                               world_size=2, sharding="fsdp")  # fmt: skip
+    assert report["peak_bytes"] == expected.peak_bytes and [r["rank"] for r in report["meta"]["per_rank"]] == [0, 1]
+    assert main(["estimate", "--devices", "0", "--strategy", "fsdp", *model_args]) == 2
+    assert "--devices=0 must be an int >= 1" in capsys.readouterr().err
+    assert main(["estimate", "--devices", "2", "--strategy", "fdsp", *model_args]) == 2
+    assert "--strategy='fdsp' is unknown" in capsys.readouterr().err

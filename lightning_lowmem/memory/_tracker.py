@@ -246,6 +246,10 @@ class StorageTracker(TorchDispatchMode):
             else:
                 self._relabel(key, category)
 
+    def resized(self, tensor: torch.Tensor) -> None:
+        """Count a storage resized in place (no tensor op a dispatch mode sees), e.g. by FSDP2."""
+        self._allocate(tensor)
+
     @property
     def current_bytes(self) -> int:
         return self._total

@@ -27,6 +27,7 @@ from lightning_lowmem import _compat
 from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
+from lightning_lowmem.memory.sharding import ShardedStep
 
 __all__ = ["PRECISIONS", "EstimationError", "TrainingConfig", "estimate_memory"]
 
@@ -185,6 +186,8 @@ def estimate_memory(
     lora: dict[str, Any] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     config: TrainingConfig | None = None,
+    world_size: int = 1,
+    sharding: str | None = None,
 ) -> MemoryReport:
     """Predict the peak memory of one training step without allocating any tensor data.
 
@@ -206,14 +209,19 @@ def estimate_memory(
             :class:`TrainingConfig`. Default: off.
         optimizer_kwargs: extra optimizer arguments (``lr`` ...). Default: none.
         config: a :class:`TrainingConfig` that replaces the technique arguments above.
+        world_size: processes the step runs on; ``batch`` is one process's batch. Default: 1.
+        sharding: ``"ddp"``, ``"zero1"`` or ``"fsdp"`` (``lowmem_ddp``, ``lowmem_ddp`` with
+            ``zero_optimizer=True``, ``lowmem_fsdp``), or ``None`` (one process; ``"ddp"`` if
+            ``world_size > 1``). See :mod:`lightning_lowmem.memory.sharding`. Default: ``None``.
 
     Returns:
         A :class:`MemoryReport` with ``source="estimated"``; ``report.meta["config"]`` is the config.
+        With ``sharding``: the largest rank's peak and breakdown, ``meta["per_rank"]`` every rank's.
 
     Raises:
         EstimationError: the step cannot run on fake tensors (data-dependent control flow or output
             shapes); the message says what was tried.
-        ValueError: an unknown precision / technique / device.
+        ValueError: an unknown precision / technique / device / sharding, ``world_size < 1``.
 
     Example::
 
@@ -240,18 +248,21 @@ def estimate_memory(
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
     loss_fn = loss_fn or default_loss
+    sharded = ShardedStep(sharding, world_size)  # validates world_size / sharding
     true_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(config.precision)
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(config.precision)
+    autocast_dtype = sharded.autocast_dtype(config.precision, autocast_dtype)
     tracker = StorageTracker(device="cpu", round_bytes=cuda_block_bytes if device == "cuda" else None, by_module=False)
 
     _build_lookup_tables(config.optimizer)
     fake_mode = _compat.fake_tensor_mode()
     try:
         model = _fake_module(module, true_dtype, fake_mode)
-        with fake_mode, warnings.catch_warnings():
+        with sharded, fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.train()
             _apply_model_techniques(model, config)
+            sharded.shard(model, config.precision)
             fake_batch = tree_map(lambda t: _fake_like(t, true_dtype) if isinstance(t, torch.Tensor) else t, batch)
             params = [p for p in model.parameters() if p.requires_grad]
             opt = _build_optimizer(config.optimizer, params, _optimizer_kwargs(config.optimizer, device, optimizer_kwargs))
@@ -277,6 +288,7 @@ def estimate_memory(
     report.source = "estimated"
     report.device = device
     report.meta = {"config": config.to_dict(), "steps": steps, "label": config.describe()}
+    report = sharded.finish(report, opt)
     if device == "cuda":
         report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
     return report

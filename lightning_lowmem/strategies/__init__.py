@@ -1,5 +1,5 @@
 """Strategies: ``LowMemoryStrategy`` (``"lowmem"``) and ``LowMemoryDDPStrategy`` (``"lowmem_ddp"``,
-``"lowmem_ddp_spawn"``).
+``"lowmem_ddp_spawn"``) and ``LowMemoryFSDPStrategy`` (``"lowmem_fsdp"``).
 
 ``import lightning_lowmem`` registers the names in Lightning's ``StrategyRegistry`` as soon as
 Lightning is imported (see ``_registration.py``); importing ``strategies.low_memory`` registers them too.
@@ -14,6 +14,7 @@ _EXPORTS = {
     "PRECISION_PRESETS": "low_memory",
     "LowMemoryStrategy": "low_memory",
     "LowMemoryDDPStrategy": "low_memory",
+    "LowMemoryFSDPStrategy": "fsdp",
     "register_lowmem_strategies": "low_memory",
 }
 __all__ = sorted(_EXPORTS)

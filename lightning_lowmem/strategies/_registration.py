@@ -17,6 +17,7 @@ _WATCHED = "lightning.pytorch"
 
 
 def _register() -> None:
+    import lightning_lowmem.strategies.fsdp  # noqa: F401  (registers "lowmem_fsdp" on import)
     import lightning_lowmem.strategies.low_memory  # noqa: F401  (registers on import)
 
 
@@ -45,7 +46,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
 
 def register_on_lightning_import() -> None:
-    """Register ``"lowmem"`` / ``"lowmem_ddp"`` / ``"lowmem_ddp_spawn"`` now or when Lightning loads."""
+    """Register ``"lowmem"`` / ``"lowmem_ddp"`` / ``"lowmem_ddp_spawn"`` / ``"lowmem_fsdp"`` now or when Lightning loads."""
     if _WATCHED in sys.modules:
         _register()
     elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):

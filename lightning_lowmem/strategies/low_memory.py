@@ -135,6 +135,13 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
             self._accelerator_device = accelerator.get_parallel_devices(accelerator.parse_devices(1))[0]
         return self._accelerator_device
 
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        from lightning_lowmem.strategies.fsdp_checkpoint import reject_sharded_checkpoint
+
+        reject_sharded_checkpoint(checkpoint_path, f"strategy={self.strategy_name!r}")
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -216,6 +223,13 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
             scheduler = config.scheduler
             if id(getattr(scheduler, "optimizer", None)) in sharded:
                 scheduler.optimizer = sharded[id(scheduler.optimizer)]  # type: ignore[union-attr]
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        from lightning_lowmem.strategies.fsdp_checkpoint import reject_sharded_checkpoint
+
+        reject_sharded_checkpoint(checkpoint_path, f"strategy={self.strategy_name!r}")
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
