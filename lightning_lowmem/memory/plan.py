@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from lightning_lowmem.memory.estimate import EstimationError, TrainingConfig, _tensor_leaves, estimate_memory
+from lightning_lowmem.memory._fake_step import tensor_leaves as _tensor_leaves
+from lightning_lowmem.memory.estimate import EstimationError, TrainingConfig, estimate_memory
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
 

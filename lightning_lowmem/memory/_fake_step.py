@@ -1,0 +1,219 @@
+"""The training step the estimator runs: a fake copy of the model, its techniques, and the step itself.
+
+Shared by :func:`~lightning_lowmem.memory.estimate.estimate_memory` (the whole step) and the planner's
+per-axis measurements (:mod:`lightning_lowmem.memory._components`), so both run exactly the same code.
+
+Two orders of a step exist (``loop``):
+
+* ``"torch"``: forward, backward, ``optimizer.step()``, ``zero_grad()`` -- gradients are freed before
+  the next forward.
+* ``"lightning"``: Lightning's automatic optimization calls ``optimizer.zero_grad()`` *between*
+  ``training_step`` and backward, so the previous step's gradients are alive during the whole forward.
+  With micro-batches (``AutoMicrobatch``) the zeroing moves before the first micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+LOOPS = ("torch", "lightning")
+TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def resolve_loop(module: nn.Module, loss_fn: Any, loop: str) -> str:
+    """``"auto"``: Lightning's order for a LightningModule stepped through its own ``training_step`` under
+    automatic optimization (no ``loss_fn``), else torch's."""
+    if loop not in ("auto", *LOOPS):
+        raise ValueError(f"`loop`={loop!r} is unknown; choose 'auto', 'lightning' or 'torch'")
+    if loop != "auto":
+        return loop
+    lightning = (
+        loss_fn is None
+        and callable(getattr(module, "training_step", None))
+        and getattr(module, "automatic_optimization", False) is True
+    )
+    return "lightning" if lightning else "torch"
+
+
+# ----------------------------------------------------------------------------- fake copies
+def fake_like(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inside a FakeTensorMode: an uninitialised fake CPU tensor shaped like ``tensor``."""
+    dtype = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+    if tensor.is_contiguous():
+        return torch.empty(tensor.shape, dtype=dtype, device="cpu")
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device="cpu")
+
+
+def fake_module(module: nn.Module, dtype: torch.dtype | None, fake_mode: Any) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are fake; nothing real is copied."""
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        for param in module.parameters():
+            memo[id(param)] = nn.Parameter(fake_like(param, dtype), requires_grad=param.requires_grad)
+        for buffer in module.buffers():
+            memo[id(buffer)] = fake_like(buffer, dtype)
+    for value in vars(module).values():  # never copy (or log into) a Trainer the module is attached to
+        if type(value).__name__ == "Trainer":
+            memo[id(value)] = None
+    return copy.deepcopy(module, memo)
+
+
+def fake_batch(batch: Any, dtype: torch.dtype | None) -> Any:
+    """Inside a FakeTensorMode: the batch with every tensor fake (floating ones cast to ``dtype``)."""
+    return tree_map(lambda t: fake_like(t, dtype) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def tensor_leaves(batch: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+
+
+def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
+    sizes = {leaf.shape[0] for leaf in tensor_leaves(batch) if leaf.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"cannot split the batch into micro-batches: tensors disagree on dim 0 sizes {sorted(sizes)}")
+    total = sizes.pop()
+    chunks = math.ceil(total / micro_batch_size)
+    return [
+        tree_map(
+            lambda t: t[i * micro_batch_size : (i + 1) * micro_batch_size] if isinstance(t, torch.Tensor) and t.dim() else t,
+            batch,
+        )
+        for i in range(chunks)
+    ]
+
+
+# ----------------------------------------------------------------------------- techniques
+def apply_model_techniques(model: nn.Module, config: Any) -> None:
+    """LoRA and activation checkpointing on ``model`` (a throwaway copy), as the callbacks apply them."""
+    if config.activation_checkpointing is not None or config.activation_compression:
+        # as the callbacks do (model_io.disable_kv_cache_), on this throwaway copy: a Hugging Face model's
+        # training-time KV cache would keep what checkpointing / compression free
+        for sub in model.modules():
+            config_ = getattr(sub, "config", None)
+            if isinstance(getattr(config_, "use_cache", None), bool):
+                config_.use_cache = False
+    if config.lora:
+        from lightning_lowmem.functional.lora import apply_lora_
+
+        apply_lora_(model, **dict(config.lora))
+    if config.activation_checkpointing is not None:
+        from lightning_lowmem.functional.checkpointing import checkpoint_
+
+        checkpoint_(model, config.activation_checkpointing)
+
+
+def device_optimizer_kwargs(name: str, device: str, user_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """On CUDA, torch's Adam/AdamW/SGD default to the ``foreach`` kernels (with their temporaries);
+    on CPU, and for fake CPU tensors, to the per-tensor loop. Mirror the target device's default."""
+    kwargs = dict(user_kwargs or {})
+    if device == "cuda" and name in ("adamw", "adam", "sgd"):
+        kwargs.setdefault("foreach", True)
+    return kwargs
+
+
+def build_lookup_tables(name: str) -> None:
+    """torchao's low-bit optimizers build their quantization maps lazily (``lru_cache``) with ``.tolist()``,
+    which has no value on fake tensors: build them here, for real, before entering the fake mode."""
+    if "8bit" in name or "4bit" in name:
+        from torchao.optim import subclass_4bit, subclass_8bit
+
+        for table in (subclass_8bit, subclass_4bit):
+            table.get_qmap_signed()
+            table.get_qmap_unsigned()
+
+
+def build_optimizer(name: str, params: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    from lightning_lowmem.functional.optimizers import build_optimizer as build
+
+    return build(name, params, **kwargs)
+
+
+class OptimizerScalars(TorchDispatchMode):
+    """Answer ``.item()`` with 1 inside an optimizer step on fake tensors.
+
+    Optimizers read scalars for their *values* only (Adafactor's step count and update norms; torch's
+    ``capturable=False`` paths): the result never decides a tensor's shape, so the memory of the step
+    does not depend on it. The model's forward and loss are not wrapped: a data-dependent ``.item()``
+    there can change shapes and must stay an :class:`EstimationError`.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            if tensor.dtype == torch.bool:
+                return True
+            return 1.0 if tensor.is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+# ----------------------------------------------------------------------------- steps
+def fake_gradients(params: list[torch.Tensor]) -> None:
+    """Inside a FakeTensorMode: give every parameter a gradient shaped as backward would (``empty_like``)."""
+    for param in params:
+        param.grad = torch.empty_like(param)
+
+
+def create_state(optimizer: Any, params: list[torch.Tensor]) -> None:
+    """One optimizer step on fake gradients: the state a first real step leaves, without forward/backward.
+
+    An optimizer-in-backward steps each parameter's inner optimizer, as its gradient hook would. The
+    gradients stay set (``zero_grad`` is the caller's, as the loop order decides).
+    """
+    fake_gradients(params)
+    inner = getattr(optimizer, "inner_optimizers", None)
+    with OptimizerScalars():
+        if isinstance(inner, dict):
+            for param, inner_optimizer in inner.items():
+                inner_optimizer.step()
+                param.grad = None  # the hook frees each gradient right after its step
+        else:
+            optimizer.step()
+
+
+def train_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    optimizer: Any,
+    config: Any,
+    autocast_dtype: torch.dtype | None,
+    fake: bool = False,
+    loop: str = "torch",
+) -> None:
+    """One training step in the order ``loop`` (see the module docstring)."""
+    micro_batches = split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
+    lightning = loop == "lightning"
+    in_backward = config.optimizer.endswith("_in_backward")  # its steps run inside backward
+    held: list[torch.Tensor] = []
+    if lightning and len(micro_batches) > 1:
+        optimizer.zero_grad(set_to_none=True)  # AutoMicrobatch zeroes before its first micro-batch
+    for micro_batch in micro_batches:
+        with contextlib.ExitStack() as stack:
+            if config.activation_compression:
+                from lightning_lowmem.functional.compression import compress_activations
+
+                stack.enter_context(compress_activations(config.activation_compression))
+            with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+                loss = loss_fn(model, micro_batch)
+            if lightning and len(micro_batches) == 1:
+                # Lightning's closure: `loss / normalize` and a detached copy for logging, then zero_grad
+                loss = loss / 1
+                held.append(loss.detach().clone())
+                optimizer.zero_grad(set_to_none=True)  # between training_step and backward
+            with OptimizerScalars() if in_backward and fake else contextlib.nullcontext():
+                (loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()  # as Lightning does
+        del loss
+    with OptimizerScalars() if fake else contextlib.nullcontext():
+        optimizer.step()
+    if not lightning:
+        optimizer.zero_grad(set_to_none=True)
+    held.clear()
