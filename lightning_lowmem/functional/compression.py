@@ -112,6 +112,16 @@ def _row_chunks(rows: int, width: int) -> range:
     return range(0, rows, max(1, _CHUNK_ELEMENTS // max(width, 1)))
 
 
+def _chunk_starts(chunks: range, tensor: torch.Tensor) -> Any:
+    """The chunks to run. On fake tensors (``estimate_memory``) every full chunk allocates and frees the
+    same temporaries and writes into storage that already exists: the first chunk shows the loop's peak
+    and the last is the only other size, so the ones between are skipped (a 7B model's estimate runs
+    thousands of chunks otherwise)."""
+    if len(chunks) > 2 and _compat.is_fake(tensor):
+        return (chunks[0], chunks[-1])
+    return chunks
+
+
 def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8: ``tensor ≈ q * scale``; rows are the last dimension (if it has >= 16).
 
@@ -122,7 +132,7 @@ def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantized = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)  # (R, N)
     scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=rows.device)  # (R, 1)
     chunks = _row_chunks(*rows.shape)
-    for start in chunks:
+    for start in _chunk_starts(chunks, tensor):
         block = rows[start : start + chunks.step].to(torch.float32, copy=True)  # (chunk, N)
         block_scale = block.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # (chunk, 1)
         scale[start : start + chunks.step] = block_scale
@@ -134,7 +144,7 @@ def _dequantize_int8(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.
     """Inverse of :func:`_quantize_int8`, written straight into a tensor of ``dtype`` chunk by chunk."""
     out = torch.empty(quantized.shape, dtype=dtype, device=quantized.device)  # (R, N)
     chunks = _row_chunks(*quantized.shape)
-    for start in chunks:
+    for start in _chunk_starts(chunks, quantized):
         out[start : start + chunks.step] = quantized[start : start + chunks.step] * scale[start : start + chunks.step]
     return out.reshape(shape)
 

@@ -165,18 +165,117 @@ def fake_gradients(params: list[torch.Tensor]) -> None:
 def create_state(optimizer: Any, params: list[torch.Tensor]) -> None:
     """One optimizer step on fake gradients: the state a first real step leaves, without forward/backward.
 
-    An optimizer-in-backward steps each parameter's inner optimizer, as its gradient hook would. The
+    An optimizer-in-backward steps each parameter's inner optimizer, as its gradient hook would. A
+    torch / torchao optimizer keeps state per parameter, shaped by the parameter alone: it steps one
+    parameter of each shape, and the others get copies of that state (:func:`_copy_state`). The
     gradients stay set (``zero_grad`` is the caller's, as the loop order decides).
     """
-    fake_gradients(params)
     inner = getattr(optimizer, "inner_optimizers", None)
     with OptimizerScalars():
         if isinstance(inner, dict):
+            fake_gradients(params)
             for param, inner_optimizer in inner.items():
                 inner_optimizer.step()
                 param.grad = None  # the hook frees each gradient right after its step
-        else:
+            return
+        if not _state_per_parameter(optimizer) or not _step_by_shape(optimizer, params):
+            fake_gradients(params)
             optimizer.step()
+    fake_gradients(params)
+
+
+def _state_per_parameter(optimizer: Any) -> bool:
+    """torch's and torchao's own optimizers: state keyed by parameter, nothing wrapped inside."""
+    module = type(optimizer).__module__
+    plain = module.startswith("torch.optim") or module.startswith("torchao.optim")
+    return plain and not hasattr(optimizer, "inner") and not hasattr(optimizer, "inner_optimizers")
+
+
+def _step_by_shape(optimizer: Any, params: list[torch.Tensor]) -> bool:
+    """Step one parameter per (group, shape, stride, dtype); copy its state to the others. ``False`` (and
+    nothing stepped) when there is nothing to save."""
+    twins: dict[tuple, list[torch.Tensor]] = {}
+    wanted = {id(p) for p in params}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) in wanted:
+                twins.setdefault((index, tuple(param.shape), param.stride(), param.dtype), []).append(param)
+    if len(twins) == len(params):
+        return False
+    for param in params:
+        param.grad = None  # a parameter without a gradient is skipped by the step
+    fake_gradients([same[0] for same in twins.values()])
+    optimizer.step()
+    shared = _shared_storages(optimizer.state.get(same[0], {}) for same in twins.values())
+    for same in twins.values():
+        state = optimizer.state.get(same[0])
+        for param in same[1:]:
+            copied = _copy_state(state, shared) if state else None
+            if copied is None:  # nothing to copy from, or a layout we cannot copy: step it for real
+                for other in params:
+                    other.grad = None
+                fake_gradients([param])
+                optimizer.step()
+            else:
+                optimizer.state[param] = copied
+    return True
+
+
+def _shared_storages(states: Any) -> set[int]:
+    """Storages that appear in more than one parameter's state (e.g. torchao's quantization maps)."""
+    seen: dict[int, int] = {}
+    for state in states:
+        for key in {id(t.untyped_storage()) for value in state.values() if isinstance(value, torch.Tensor)
+                    for t in _plain(value)}:  # fmt: skip
+            seen[key] = seen.get(key, 0) + 1
+    return {key for key, count in seen.items() if count > 1}
+
+
+def _copy_state(state: dict[str, Any], shared: set[int]) -> dict[str, Any] | None:
+    """New tensors laid out as ``state``'s: each plain tensor cloned (the ones every state shares kept),
+    tensor subclasses (torchao's low-bit state) rebuilt from their cloned inner tensors. ``None`` if a
+    value cannot be rebuilt so."""
+    copied: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            clone = _copy_tensor(value, shared)
+            if clone is None:
+                return None
+            copied[key] = clone
+        else:
+            copied[key] = copy.deepcopy(value)
+    return copied
+
+
+def _copy_tensor(tensor: torch.Tensor, shared: set[int]) -> torch.Tensor | None:
+    if id(tensor.untyped_storage()) in shared:
+        return tensor
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None or _plain_type(tensor):
+        return tensor.clone()
+    names, context = flatten()
+    inner = {}
+    for name in names:
+        part = _copy_tensor(getattr(tensor, name), shared)
+        if part is None:
+            return None
+        inner[name] = part
+    try:
+        return type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())
+    except Exception:  # noqa: BLE001 - a subclass that cannot be rebuilt this way: the caller steps it
+        return None
+
+
+def _plain(tensor: torch.Tensor) -> list[torch.Tensor]:
+    from lightning_lowmem.memory._tracker import _plain_tensors
+
+    return list(_plain_tensors(tensor))
+
+
+def _plain_type(tensor: torch.Tensor) -> bool:
+    from lightning_lowmem.memory._tracker import _is_plain
+
+    return _is_plain(tensor)
 
 
 def train_step(
@@ -191,10 +290,15 @@ def train_step(
 ) -> None:
     """One training step in the order ``loop`` (see the module docstring)."""
     micro_batches = split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
+    count = len(micro_batches)
+    if fake and count > 3:
+        # from the second micro-batch on, each one starts from the same state (gradients accumulated, the
+        # previous loss freed) and allocates the same: the second shows them all; the last may be smaller
+        micro_batches = [micro_batches[0], micro_batches[1], micro_batches[-1]]
     lightning = loop == "lightning"
     in_backward = config.optimizer.endswith("_in_backward")  # its steps run inside backward
     held: list[torch.Tensor] = []
-    if lightning and len(micro_batches) > 1:
+    if lightning and count > 1:
         optimizer.zero_grad(set_to_none=True)  # AutoMicrobatch zeroes before its first micro-batch
     for micro_batch in micro_batches:
         with contextlib.ExitStack() as stack:
@@ -204,13 +308,13 @@ def train_step(
                 stack.enter_context(compress_activations(config.activation_compression))
             with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
                 loss = loss_fn(model, micro_batch)
-            if lightning and len(micro_batches) == 1:
+            if lightning and count == 1:
                 # Lightning's closure: `loss / normalize` and a detached copy for logging, then zero_grad
                 loss = loss / 1
                 held.append(loss.detach().clone())
                 optimizer.zero_grad(set_to_none=True)  # between training_step and backward
             with OptimizerScalars() if in_backward and fake else contextlib.nullcontext():
-                (loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()  # as Lightning does
+                (loss / count if count > 1 else loss).backward()  # as Lightning does
         del loss
     with OptimizerScalars() if fake else contextlib.nullcontext():
         optimizer.step()

@@ -75,8 +75,22 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
                 yield from iter_tensors(leaf)
 
 
+_PLAIN_TYPES: set[type] = {torch.Tensor, nn.Parameter}
+"""Tensor types that hold their own storage (FakeTensor joins on first sight: see ``_is_plain``)."""
+
+
+def _is_plain(tensor: torch.Tensor) -> bool:
+    kind = type(tensor)
+    if kind in _PLAIN_TYPES:
+        return True
+    if _compat.is_fake(tensor):
+        _PLAIN_TYPES.add(kind)  # looked up once per type, not once per tensor
+        return True
+    return not hasattr(tensor, "__tensor_flatten__")
+
+
 def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    if type(tensor) in (torch.Tensor, nn.Parameter) or _compat.is_fake(tensor) or not hasattr(tensor, "__tensor_flatten__"):
+    if _is_plain(tensor):
         yield tensor
         return
     names, _ = tensor.__tensor_flatten__()
@@ -84,6 +98,35 @@ def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
         inner = getattr(tensor, name)
         if isinstance(inner, torch.Tensor):
             yield from _plain_tensors(inner)
+
+
+def _op_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The plain tensors of an op's arguments: flat tensors and lists of them without pytree's overhead."""
+    found: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            if _is_plain(value):
+                found.append(value)
+            else:
+                found.extend(_plain_tensors(value))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    found.extend(_plain_tensors(item))
+                elif item is not None and not isinstance(item, (int, float, bool, str)):
+                    found.extend(iter_tensors(item))
+        elif value is not None and not isinstance(value, (int, float, bool, str, torch.dtype, torch.device)):
+            found.extend(iter_tensors(value))
+    return found
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """``isinstance(tensor, nn.Parameter)`` without Parameter's Python ``__instancecheck__``."""
+    return type(tensor) is nn.Parameter or getattr(tensor, "_is_param", False)
+
+
+class MemoryLimitExceeded(RuntimeError):
+    """Raised by a tracker with ``limit_bytes`` as soon as the live bytes pass the limit."""
 
 
 def optimizer_state_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
@@ -146,6 +189,8 @@ class StorageTracker(TorchDispatchMode):
         self._module_names: dict[int, str] = {}
         self._module_stack: list[tuple[str, int]] = []
         self._module_stats: dict[str, dict[str, int]] = {}
+        self.limit_bytes: int | None = None  # raise MemoryLimitExceeded once live bytes pass it
+        self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
         self.report: MemoryReport | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,20 +264,29 @@ class StorageTracker(TorchDispatchMode):
         phase = self._phase_now()
         if phase != self._phase:
             self._enter_phase(phase)
-        for tensor in iter_tensors((args, kwargs)):
+        records = self._records
+        for tensor in _op_tensors(args, kwargs):
             key = self._key(tensor)
             if key is None:
                 continue
-            if key not in self._records:
-                self._see(tensor, "parameters" if isinstance(tensor, nn.Parameter) else "other")
-            elif isinstance(tensor, nn.Parameter) and self._records[key].category == "other":
+            is_param = _is_parameter(tensor)
+            record = records.get(key)
+            if record is None:
+                self._see(tensor, "parameters" if is_param else "other")
+            elif is_param and record.category == "other":
                 self._relabel(key, "parameters")
-            if isinstance(tensor, nn.Parameter):
+            if is_param:
                 self._hook_param(tensor)
         out = func(*args, **kwargs)
-        for tensor in iter_tensors(out):
-            self._allocate(tensor)
+        if isinstance(out, torch.Tensor):
+            self._allocate_all(_plain_tensors(out) if not _is_plain(out) else (out,))
+        else:
+            self._allocate_all(iter_tensors(out))
         return out
+
+    def _allocate_all(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._allocate(tensor)
 
     # ------------------------------------------------------------------ public helpers
     def mark(self, tensor: torch.Tensor, category: str) -> None:
@@ -253,6 +307,11 @@ class StorageTracker(TorchDispatchMode):
     @property
     def peak_bytes(self) -> int:
         return self._peak.total
+
+    @property
+    def current_breakdown(self) -> dict[str, int]:
+        """Bytes live right now, per category (labels learnt later are not applied to this copy)."""
+        return dict(self._current)
 
     # ------------------------------------------------------------------ internals
     def _key(self, tensor: torch.Tensor) -> int | None:
@@ -342,6 +401,8 @@ class StorageTracker(TorchDispatchMode):
         self._last_seq = seq
         if self._total > self._peak.total:
             self._peak = _Snapshot(self._total, seq, dict(self._current))
+            if self.limit_bytes is not None and self._total > self.limit_bytes and not self._stopped:
+                raise MemoryLimitExceeded(f"live bytes {self._total} passed the limit {self.limit_bytes}")
         phase_peak = self._phase_peaks.get(self._phase)
         if phase_peak is None or self._total > phase_peak.total:
             self._phase_peaks[self._phase] = _Snapshot(self._total, seq, dict(self._current))

@@ -219,14 +219,37 @@ class _LowMemoryOptions:
             rank_zero_info(f"LowMemoryStrategy: prefetch=True is a no-op on {device_type} (it overlaps host-to-GPU copies).")
 
     def _plan(self, trainer: Any, module: Any, device_type: str) -> None:
-        from lightning_lowmem.strategies.budget import plan_for_budget
+        import time
+
+        from lightning_lowmem.strategies.budget import configured_optimizer_name, plan_for_budget
 
         batch = self._first_training_batch(trainer)
         if batch is None:
             rank_zero_info("LowMemoryStrategy: no training batches, so `memory_budget` is not planned.")
             return
         configured = self.precision_plugin.precision  # type: ignore[attr-defined]
-        baseline_optimizer = self.optimizer_name or "adamw"
+        fixed = dict(self._explicit)
+        baseline_optimizer = self.optimizer_name or configured_optimizer_name(module)
+        if baseline_optimizer is None:  # not one the estimator knows: keep it, estimated as AdamW
+            baseline_optimizer = fixed["optimizer"] = "adamw"
+            rank_zero_info(
+                "LowMemoryStrategy: memory_budget plans configure_optimizers' optimizer as AdamW (its type is not "
+                "one the estimator knows) and keeps it; set `optimizer=` to plan with another."
+            )
+        rank_zero_info(
+            f"LowMemoryStrategy: planning memory_budget={format_bytes(self.memory_budget_bytes or 0)} on the first "
+            f"training batch (as configured: {configured} + {baseline_optimizer})..."
+        )
+
+        def progress(candidate: Any, index: int, total: int) -> None:
+            peak = candidate.predicted_peak_bytes
+            outcome = candidate.error if peak is None else (
+                f"{'>= ' if candidate.method == 'lower bound' else ''}{format_bytes(peak)}, "
+                f"{'fits' if candidate.fits else 'over'}"
+            )  # fmt: skip
+            rank_zero_info(f"LowMemoryStrategy: [{index}/{total}] {candidate.config.describe()}: {outcome}")
+
+        started = time.perf_counter()
         plan = plan_for_budget(
             module,
             batch,
@@ -234,7 +257,9 @@ class _LowMemoryOptions:
             device="cuda" if device_type == "cuda" else "cpu",
             precision=configured,
             optimizer=baseline_optimizer,
-            fixed=self._explicit,
+            fixed=fixed,
+            optimizer_kwargs=self.optimizer_kwargs,
+            progress=progress,
         )
         config = plan.config
         if config.precision != configured:
@@ -244,6 +269,7 @@ class _LowMemoryOptions:
         self.activation_compression = config.activation_compression
         if config.optimizer != baseline_optimizer:
             self.optimizer_name = config.optimizer
+            self.optimizer_kwargs = {**plan.optimizer_kwargs, **self.optimizer_kwargs}  # a new family's lr
         if config.micro_batch_size is not None:  # whole batches cannot fit: run them in micro-batches
             from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch
 
@@ -257,6 +283,8 @@ class _LowMemoryOptions:
             f"LowMemoryStrategy: memory_budget={format_bytes(plan.budget_bytes)} -> [{config.describe()}], predicted "
             f"peak {format_bytes(plan.predicted_peak_bytes)}"
             + (f" (as configured: {format_bytes(baseline)})" if baseline is not None else "")
+            + (f", optimizer arguments {plan.optimizer_kwargs}" if plan.optimizer_kwargs else "")
+            + f"; planned in {time.perf_counter() - started:.1f} s"
         )
 
     @staticmethod

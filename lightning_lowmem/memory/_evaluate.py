@@ -1,0 +1,142 @@
+"""Evaluating the planner's candidates quickly: per-axis predictions from cached measurements, and full
+estimates where a figure must be exact.
+
+A :class:`CandidateEvaluator` keeps one :class:`~lightning_lowmem.memory._components.ModelProbe` per
+model-side configuration (precision, checkpointing, compression, micro-batch, LoRA), one
+:class:`~lightning_lowmem.memory._components.OptimizerProfile` per optimizer and trainable-parameter
+set, and one full estimate per configuration asked for. Candidates that differ only in the optimizer
+share a probe; candidates that differ only on the model side (with the same trainable parameters, e.g.
+``32-true`` and ``bf16-mixed``) share a profile.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_lowmem.memory._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
+from lightning_lowmem.memory._fake_step import device_optimizer_kwargs, resolve_loop
+from lightning_lowmem.memory.estimate import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    TrainingConfig,
+    data_dependent_errors_explained,
+    default_loss,
+    estimate_memory,
+)
+from lightning_lowmem.memory.report import MemoryReport
+
+
+class CandidateEvaluator:
+    """Predicts the peak of a :class:`TrainingConfig` on one model and batch, reusing what it measured.
+
+    Args:
+        module: the model (not modified).
+        batch: one batch.
+        loss_fn: as for :func:`estimate_memory` (``None``: the model's own step).
+        device: ``"cuda"`` or ``"cpu"``.
+        loop: ``"auto"``, ``"lightning"`` or ``"torch"`` (see :func:`estimate_memory`).
+        optimizer_kwargs: optimizer name -> extra arguments for it.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        batch: Any,
+        *,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+        device: str,
+        loop: str,
+        optimizer_kwargs: Callable[[str], dict[str, Any]],
+    ) -> None:
+        self.module = module
+        self.batch = batch
+        self.user_loss_fn = loss_fn
+        self.loss_fn = loss_fn or default_loss
+        self.device = device
+        self.loop = resolve_loop(module, loss_fn, loop)
+        self.optimizer_kwargs = optimizer_kwargs
+        self._probes: dict[tuple, ModelProbe] = {}
+        self._profiles: dict[tuple, OptimizerProfile] = {}
+        self._full: dict[TrainingConfig, MemoryReport] = {}
+        self.full_estimates = 0
+        self.probes = 0
+        self.profiles = 0
+
+    def predict(self, config: TrainingConfig, limit_bytes: int | None = None) -> MemoryReport:
+        """The per-axis prediction of ``config`` (a full estimate for an optimizer-in-backward, or if one
+        was already made).
+
+        With ``limit_bytes``, the model-side run stops once more than that is alive: the report's peak is
+        then a lower bound above the limit (``report.meta["method"] == "lower bound"``).
+        """
+        if config in self._full or config.optimizer.endswith("_in_backward"):
+            return self.full(config)
+        probe = self._probe(config, limit_bytes)
+        if probe.stopped_at is not None or (limit_bytes is not None and probe.peak_bytes > limit_bytes):
+            # the model side alone is over the limit: no optimizer can make it fit (its state only adds)
+            return self._report(probe.peak_bytes, dict(probe.peak_breakdown), config, "lower bound")
+        profile = self._profile(config.optimizer, probe.trainable)
+        peak, breakdown = combine(probe, profile)
+        return self._report(peak, breakdown, config, "per-axis")
+
+    def model_side_fits(self, config: TrainingConfig, limit_bytes: int) -> bool:
+        """Whether ``config``'s model side alone (no optimizer state) stays within ``limit_bytes``."""
+        if config.optimizer.endswith("_in_backward"):
+            return self.predict(config).peak_bytes <= limit_bytes
+        probe = self._probe(config, limit_bytes)
+        return probe.stopped_at is None and probe.peak_bytes <= limit_bytes
+
+    def full(self, config: TrainingConfig) -> MemoryReport:
+        """The full :func:`estimate_memory` of ``config`` (cached)."""
+        if config not in self._full:
+            self.full_estimates += 1
+            report = estimate_memory(
+                self.module,
+                self.batch,
+                loss_fn=self.user_loss_fn,
+                device=self.device,
+                config=config,
+                optimizer_kwargs=self.optimizer_kwargs(config.optimizer),
+                loop=self.loop,
+            )
+            report.meta["method"] = "full"
+            self._full[config] = report
+        return self._full[config]
+
+    # ------------------------------------------------------------------ the per-axis parts
+    def _probe(self, config: TrainingConfig, limit_bytes: int | None) -> ModelProbe:
+        key = (config.precision, config.activation_checkpointing, config.activation_compression,
+               config.micro_batch_size, config.lora)  # fmt: skip
+        cached = self._probes.get(key)
+        if cached is not None and (cached.stopped_at is None or (limit_bytes is not None and limit_bytes <= cached.stopped_at)):
+            return cached  # complete, or already proven above this limit
+        self.probes += 1
+        with data_dependent_errors_explained(self.module, config, steps=2):
+            self._probes[key] = probe_model(
+                self.module, self.batch, config, loss_fn=self.loss_fn, device=self.device, loop=self.loop,
+                limit_bytes=limit_bytes,
+            )  # fmt: skip
+        return self._probes[key]
+
+    def _profile(self, name: str, trainable: Any) -> OptimizerProfile:
+        key = (name, trainable)
+        if key not in self._profiles:
+            self.profiles += 1
+            kwargs = device_optimizer_kwargs(name, self.device, self.optimizer_kwargs(name))
+            self._profiles[key] = profile_optimizer(name, trainable, device=self.device, kwargs=kwargs)
+        return self._profiles[key]
+
+    def _report(self, peak: int, breakdown: dict[str, int], config: TrainingConfig, method: str) -> MemoryReport:
+        report = MemoryReport(
+            peak_bytes=peak,
+            breakdown=breakdown,
+            device=self.device,
+            source="estimated",
+            meta={"config": config.to_dict(), "label": config.describe(), "loop": self.loop, "method": method},
+        )
+        if self.device == "cuda":
+            report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
+        return report
