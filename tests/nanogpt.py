@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["NanoGPT", "nano_batch", "nano_loader"]
+__all__ = ["NanoData", "NanoGPT", "nano_batch", "nano_loader"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,3 +95,14 @@ def nano_loader(batches: int = 4, batch_size: int = 16, block_size: int = 128, v
     generator = torch.Generator().manual_seed(0)
     idx = torch.randint(0, vocab_size, (batches * batch_size, block_size + 1), generator=generator)
     return DataLoader(TensorDataset(idx[:, :-1], idx[:, 1:]), batch_size=batch_size)
+
+
+class NanoData(L.LightningDataModule):
+    """:func:`nano_loader` as a LightningDataModule (for ``lowmem estimate --config``)."""
+
+    def __init__(self, batches: int = 2, batch_size: int = 8, block_size: int = 64, vocab_size: int = 96) -> None:
+        super().__init__()
+        self.batches, self.batch_size, self.block_size, self.vocab_size = batches, batch_size, block_size, vocab_size
+
+    def train_dataloader(self) -> DataLoader:
+        return nano_loader(self.batches, self.batch_size, self.block_size, self.vocab_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -155,6 +156,61 @@ class OptimizerScalars(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def configured_optimizer(module: nn.Module) -> tuple[str, dict[str, Any]] | None:
+    """The package's name and the arguments of the optimizer ``module.configure_optimizers()`` returns
+    (a LightningModule's), built on a fake copy of the module; ``None`` when there is none, several, or
+    one of a type the estimator does not know (it is then estimated as AdamW)."""
+    if not callable(getattr(module, "configure_optimizers", None)):
+        return None
+    fake_mode = _fake_tensor_mode()
+    copied = fake_module(module, None, fake_mode)
+    try:
+        with fake_mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = copied.configure_optimizers()
+    except Exception:  # noqa: BLE001 - one that needs a running Trainer (schedulers...): we cannot tell
+        return None
+    optimizers: list[Any] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.optim.Optimizer):
+            optimizers.append(value)
+        elif isinstance(value, dict):
+            walk(value.get("optimizer"))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(config)
+    for optimizer in optimizers:  # an optimizer-in-backward registered gradient hooks: take them off again
+        if callable(getattr(optimizer, "remove_hooks", None)):
+            optimizer.remove_hooks()
+    if len(optimizers) != 1:
+        return None
+    optimizer = optimizers[0]
+    name = getattr(optimizer, "_lowmem_state_hooks", None)  # built by functional.optimizers.build_optimizer
+    if not isinstance(name, str):
+        name = _TORCH_NAMES.get(type(optimizer).__name__) if type(optimizer).__module__.startswith("torch.optim") else None
+    if name is None:
+        return None
+    from lightning_lowmem.functional.optimizers import optimizer_arguments
+
+    allowed = set(optimizer_arguments(name))
+    group = optimizer.param_groups[0]
+    kwargs = {key: (float(value) if isinstance(value, torch.Tensor) else value)
+              for key, value in group.items() if key in allowed and value is not None}  # fmt: skip
+    return name, kwargs
+
+
+_TORCH_NAMES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "Adafactor": "adafactor"}
+
+
+def _fake_tensor_mode() -> Any:
+    from lightning_lowmem import _compat
+
+    return _compat.fake_tensor_mode()
+
+
 # ----------------------------------------------------------------------------- steps
 def fake_gradients(params: list[torch.Tensor]) -> None:
     """Inside a FakeTensorMode: give every parameter a gradient shaped as backward would (``empty_like``)."""
@@ -267,13 +323,13 @@ def _copy_tensor(tensor: torch.Tensor, shared: set[int]) -> torch.Tensor | None:
 
 
 def _plain(tensor: torch.Tensor) -> list[torch.Tensor]:
-    from lightning_lowmem.memory._tracker import _plain_tensors
+    from lightning_lowmem.memory._tensors import _plain_tensors
 
     return list(_plain_tensors(tensor))
 
 
 def _plain_type(tensor: torch.Tensor) -> bool:
-    from lightning_lowmem.memory._tracker import _is_plain
+    from lightning_lowmem.memory._tensors import _is_plain
 
     return _is_plain(tensor)
 

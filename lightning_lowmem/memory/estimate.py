@@ -27,6 +27,7 @@ from lightning_lowmem.memory._fake_step import (
     apply_model_techniques,
     build_lookup_tables,
     build_optimizer,
+    configured_optimizer,
     create_state,
     device_optimizer_kwargs,
     fake_batch,
@@ -146,7 +147,7 @@ def estimate_memory(
     batch: Any,
     *,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     precision: str = "32-true",
     device: str = "cuda",
     steps: int = 2,
@@ -166,7 +167,9 @@ def estimate_memory(
             ``meta``. Only shapes and dtypes are used.
         loss_fn: ``loss_fn(module, batch) -> loss``. Default: :func:`default_loss` (a LightningModule's
             own ``training_step`` under automatic optimization).
-        optimizer: optimizer name (see ``functional.optimizers.available_optimizers()``). Default: ``"adamw"``.
+        optimizer: optimizer name (see ``functional.optimizers.available_optimizers()``), or ``None``: the
+            one the module's ``configure_optimizers`` returns, with its arguments (built on a fake copy),
+            else ``"adamw"``. Default: ``None``.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
             Mixed precision runs CPU autocast as a stand-in for CUDA autocast. Default: ``"32-true"``.
         device: ``"cuda"`` applies the caching allocator's 512-byte block rounding and lists the CUDA
@@ -205,6 +208,8 @@ def estimate_memory(
         True
     """
     if config is None:
+        if optimizer is None:
+            optimizer, optimizer_kwargs = as_configured(module, optimizer_kwargs)
         config = TrainingConfig(
             precision=precision,
             activation_checkpointing=activation_checkpointing,
@@ -275,3 +280,12 @@ def data_dependent_errors_explained(module: nn.Module, config: TrainingConfig, s
             f"flow depend on shapes only, pass a `loss_fn` that avoids it, or measure a real small step "
             f"with `measure_memory`."
         ) from err
+
+
+def as_configured(module: nn.Module, optimizer_kwargs: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The optimizer ``module.configure_optimizers()`` returns (name, arguments; ``optimizer_kwargs`` win),
+    or AdamW when it has none the estimator knows."""
+    found = configured_optimizer(module)
+    if found is None:
+        return "adamw", dict(optimizer_kwargs or {})
+    return found[0], {**found[1], **(optimizer_kwargs or {})}

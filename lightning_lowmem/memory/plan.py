@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from lightning_lowmem.memory._fake_step import tensor_leaves
 from lightning_lowmem.memory.estimate import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, EstimationError, TrainingConfig
+from lightning_lowmem.memory.plan_report import Candidate, Plan, peak_label
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
 
@@ -75,127 +75,6 @@ def expected_slowdown(config: TrainingConfig, batch_size: int | None = None) -> 
     if config.lora:
         factor *= SLOWDOWN["qlora" if dict(config.lora).get("quantize_base") else "lora"]
     return factor
-
-
-@dataclass
-class Candidate:
-    """One evaluated technique mix: its config, prior slowdown and predicted peak.
-
-    Attributes:
-        config: the technique mix.
-        slowdown: its prior step-time factor (:func:`expected_slowdown`).
-        report: the prediction -- per-axis (``report.meta["method"] == "per-axis"``), a full
-            :func:`estimate_memory` (``"full"``), or a lower bound (``"lower bound"``: the model-side run
-            stopped as soon as it passed the budget); ``None`` when it could not be estimated.
-        fits: whether the prediction fits the usable budget.
-        error: why it could not be estimated.
-        per_axis_peak_bytes: for a candidate estimated in full after its per-axis prediction, that
-            prediction (the chosen candidate always has both).
-    """
-
-    config: TrainingConfig
-    slowdown: float
-    report: MemoryReport | None = None
-    fits: bool | None = None
-    error: str | None = None
-    per_axis_peak_bytes: int | None = None
-
-    @property
-    def predicted_peak_bytes(self) -> int | None:
-        return self.report.peak_bytes if self.report is not None else None
-
-    @property
-    def method(self) -> str | None:
-        """``"full"``, ``"per-axis"`` or ``"lower bound"``: how ``report`` was made."""
-        return self.report.meta.get("method", "full") if self.report is not None else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": self.config.to_dict(),
-            "label": self.config.describe(),
-            "slowdown": round(self.slowdown, 3),
-            "predicted_peak_bytes": self.predicted_peak_bytes,
-            "method": self.method,
-            "per_axis_peak_bytes": self.per_axis_peak_bytes,
-            "fits": self.fits,
-            "error": self.error,
-        }
-
-
-@dataclass
-class Plan:
-    """The chosen configuration and every candidate looked at.
-
-    Attributes:
-        chosen: the fitting candidate with the lowest expected slowdown; its ``report`` is a full
-            :func:`estimate_memory`.
-        candidates: all evaluated candidates, in the order they were tried.
-        budget_bytes: the budget asked for.
-        usable_bytes: the budget less the safety margin (and device overheads for CUDA).
-        baseline: the configuration as the user asked for it (precision + optimizer, no technique),
-            always predicted, so a plan shows what it saves.
-        optimizer_kwargs: arguments the chosen optimizer needs beyond the configured ones: ``{"lr": ...}``
-            (:data:`DEFAULT_LR`) when the plan changed the optimizer family, else empty.
-        notes: facts about the search (estimates run, per-axis vs full figure of the chosen plan).
-    """
-
-    chosen: Candidate
-    candidates: list[Candidate]
-    budget_bytes: int
-    usable_bytes: int
-    device: str = "cuda"
-    baseline: Candidate | None = None
-    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def config(self) -> TrainingConfig:
-        return self.chosen.config
-
-    @property
-    def predicted_peak_bytes(self) -> int:
-        assert self.chosen.report is not None
-        return self.chosen.report.peak_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "chosen": self.chosen.to_dict(),
-            "budget_bytes": self.budget_bytes,
-            "usable_bytes": self.usable_bytes,
-            "device": self.device,
-            "baseline": self.baseline.to_dict() if self.baseline else None,
-            "optimizer_kwargs": dict(self.optimizer_kwargs),
-            "candidates": [c.to_dict() for c in self.candidates],
-            "notes": self.notes,
-        }
-
-    def to_table(self) -> Any:
-        """A Rich table: config -> predicted peak -> fits?, the chosen row marked."""
-        from rich.table import Table
-
-        table = Table(
-            title=f"Memory plan: budget {format_bytes(self.budget_bytes)} "
-            f"(usable {format_bytes(self.usable_bytes)} on {self.device})"
-        )
-        table.add_column("configuration")
-        table.add_column("predicted peak", justify="right")
-        table.add_column("estimate", justify="center")
-        table.add_column("slowdown (prior)", justify="right")
-        table.add_column("fits?", justify="center")
-        for candidate in self.candidates:
-            chosen = candidate is self.chosen
-            label = candidate.config.describe()
-            if candidate is self.baseline and not chosen:
-                label += " (as configured)"
-            fits = "-" if candidate.fits is None else ("yes" if candidate.fits else "no")
-            table.add_row(
-                ("[bold green]> " if chosen else "  ") + label + ("[/]" if chosen else ""),
-                _peak_label(candidate),
-                candidate.method or "-",
-                f"{candidate.slowdown:.2f}x",
-                fits,
-            )
-        return table
 
 
 def _batch_size(batch: Any) -> int | None:
@@ -285,7 +164,7 @@ def plan_memory(
     budget: int | str,
     *,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     precision: str = "32-true",
     device: str = "cuda",
     margin: float = 0.1,
@@ -325,7 +204,9 @@ def plan_memory(
         batch: one batch (tensors may be on ``meta``).
         budget: bytes, or a string like ``"8GiB"`` / ``"512MB"``.
         loss_fn: see :func:`estimate_memory`.
-        optimizer: the optimizer the user wants; the plain candidate uses it. Default: ``"adamw"``.
+        optimizer: the optimizer the user wants; the plain candidate uses it. ``None``: the one the
+            module's ``configure_optimizers`` returns, with its arguments (a type the estimator does not
+            know is estimated as AdamW and never swapped), else AdamW. Default: ``None``.
         precision: the precision the user wants. Default: ``"32-true"``.
         device: ``"cuda"`` or ``"cpu"`` (see :func:`estimate_memory`). Default: ``"cuda"``.
         margin: share of the budget kept free for what the estimate does not see (fragmentation,
@@ -334,8 +215,8 @@ def plan_memory(
             Defaults: {precision, bf16-mixed, bf16-true}; {None, "auto"}; {None, bf16, int8};
             {optimizer, adamw8bit if optimizer is adamw / adam}; whole batches, then {B/2, B/4, ..., 1};
             {None}. A given ``micro_batch_sizes`` list is searched together with the other axes.
-        optimizer_kwargs: arguments of the configured optimizer (e.g. ``{"foreach": False}``); they
-            apply to candidates of its family. Default: none.
+        optimizer_kwargs: arguments of the configured optimizer (e.g. ``{"momentum": 0.9}``); they
+            apply to candidates of its family that accept them. Default: none.
         max_estimates: stop searching after this many runs on fake tensors (model-side runs and full
             estimates; the fastest fitting candidate found so far is chosen). Default: 60.
         include_overheads: also subtract the CUDA context / workspace from the budget (set when the
@@ -369,16 +250,32 @@ def plan_memory(
     if isinstance(max_estimates, bool) or not isinstance(max_estimates, int) or max_estimates < 1:
         raise ValueError(f"`max_estimates` must be an int >= 1, got {max_estimates!r}")
     batch_size = _batch_size(batch)
+    unknown_optimizer = False
+    if optimizer is None:
+        from lightning_lowmem.memory._fake_step import configured_optimizer
+
+        found = configured_optimizer(module)
+        unknown_optimizer = found is None and callable(getattr(module, "configure_optimizers", None))
+        optimizer, configured_kwargs = found if found is not None else ("adamw", {})
+        optimizer_kwargs = {**configured_kwargs, **(optimizer_kwargs or {})}
+        if unknown_optimizer and optimizers is None:
+            optimizers = ["adamw"]  # estimated as AdamW; a plan must not swap an optimizer it cannot name
     stages = _stages(
         batch_size, precision, optimizer, precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras
     )
+    stages = [stage for stage in stages if stage] or [[TrainingConfig(precision=precision, optimizer=optimizer)]]
     usable = int(budget_bytes * (1 - margin))
     family = _family(optimizer)
     overheads = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES if include_overheads and device == "cuda" else 0
     limit = usable - overheads  # a model-side run that passes this (without optimizer state) cannot fit
 
     def kwargs_for(name: str) -> dict[str, Any]:
-        return dict(optimizer_kwargs or {}) if _family(name) == family else {}
+        if _family(name) != family:
+            return {}
+        from lightning_lowmem.functional.optimizers import optimizer_arguments
+
+        accepted = set(optimizer_arguments(name))
+        return {key: value for key, value in (optimizer_kwargs or {}).items() if key in accepted}
 
     evaluator = CandidateEvaluator(module, batch, loss_fn=loss_fn, device=device, loop=loop, optimizer_kwargs=kwargs_for)
     evaluated: dict[TrainingConfig, Candidate] = {}
@@ -461,6 +358,8 @@ def plan_memory(
         optimizer_kwargs={} if _family(chosen.config.optimizer) == family
         else {"lr": DEFAULT_LR[_family(chosen.config.optimizer)]},
     )  # fmt: skip
+    if unknown_optimizer:
+        plan.notes.append("configure_optimizers' optimizer is not one the estimator knows: estimated as AdamW, kept.")
     plan.notes.append(
         f"{len(evaluated)} candidates predicted from {evaluator.probes} model-side runs and {evaluator.profiles} "
         f"optimizer profiles; {evaluator.full_estimates} full estimate(s)."
@@ -489,20 +388,13 @@ def _model_side_can_fit(stage: list[TrainingConfig], evaluator: Any, limit: int)
 
 def _report_progress(candidate: Candidate, index: int, total: int, usable: int, progress: Progress | None) -> None:
     if candidate.report is not None:
-        outcome = f"{_peak_label(candidate)} ({'fits' if candidate.fits else 'over'} {format_bytes(usable)}, " \
+        outcome = f"{peak_label(candidate)} ({'fits' if candidate.fits else 'over'} {format_bytes(usable)}, " \
                   f"{candidate.method})"  # fmt: skip
     else:
         outcome = f"not estimated: {candidate.error}"
     log.info("plan_memory [%d/%d] %s: %s", index, total, candidate.config.describe(), outcome)
     if progress is not None:
         progress(candidate, index, total)
-
-
-def _peak_label(candidate: Candidate) -> str:
-    peak = candidate.predicted_peak_bytes
-    if peak is None:
-        return candidate.error or "-"
-    return (">= " if candidate.method == "lower bound" else "") + format_bytes(peak)
 
 
 def _no_fit_error(evaluated: list[Candidate], budget: Any, usable: int, margin: float) -> ValueError:

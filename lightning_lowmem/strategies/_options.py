@@ -221,24 +221,16 @@ class _LowMemoryOptions:
     def _plan(self, trainer: Any, module: Any, device_type: str) -> None:
         import time
 
-        from lightning_lowmem.strategies.budget import configured_optimizer_name, plan_for_budget
+        from lightning_lowmem.strategies.budget import plan_for_budget
 
         batch = self._first_training_batch(trainer)
         if batch is None:
             rank_zero_info("LowMemoryStrategy: no training batches, so `memory_budget` is not planned.")
             return
         configured = self.precision_plugin.precision  # type: ignore[attr-defined]
-        fixed = dict(self._explicit)
-        baseline_optimizer = self.optimizer_name or configured_optimizer_name(module)
-        if baseline_optimizer is None:  # not one the estimator knows: keep it, estimated as AdamW
-            baseline_optimizer = fixed["optimizer"] = "adamw"
-            rank_zero_info(
-                "LowMemoryStrategy: memory_budget plans configure_optimizers' optimizer as AdamW (its type is not "
-                "one the estimator knows) and keeps it; set `optimizer=` to plan with another."
-            )
         rank_zero_info(
             f"LowMemoryStrategy: planning memory_budget={format_bytes(self.memory_budget_bytes or 0)} on the first "
-            f"training batch (as configured: {configured} + {baseline_optimizer})..."
+            "training batch..."
         )
 
         def progress(candidate: Any, index: int, total: int) -> None:
@@ -256,12 +248,13 @@ class _LowMemoryOptions:
             self.memory_budget,  # type: ignore[arg-type]
             device="cuda" if device_type == "cuda" else "cpu",
             precision=configured,
-            optimizer=baseline_optimizer,
-            fixed=fixed,
+            optimizer=self.optimizer_name,  # None: configure_optimizers' own
+            fixed=self._explicit,
             optimizer_kwargs=self.optimizer_kwargs,
             progress=progress,
         )
         config = plan.config
+        baseline_optimizer = plan.baseline.config.optimizer if plan.baseline is not None else config.optimizer
         if config.precision != configured:
             self.precision_preset = config.precision
             self.precision_plugin = precision_plugin(config.precision, device_type)
@@ -285,6 +278,7 @@ class _LowMemoryOptions:
             + (f" (as configured: {format_bytes(baseline)})" if baseline is not None else "")
             + (f", optimizer arguments {plan.optimizer_kwargs}" if plan.optimizer_kwargs else "")
             + f"; planned in {time.perf_counter() - started:.1f} s"
+            + "".join(f" {note}" for note in plan.notes if note.startswith("configure_optimizers"))
         )
 
     @staticmethod

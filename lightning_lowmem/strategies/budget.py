@@ -15,13 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
 from lightning_lowmem.memory.estimate import PRECISIONS
 
-__all__ = ["configured_optimizer_name", "plan_for_budget", "planner_axes"]
-
-_TORCH_NAMES = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
+__all__ = ["plan_for_budget", "planner_axes"]
 
 
 def planner_axes(fixed: dict[str, Any]) -> dict[str, list[Any]]:
@@ -31,42 +27,6 @@ def planner_axes(fixed: dict[str, Any]) -> dict[str, list[Any]]:
     return {names[key]: [value] for key, value in fixed.items() if key in names}
 
 
-def configured_optimizer_name(module: Any) -> str | None:
-    """The package's name of the optimizer ``module.configure_optimizers()`` returns, or ``None`` if unknown.
-
-    Called before Lightning builds the optimizers; the optimizer built here is thrown away (an
-    optimizer-in-backward's gradient hooks are removed first).
-    """
-    try:
-        config = module.configure_optimizers()
-    except Exception:  # noqa: BLE001 - a configure_optimizers that needs the running loop: we cannot tell
-        return None
-    optimizers: list[Any] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.optim.Optimizer):
-            optimizers.append(value)
-        elif isinstance(value, dict):
-            walk(value.get("optimizer"))
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-
-    walk(config)
-    for optimizer in optimizers:
-        if hasattr(optimizer, "remove_hooks"):
-            optimizer.remove_hooks()
-    if len(optimizers) != 1:
-        return None
-    optimizer = optimizers[0]
-    name = getattr(optimizer, "_lowmem_state_hooks", None)  # built by the package (MemoryEfficientOptimizer ...)
-    if isinstance(name, str):
-        return name
-    if type(optimizer) is getattr(torch.optim, "Adafactor", None):
-        return "adafactor"
-    return _TORCH_NAMES.get(type(optimizer))
-
-
 def plan_for_budget(
     module: Any,
     batch: Any,
@@ -74,7 +34,7 @@ def plan_for_budget(
     *,
     device: str,
     precision: str,
-    optimizer: str,
+    optimizer: str | None,
     fixed: dict[str, Any],
     optimizer_kwargs: dict[str, Any] | None = None,
     progress: Callable[[Any, int, int], None] | None = None,
@@ -87,7 +47,8 @@ def plan_for_budget(
         budget: the strategy's ``memory_budget`` as the user gave it (bytes or a string).
         device: ``"cuda"`` or ``"cpu"``.
         precision: the precision the run is configured with (the plan's baseline).
-        optimizer: the optimizer name the run is configured with (the plan's baseline).
+        optimizer: the strategy's ``optimizer`` option, or ``None``: the one ``configure_optimizers``
+            returns (the plan's baseline, see :func:`plan_memory`).
         fixed: the options the user set explicitly: keys among ``precision``,
             ``activation_checkpointing``, ``activation_compression``, ``optimizer``.
         optimizer_kwargs: the strategy's ``optimizer_kwargs``. Default: none.
@@ -108,7 +69,7 @@ def plan_for_budget(
         return plan_memory(module, batch, budget, device=device, precision=precision, optimizer=optimizer,
                            optimizer_kwargs=optimizer_kwargs, progress=progress, **planner_axes(fixed))  # fmt: skip
     except ValueError as err:
-        if "in_backward" in optimizer:
+        if optimizer is not None and "in_backward" in optimizer:
             raise ValueError(
                 f"LowMemoryStrategy(memory_budget={budget!r}) cannot train {type(module).__name__} within the budget: "
                 f"{err} Micro-batches are not tried with optimizer={optimizer!r} (it steps on every backward): a "
