@@ -1,4 +1,6 @@
 # Two set-up commands work on a fresh machine with only Python: `make demo` and `make test`.
+# `make demo` installs only what the demo needs (the package + `[examples]`: scikit-learn, matplotlib);
+# `make test` (and `make install`) everything the suite needs (`[dev]`: + transformers, torch-pruning, ...).
 # torch is installed *before* the package, pinned to TORCH_SPEC, so pip picks the CPU build that lies
 # on disk here instead of resolving the package's `torch>=...` range to a multi-GB CUDA build.
 # On a GPU machine: `make TORCH_SPEC="torch==2.13.0" ...` with whatever index your CUDA build lives on.
@@ -8,17 +10,26 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.lowmem-installed
+DEMO_STAMP := $(VENV)/.lowmem-demo
+TORCH_STAMP := $(VENV)/.lowmem-torch
 
 .PHONY: install test test-fast demo demo-quick bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(TORCH_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
+	touch $(TORCH_STAMP)
+
+$(STAMP): $(TORCH_STAMP)
 	$(PIP) install --quiet -e ".[dev]"
 	touch $(STAMP)
+
+$(DEMO_STAMP): $(TORCH_STAMP)
+	$(PIP) install --quiet -e ".[examples]"
+	touch $(DEMO_STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -26,10 +37,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow" tests
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/lowmem demo
 
-demo-quick: $(STAMP)
+demo-quick: $(DEMO_STAMP)
 	$(VENV)/bin/lowmem demo --quick
 
 bench: $(STAMP)
@@ -37,3 +48,21 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info lightning_logs demo_output
+
+# GPU check (docs/gpu.md). Here: `make gpu-wheels` fetches the wheels the GPU machine lacks (scripts/gpu_wheels.txt)
+# into .gpu-wheels/. There (its python3 holds torch; no venv, no registry): `make gpu-check` installs them with
+# --no-index --no-deps into a scratch folder on PYTHONPATH, runs the cuda-marked tests and
+# `python -m benchmarks --device cuda --quick`, and writes benchmarks/results/*_cuda.* and $OUT.
+# `make gpu-check-dry`: the same parts on CPU with tiny settings, outputs to a scratch folder (CI runs it).
+GPU_PYTHON ?= python3
+
+.PHONY: gpu-wheels gpu-check gpu-check-dry
+
+gpu-wheels:
+	$(GPU_PYTHON) scripts/gpu_wheels.py download
+
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py
+
+gpu-check-dry: $(STAMP)
+	$(PY) scripts/gpu_check.py --dry-run

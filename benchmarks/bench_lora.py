@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import StepTimer, mib, quiet_trainer, set_seed
+from benchmarks.common import StepTimer, mib, quiet_trainer, set_seed, smoke
 from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
 from lightning_lowmem.demo import CharLM, CharLMDataModule
 from lightning_lowmem.functional.lora import apply_lora_
@@ -79,7 +79,8 @@ def _finetune(base: Path, lr: float, lora: dict[str, Any] | None, steps: int, de
     data = CharLMDataModule(batch_size=16, **FINETUNE_DATA)
     timer = StepTimer(skip_first=5)
     callbacks = [timer] + ([LowRankAdapters(**lora)] if lora is not None else [])
-    trainer = quiet_trainer(max_steps=steps, accelerator=device, callbacks=callbacks, limit_val_batches=20)
+    trainer = quiet_trainer(max_steps=steps, accelerator=device, callbacks=callbacks, limit_val_batches=2 if smoke() else 20)
+    model.to(device)  # LowRankAdapters quantizes a QLoRA base in setup(), before Lightning moves the model
     trainer.fit(model, data)
     val_loss = float(trainer.validate(model, data, verbose=False)[0]["val_loss"])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -97,14 +98,14 @@ def _qlora_base_ratio_4x256() -> float:
 
 
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
-    pretrain_steps, finetune_steps = (30, 15) if quick else (150, 60)
+    pretrain_steps, finetune_steps = (2, 2) if smoke() else (30, 15) if quick else (150, 60)
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "pretrained.pt"
         _pretrain(pretrain_steps, device, base)
         pretrained = CharLM(**MODEL)
         pretrained.load_state_dict(torch.load(base, weights_only=True))
         data = CharLMDataModule(batch_size=16, **FINETUNE_DATA)
-        before = quiet_trainer(accelerator=device, limit_val_batches=20).validate(pretrained, data, verbose=False)
+        before = quiet_trainer(accelerator=device, limit_val_batches=2 if smoke() else 20).validate(pretrained, data, verbose=False)
         rows = [{"method": "pretrained, no fine-tuning", "asyncio val loss": round(before[0]["val_loss"], 4)}]
         results = {}
         for name, (lr, lora) in METHODS.items():
@@ -153,4 +154,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "with other jobs: compare them only within this table. QLoRA's peak includes the float copy that "
         "each int8 weight-only linear dequantizes on CPU."
     )
+    if device == "cuda" or smoke():  # QLoRA int4 (tinygemm, CUDA): benchmarks/int4_cuda.py; smoke runs it on CPU
+        from benchmarks.int4_cuda import qlora_int4
+
+        int4_rows, int4_targets, int4_notes = qlora_int4(device, quick)
+        rows, targets, notes = rows + int4_rows, targets + int4_targets, notes + int4_notes
     return {"title": "LoRA / QLoRA vs full fine-tuning (charlm, stdlib -> asyncio)", "rows": rows, "targets": targets, "notes": notes}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import mib
+from benchmarks.common import mib, smoke
 from lightning_lowmem.demo.charlm import CharGPT, CharLMDataModule, GPTConfig
 from lightning_lowmem.functional.optimizers import build_optimizer
 from lightning_lowmem.memory import measure_memory, state_bytes
@@ -34,7 +34,7 @@ SETUPS = [
 
 
 def _config() -> GPTConfig:
-    return GPTConfig(n_layer=N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, block_size=BLOCK_SIZE)
+    return GPTConfig(n_layer=1 if smoke() else N_LAYER, n_embd=N_EMBD, n_head=N_HEAD, block_size=BLOCK_SIZE)
 
 
 def _batches(count: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -119,7 +119,7 @@ def _run(label: str, name: str, dtype: torch.dtype, batches: list, device: str) 
 
 
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
-    steps = 3 if quick else 6
+    steps = 1 if smoke() else 3 if quick else 6
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # on a shared 2-core machine one thread gives steadier steps

@@ -1,4 +1,5 @@
-"""Pruning: digits accuracy vs sparsity (cubic vs one-shot), and conv-net latency after structural pruning."""
+"""Pruning: digits accuracy vs sparsity (cubic vs one-shot), conv-net latency after structural pruning, and a
+Hugging Face GPT-2 (Conv1D layers, tied head) pruned unstructured and structurally."""
 
 from __future__ import annotations
 
@@ -98,13 +99,62 @@ def _structural(device: str, quick: bool) -> tuple[list[dict[str, Any]], dict[st
     return rows, {"speedup": dense_ms / pruned_ms, "drop": dense_acc - pruned_acc}
 
 
+def _hf_val_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> float:
+    model.eval()
+    with torch.no_grad():
+        return float(torch.stack([model(**batch).loss for batch in batches]).mean())
+
+
+def _hf_gpt2(device: str, quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A randomly initialised transformers GPT-2 (2 layers, width 64) trained on the stdlib corpus: dense, 50%
+    unstructured (cubic, default targets: embeddings and the tied head left alone), 50% of the FFN units removed."""
+    from lightning_lowmem.demo.hf import HFLanguageModel, HFTextDataModule
+    from lightning_lowmem.functional.pruning import get_mask
+
+    steps = 60 if quick else 200
+    data = HFTextDataModule("causal", seq_len=32, batch_size=16, max_chars=200_000)
+    data.setup("fit")
+    val = [batch for _, batch in zip(range(20), data.val_dataloader())]
+    window = dict(start_step=steps // 5, end_step=steps * 3 // 4, frequency=max(1, steps // 20))
+    runs = {
+        "dense": None,
+        "cubic 0->50%, default targets": ScheduledPruning(schedule="cubic", target_sparsity=0.5, make_pruning_permanent=False, **window),
+        "ln_structured 0->50%, then FFN units removed": ScheduledPruning(
+            "ln_structured", parameter_names=["weight"], use_global_unstructured=False, pruning_norm=2, schedule="linear",
+            target_sparsity=0.5, structural=True, **window,
+        ),
+    }
+    rows, facts = [], {}
+    for name, callback in runs.items():
+        L.seed_everything(0, verbose=False)
+        module = HFLanguageModel("gpt2", config={"n_layer": 2, "n_embd": 64}, lr=3e-3)
+        trainer = quiet_trainer(max_steps=steps, limit_val_batches=0, accelerator=device, callbacks=[callback] if callback else [])
+        trainer.fit(module, data)
+        model = module.model.cpu()
+        row = {"model": "HF GPT-2 2x64 (transformers, Conv1D, tied head)", "schedule": name,
+               "params": sum(p.numel() for p in model.parameters()), "val loss": round(_hf_val_loss(model, val), 4)}
+        if callback is not None and not callback.structural:
+            masks = [buffer for key, buffer in model.named_buffers() if key.endswith("_mask")]  # a shared mask once
+            pruned, total = sum(int((~m).sum()) for m in masks), sum(m.numel() for m in masks)
+            row["sparsity (%)"] = round(100 * pruned / total, 3)
+            facts["exact"] = pruned == round(0.5 * total)
+            facts["embeddings_untouched"] = get_mask(model.transformer.wte) is None and get_mask(model.lm_head) is None
+            facts["tied"] = model.lm_head.weight is model.transformer.wte.weight
+        if callback is not None and callback.structural:
+            facts["ffn_units"] = [block.mlp.c_fc.nf for block in model.transformer.h]
+        facts[name] = row["val loss"]
+        rows.append(row)
+    return rows, facts
+
+
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     rows, accuracy = _accuracy_vs_sparsity(device, quick)
     structural_rows, structural = _structural(device, quick)
+    hf_rows, hf = _hf_gpt2(device, quick)
     cubic_drop = accuracy["dense"] - accuracy["cubic@0.9"]
     return {
         "title": "Pruning: digits accuracy vs sparsity, and structural pruning latency",
-        "rows": rows + structural_rows,
+        "rows": rows + structural_rows + hf_rows,
         "targets": [
             {"target": "<= 1 point accuracy drop at 90% sparsity with the cubic schedule (digits MLP)",
              "measured": f"{cubic_drop:+.2f} points (one-shot: {accuracy['dense'] - accuracy['one-shot@0.9']:+.2f}; "
@@ -113,11 +163,19 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
              "measured": f"{structural['speedup']:.2f}x", "met": structural["speedup"] >= 1.6},
             {"target": "<= 1.5 points accuracy drop after structural pruning + fine-tuning",
              "measured": f"{structural['drop']:+.2f} points", "met": structural["drop"] <= 1.5},
+            {"target": "HF GPT-2: sparsity exactly 50% of the prunable weights; embeddings and the tied head untouched",
+             "measured": f"exact: {hf['exact']}, embeddings / tied head unmasked: {hf['embeddings_untouched']} "
+             f"(head still tied: {hf['tied']})", "met": bool(hf["exact"] and hf["embeddings_untouched"] and hf["tied"])},
+            {"target": "HF GPT-2: structural removal halves the Conv1D FFN units (256 -> 128 per block)",
+             "measured": f"FFN units per block: {hf['ffn_units']}", "met": hf["ffn_units"] == [128, 128]},
         ],
         "notes": "Same seed, data split, optimizer (AdamW 3e-3) and number of steps for every row; masks applied "
         "after every optimizer step. One-shot prunes to the target at 10% of training and fine-tunes; cubic ramps "
         "(Zhu & Gupta) from 10% to 50% of training. Structural: ln_structured masks ramp to 50% of the output channels "
         "of each conv, then those channels are removed with Torch-Pruning (BatchNorm and the next conv's inputs "
         "follow) and training continues with the rebound optimizer. Latency: eval forward of a 512-image batch, "
-        "median of 60 runs, torch's default CPU threads.",
+        "median of 60 runs, torch's default CPU threads. HF GPT-2: a randomly initialised transformers GPT2LMHeadModel "
+        "(2 layers, width 64, byte vocabulary) trained on the stdlib corpus (HFTextDataModule, seq 32, batch 16, ragged "
+        "padding) for the same number of steps in every row; pruning ramps over steps 20%..75% of training; val loss = "
+        "the model's own HF loss over 20 validation batches.",
     }

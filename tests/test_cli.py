@@ -1,21 +1,131 @@
-"""The `lowmem` console script: estimate, fit through YAML, demo --quick."""
+"""The `lowmem` console script: help, one-line config errors, estimate (device, batch shapes, configured
+techniques, dict batches), fit through YAML, and the startup log filters."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-from lightning_lowmem.cli import main
+from lightning_lowmem.cli import main, parse_batch_shape, quiet_startup_logs
+from lightning_lowmem.demo import CharLM
+from lightning_lowmem.memory.estimate import estimate_memory
 
+ROOT = Path(__file__).resolve().parents[1]
 CHARLM_ARGS = [
     "--model", "lightning_lowmem.demo.CharLM",
     "--model.n_layer", "2", "--model.n_embd", "64", "--model.n_head", "2", "--model.block_size", "32",
     "--data", "lightning_lowmem.demo.CharLMDataModule",
     "--data.block_size", "32", "--data.batch_size", "8", "--data.max_chars", "20000",
 ]
+MODEL_DATA_YAML = """\
+model:
+  class_path: lightning_lowmem.demo.CharLM
+  init_args: {n_layer: 1, n_embd: 32, n_head: 2, block_size: 16}
+data:
+  class_path: lightning_lowmem.demo.CharLMDataModule
+  init_args: {block_size: 16, batch_size: 4, max_chars: 5000}
+trainer:
+  fast_dev_run: true
+  logger: false
+"""
 
 
+def _error_lines(capfd) -> list[str]:
+    err = capfd.readouterr().err
+    return [line for line in err.splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- help
+def test_help_lists_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fit", "validate", "test", "predict", "estimate", "demo"):
+        assert f"\n  {name} " in out
+    assert main([]) == 2  # no subcommand: the same overview, as an error
+
+
+def test_unknown_subcommand_says_did_you_mean(capfd):
+    assert main(["estimat", "--budget", "1GiB"]) == 2
+    lines = _error_lines(capfd)
+    assert lines[0] == "error: unknown subcommand 'estimat' (did you mean 'estimate'?); choose one of fit, validate, test, predict, estimate, demo"
+
+
+# ----------------------------------------------------------------------------- one-line config errors
+CALLBACK_CASES = {
+    # a ValueError raised by a callback's constructor: the package's own message, on one line
+    "value": ("lightning_lowmem.ActivationCompression", "{mode: int7}",
+              "error: lightning_lowmem.ActivationCompression: `mode`='int7' is unknown; choose one of ['bf16', 'int8', 'cpu']"),
+    "class_path": ("lightning_lowmem.ActivationCheckpointng", "{policy: Block}",
+                   "did you mean lightning_lowmem.ActivationCheckpointing?"),
+    "argument": ("lightning_lowmem.ActivationCheckpointing", "{polcy: Block}",
+                 "lightning_lowmem.ActivationCheckpointing has no argument 'polcy' (did you mean 'policy'?)"),
+    "type": ("lightning_lowmem.ActivationCheckpointing", "{nested: 3}",
+             "lightning_lowmem.ActivationCheckpointing: argument 'nested': expected a bool, got 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CALLBACK_CASES))
+def test_bad_callback_in_yaml_is_one_error_line(case, tmp_path, capfd):
+    class_path, init_args, expected = CALLBACK_CASES[case]
+    config = tmp_path / "bad.yaml"
+    config.write_text(MODEL_DATA_YAML + f"  callbacks:\n    - class_path: {class_path}\n      init_args: {init_args}\n")
+    assert main(["fit", "--config", str(config)]) == 2
+    lines = _error_lines(capfd)
+    assert len(lines) == 2, lines  # the error and a one-line hint: no traceback, no usage dump, no banner
+    assert lines[0].startswith("error: ") and expected in lines[0]
+    assert lines[1] == "see `lowmem fit --help`; LOWMEM_DEBUG=1 shows the full error"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--trainer.strategy=lightning_lowmem.LowMemoryStrategy", "--trainer.strategy.memory_budget=banana"],
+         "error: lightning_lowmem.LowMemoryStrategy: `memory_budget`='banana' is not a byte size."),
+        (["--model.n_embd=33"], "error: lightning_lowmem.demo.CharLM: `n_embd`=33 must be divisible by `n_head`=2"),
+        (["--data.val_fraction=2"], "error: lightning_lowmem.demo.CharLMDataModule: `val_fraction` must be in (0, 1), got 2.0"),
+        (["--trainer.strategy=lowmen"], "error: trainer.strategy: unknown strategy 'lowmen' (did you mean 'lowmem'?)"),
+        (["--trainer.precision=bf17"], "error: trainer.precision: 'bf17' is not accepted (did you mean 'bf16'?)"),
+        (["--trainer.max_stepz=3"], "error: unrecognized arguments: --trainer.max_stepz=3 (did you mean 'trainer.max_steps'?)"),
+        (["--model.n_layr=2"], "error: model: lightning_lowmem.demo.CharLM has no argument 'n_layr' (did you mean 'n_layer'?)"),
+        (["--model=lightning_lowmem.demo.CharLN"], "(did you mean lightning_lowmem.demo.CharLM?)"),
+        (["--config=/no/such.yaml"], "error: config: file does not exist: '/no/such.yaml'"),
+    ],
+    ids=["strategy-value", "model-value", "data-value", "strategy-name", "precision", "trainer-option", "model-arg",
+         "model-class", "config-file"],
+)
+def test_bad_value_on_the_command_line_is_one_error_line(args, expected, tmp_path, capfd):
+    config = tmp_path / "ok.yaml"
+    config.write_text(MODEL_DATA_YAML)
+    assert main(["fit", "--config", str(config), *args]) == 2
+    lines = _error_lines(capfd)
+    assert len(lines) == 2 and expected in lines[0], lines
+
+
+def test_fit_without_a_model_says_what_is_missing(capfd):
+    assert main(["fit"]) == 2
+    assert _error_lines(capfd)[0] == "error: missing model: give --model CLASS_PATH or a config with a `model:` section"
+
+
+def test_lowmem_debug_shows_the_original_error(tmp_path, monkeypatch):
+    config = tmp_path / "ok.yaml"
+    config.write_text(MODEL_DATA_YAML)
+    monkeypatch.setenv("LOWMEM_DEBUG", "1")
+    with pytest.raises(ValueError, match="must be divisible by `n_head`"):
+        main(["fit", "--config", str(config), "--model.n_embd=33"])
+
+
+def test_fit_runs_from_command_line_options(tmp_path):
+    assert main(["fit", *CHARLM_ARGS, "--trainer.fast_dev_run=true", f"--trainer.default_root_dir={tmp_path}"]) == 0
+
+
+# ----------------------------------------------------------------------------- estimate
 def test_estimate_without_a_model_says_how_to_give_one(capsys):
     assert main(["estimate", "--budget", "8GiB"]) == 2
     assert "lowmem estimate needs a model" in capsys.readouterr().err
@@ -34,15 +144,93 @@ def test_estimate_impossible_budget_fails_cleanly(capsys):
     assert "no configuration fits" in capsys.readouterr().out
 
 
-def test_fit_runs_from_command_line_options(tmp_path):
-    main(["fit", *CHARLM_ARGS, "--trainer.fast_dev_run=true", f"--trainer.default_root_dir={tmp_path}"])
+@pytest.mark.parametrize("gpu", [False, True], ids=["without-gpu", "with-gpu"])
+def test_estimate_defaults_to_this_machines_device_and_says_so(gpu, monkeypatch, capfd):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert main(["estimate", *CHARLM_ARGS]) == 0
+    out = capfd.readouterr()
+    device = "cuda" if gpu else "cpu"
+    assert f"Estimated training step on {device}" in " ".join(out.out.split())
+    assert "GPU available" not in out.out + out.err  # no Trainer is built to plan
+    assert main(["estimate", "--json", *CHARLM_ARGS]) == 0
+    report = json.loads(capfd.readouterr().out)
+    assert report["device"] == device and (report["overheads"] != {}) == gpu  # the CUDA context only on cuda
 
 
-def test_unknown_callback_argument_gets_jsonargparse_message(tmp_path, capsys):
-    config = tmp_path / "bad.yaml"
-    config.write_text(
-        "trainer:\n  callbacks:\n    - class_path: lightning_lowmem.MemoryMonitor\n      init_args:\n        every_step: 3\n"
-    )
-    with pytest.raises(SystemExit):
-        main(["fit", "--config", str(config), *CHARLM_ARGS, "--trainer.fast_dev_run=true"])
-    assert "every_step" in capsys.readouterr().err
+def test_estimate_batch_shape_replaces_the_data(capsys):
+    """`--batch-shape 8x32,8x32` estimates the same step as a real (inputs, targets) batch of that shape."""
+    model_args = CHARLM_ARGS[:10]  # --model and its options only: no data
+    assert main(["estimate", "--device", "cpu", "--json", "--batch-shape", "8x32,8x32", *model_args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    batch = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long))
+    expected = estimate_memory(CharLM(n_layer=2, n_embd=64, n_head=2, block_size=32), batch, device="cpu")
+    assert report["peak_bytes"] == expected.peak_bytes
+    assert main(["estimate", "--device", "cpu", *model_args]) == 2  # neither data nor a shape
+    assert "--batch-shape" in capsys.readouterr().err
+
+
+def test_estimate_uses_the_configs_precision_and_memory_callbacks(capsys):
+    config = str(ROOT / "examples" / "configs" / "full_stack.yaml")
+    assert main(["estimate", "--device", "cpu", "--json", "--config", config, "--batch-shape", "4x64,4x64"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["meta"]["config"] == {
+        "precision": "bf16-true", "activation_checkpointing": "Block", "activation_compression": "int8",
+        "optimizer": "adafactor_in_backward", "micro_batch_size": None, "lora": None,
+    }
+
+
+def test_estimate_hugging_face_model_with_a_dict_batch_shape(capsys):
+    pytest.importorskip("transformers")
+    from lightning_lowmem.demo import HFLanguageModel
+
+    shape = "input_ids=2x16,attention_mask=2x16,labels=2x16"
+    assert main(["estimate", "--device", "cpu", "--json", "--model", "lightning_lowmem.demo.HFLanguageModel",
+                 "--model.family", "gpt2", "--batch-shape", shape]) == 0
+    report = json.loads(capsys.readouterr().out)
+    torch.manual_seed(0)
+    batch = {key: torch.zeros(2, 16, dtype=torch.long) for key in ("input_ids", "attention_mask", "labels")}
+    assert report["peak_bytes"] == estimate_memory(HFLanguageModel(family="gpt2"), batch, device="cpu").peak_bytes
+
+
+def test_parse_batch_shape_forms_and_errors():
+    assert [tuple(t.shape) for t in parse_batch_shape("32x64,32x64")] == [(32, 64), (32, 64)]
+    images, labels = parse_batch_shape("16x1x8x8:float32, 16")
+    assert (images.dtype, labels.dtype, images.device.type) == (torch.float32, torch.int64, "meta")
+    assert set(parse_batch_shape("input_ids=4x128,labels=4x128:int64")) == {"input_ids", "labels"}
+    assert tuple(parse_batch_shape("4x128").shape) == (4, 128)
+    from lightning_lowmem._cli_errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'32xx64' in '32xx64' is not a shape like 32x64"):
+        parse_batch_shape("32xx64")
+    with pytest.raises(ConfigError, match=r"dtype 'flaot32' in '4x4:flaot32' is unknown \(did you mean 'float32'\?\)"):
+        parse_batch_shape("4x4:flaot32")
+    with pytest.raises(ConfigError, match="mixes named"):
+        parse_batch_shape("input_ids=4x8,4x8")
+
+
+# ----------------------------------------------------------------------------- startup noise
+def test_startup_filters_drop_only_torchaos_import_lines(caplog, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    quiet_startup_logs()
+    quiet_startup_logs()  # idempotent
+    assert len(logging.getLogger("torchao").filters) == 1
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning(
+            "Failed to load /x/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load this "
+            "library: /x/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so"
+        )
+        logging.getLogger("torch.utils._pytree").warning(
+            "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an "
+            "opaque value type. Calling register_constant() on Enum subclasses is deprecated"
+        )
+        logging.getLogger("torchao").warning("Failed to load config.json: permission denied")  # a real problem
+        logging.getLogger("torch.utils._pytree").warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["Failed to load config.json: permission denied", "something else"]
+
+
+def test_cli_startup_prints_no_torchao_noise():
+    """The real import: `lowmem` imports torchao (the strategy and callbacks do) without its log lines."""
+    code = "import lightning_lowmem.cli as c, sys; c.quiet_startup_logs(); import torchao.quantization"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stderr
+    assert "_C_mxfp8" not in err and "register_constant() on Enum" not in err, err

@@ -1,14 +1,30 @@
-"""Quantized checkpoints through Lightning: what ``PostTrainingQuantization`` records, how a model is
-quantized back before its weights load, and a ``CheckpointIO`` swap so ``ckpt_path=`` can read them.
+"""Quantized checkpoints through Lightning: what the quantization callbacks record, how a model takes the
+quantized weights of a checkpoint before they load, and a ``CheckpointIO`` swap for older files.
 
-Lightning's ``TorchCheckpointIO`` loads with ``map_location=lambda storage, loc: storage`` (everything
-on CPU); torch cannot rebuild tensor subclasses, such as torchao's quantized weights, through a callable
-``map_location``. The quantization callbacks swap in a ``TorchCheckpointIO`` that passes ``"cpu"``
-instead (the same placement) for the duration of a stage and put the original back at teardown.
+Writing (:func:`record_checkpoint`, from ``on_save_checkpoint``): every checkpoint the quantization
+callbacks write records what wrote it, ``checkpoint["lowmem_quantization"]`` (writer, mode, layers,
+Conv1D layers turned into ``nn.Linear``, tied groups). Its torchao tensors are made portable
+(:mod:`~lightning_lowmem.functional.quantization_serialization`: they load under any ``map_location``
+and with ``weights_only=True`` after ``import lightning_lowmem``). When the state dict cannot load into a
+plain float model (quantized weights, or Conv1D weights stored as ``nn.Linear``), it also holds one
+extra entry whose *key is the instruction*: a Trainer without the callback, or ``load_from_checkpoint``
+without a hook, fails on that unexpected key with the message "written by lightning_lowmem
+PostTrainingQuantization(...): add it to the Trainer's callbacks, or load the file with
+load_quantized_checkpoint" before any weight is used.
+
+Reading (:func:`prepare_for_load`, from the callbacks' load-state-dict pre-hooks, :func:`quantize_like_checkpoint`
+and :func:`load_quantized_checkpoint`): the recorded Conv1D layers become ``nn.Linear``, and every layer
+whose incoming weight is a torchao tensor takes that tensor as its weight (any format, any mode; layers
+that shared a weight when saved share it again), so ``load_state_dict`` then copies in place.
+
+Checkpoints written before this format (torchao-pickled weights) need ``map_location`` not to be a
+callable: the callbacks swap Lightning's plain ``TorchCheckpointIO`` for one passing ``"cpu"`` while a
+stage runs, and put it back at teardown.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import lightning as L
@@ -17,11 +33,15 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.functional.quantization import _quantize_layers, drop_zero_point, quantizable_layers
+from lightning_lowmem.functional.quantization import drop_zero_point
+from lightning_lowmem.functional.quantization_layers import convert_conv1d_, is_conv1d, set_submodule
+from lightning_lowmem.functional.quantization_serialization import is_quantized_tensor, make_portable
 
-__all__ = ["CHECKPOINT_KEY", "load_quantized_checkpoint", "quantize_like_checkpoint"]
+__all__ = ["CHECKPOINT_KEY", "load_quantized_checkpoint", "prepare_for_load", "quantize_like_checkpoint"]
 
 CHECKPOINT_KEY = "lowmem_quantization"
+#: the state-dict key of the instruction entry starts with this
+INSTRUCTION_PREFIX = "lowmem_quantization:"
 
 
 class CpuMapCheckpointIO(TorchCheckpointIO):
@@ -47,31 +67,121 @@ def swap_back(trainer: L.Trainer, original: TorchCheckpointIO | None) -> None:
         trainer.strategy.checkpoint_io = original
 
 
-def _checkpoint_spec(checkpoint: dict[str, Any], source: str) -> dict[str, Any] | None:
-    spec = checkpoint.get(CHECKPOINT_KEY)
-    if spec and spec["mode"] == "int8_static":
+# --- writing ---------------------------------------------------------------------------------------------
+
+
+def instruction_key(writer: str) -> str:
+    """The state-dict key that tells a loader without lightning_lowmem's hooks what to add."""
+    return (
+        f"{INSTRUCTION_PREFIX} written by lightning_lowmem {writer}: add it to the Trainer's callbacks, or load the "
+        "file with lightning_lowmem.callbacks.post_training_quantization.load_quantized_checkpoint"
+    )
+
+
+def record_checkpoint(checkpoint: dict[str, Any], writer: str, record: dict[str, Any], *, instruct: bool = False) -> None:
+    """Record ``writer`` and ``record`` in a checkpoint being saved (see the module docstring); the
+    instruction entry is added when the state dict holds quantized tensors or Conv1D layers stored as
+    ``nn.Linear`` (``record["conv1d"]``), or when ``instruct``."""
+    state_dict = checkpoint.get("state_dict", {})
+    for key in [key for key in state_dict if key.startswith(INSTRUCTION_PREFIX)]:
+        del state_dict[key]  # one writer's instruction only: the last one to record
+    quantized = [key for key, value in state_dict.items() if is_quantized_tensor(value)]
+    for key in quantized:
+        make_portable(state_dict[key])
+    record = {"writer": writer, **record}
+    checkpoint[CHECKPOINT_KEY] = record
+    if quantized or record.get("conv1d") or instruct:
+        payload = json.dumps(record).encode()
+        state_dict[instruction_key(writer)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+def pop_instruction(state_dict: dict[str, Any], prefix: str = "") -> dict[str, Any] | None:
+    """Remove the instruction entry of ``state_dict`` (under ``prefix``); returns the record it holds."""
+    record = None
+    for key in [key for key in state_dict if key.startswith(prefix + INSTRUCTION_PREFIX)]:
+        value = state_dict.pop(key)
+        if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+            record = json.loads(bytes(value.tolist()).decode())
+    return record
+
+
+# --- reading ---------------------------------------------------------------------------------------------
+
+
+def _refuse_static(record: dict[str, Any] | None, source: str) -> None:
+    if record and record.get("mode") == "int8_static":
         raise ValueError(
             f"{source} was saved after PostTrainingQuantization(mode='int8_static'): an exported int8 graph cannot "
             "be rebuilt from a checkpoint. Load the float checkpoint and quantize again."
         )
-    return spec
+
+
+def prepare_for_load(module: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> tuple[list[str], list[str]]:
+    """Make ``module`` ready to load ``state_dict``: drop the instruction entry, turn the recorded Conv1D
+    layers into ``nn.Linear``, and give every layer whose incoming weight is a torchao tensor that tensor
+    as its weight (layers whose incoming weights were one tensor share it; torchao's all-zero zero points
+    are dropped). Returns ``(names of the layers that took a quantized weight, Conv1D layers converted)``.
+
+    Raises:
+        ValueError: the state dict was written after ``mode="int8_static"``.
+    """
+    record = pop_instruction(state_dict, prefix)
+    _refuse_static(record, "the checkpoint")
+    conv1d = [name for name in (record or {}).get("conv1d", []) if _is_conv1d_at(module, name)]
+    # without a record (a weights_only Lightning checkpoint skips callbacks' hooks): a quantized weight arriving
+    # at a Conv1D was saved from its nn.Linear form, the only form the package quantizes
+    conv1d += [
+        name
+        for name, layer in module.named_modules()
+        if name not in conv1d and is_conv1d(layer) and is_quantized_tensor(state_dict.get(f"{prefix}{name}.weight"))
+    ]
+    convert_conv1d_(module, conv1d)
+    adopted: dict[tuple[Any, ...], nn.Parameter] = {}
+    names = []
+    for fqn, layer in list(module.named_modules()):
+        incoming = state_dict.get(f"{prefix}{fqn}.weight" if fqn else f"{prefix}weight")
+        if not is_quantized_tensor(incoming) or not isinstance(getattr(layer, "weight", None), torch.Tensor):
+            continue
+        key = _storage_key(incoming)
+        if key not in adopted:
+            drop_zero_point(incoming)
+            adopted[key] = nn.Parameter(incoming.to(layer.weight.device), requires_grad=False)
+        if hasattr(layer, "to_linear") and hasattr(layer, "weight_fake_quantizer"):  # torchao FakeQuantizedLinear
+            set_submodule(module, fqn, layer.to_linear())
+            layer = module.get_submodule(fqn)
+        layer.weight = adopted[key]
+        layer.__dict__.pop("extra_repr", None)
+        names.append(fqn)
+    return names, conv1d
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Tensors saved from one tied weight load as separate objects over the same storages: key them by those."""
+    names, _ = tensor.__tensor_flatten__()
+    return (type(tensor), tuple(getattr(tensor, name).untyped_storage().data_ptr() for name in names))
+
+
+def _is_conv1d_at(module: nn.Module, name: str) -> bool:
+    try:
+        return is_conv1d(module.get_submodule(name))
+    except AttributeError:
+        return False
 
 
 def quantize_like_checkpoint(module: nn.Module, checkpoint: dict[str, Any]) -> list[str]:
-    """Quantize ``module``'s layers the way a checkpoint saved after :class:`PostTrainingQuantization`
-    records, so that its ``state_dict`` loads; a float checkpoint changes nothing.
+    """Make ``module`` take the quantized weights of a checkpoint saved by a quantization callback, so that
+    its ``state_dict`` loads; a float checkpoint changes nothing.
 
     Lightning calls ``LightningModule.on_load_checkpoint`` before it loads the weights, so calling this
-    from that hook makes ``Model.load_from_checkpoint(path, map_location="cpu")`` return the quantized
-    model (``map_location`` must not be a callable, Lightning's default: torch cannot rebuild torchao
-    tensors through one). Layers already quantized are left as they are.
+    from that hook makes ``Model.load_from_checkpoint(path)`` return the quantized model (any
+    ``map_location``; ``weights_only=True`` works after ``import lightning_lowmem``).
 
     Args:
         module: the model the checkpoint's ``state_dict`` belongs to.
-        checkpoint: the loaded checkpoint dict.
+        checkpoint: the loaded checkpoint dict (its instruction entry is removed).
 
     Returns:
-        Names of the layers quantized now.
+        Names of the layers that took a quantized weight.
 
     Raises:
         ValueError: the checkpoint was saved after ``mode="int8_static"``.
@@ -82,47 +192,32 @@ def quantize_like_checkpoint(module: nn.Module, checkpoint: dict[str, Any]) -> l
             def on_load_checkpoint(self, checkpoint):
                 quantize_like_checkpoint(self, checkpoint)
 
-        model = QuantizedClassifier.load_from_checkpoint("quantized.ckpt", map_location="cpu")
+        model = QuantizedClassifier.load_from_checkpoint("quantized.ckpt")
     """
-    spec = _checkpoint_spec(checkpoint, "the checkpoint")
-    if not spec:
-        return []
-    candidates = set(quantizable_layers(module, spec["mode"], group_size=spec["group_size"], embeddings=True))
-    names = [name for name in spec["quantized"] if name in candidates]
-    if names:
-        _quantize_layers(module, spec["mode"], names, group_size=spec["group_size"])
-    match_zero_points(module, checkpoint.get("state_dict", {}))
-    return names
-
-
-def match_zero_points(module: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> None:
-    """Drop torchao's all-zero zero points from the incoming weights wherever ``module``'s quantized
-    weight has none (:func:`~lightning_lowmem.functional.quantization.drop_zero_points_`), so a
-    checkpoint written by torchao directly, or before that, loads."""
-    for fqn, layer in module.named_modules():
-        weight = getattr(layer, "weight", None)
-        if weight is not None and getattr(weight, "zero_point", 0) is None:
-            drop_zero_point(state_dict.get(f"{prefix}{fqn}.weight"))
+    _refuse_static(checkpoint.get(CHECKPOINT_KEY), "the checkpoint")
+    return prepare_for_load(module, checkpoint.get("state_dict", {}))[0]
 
 
 def load_quantized_checkpoint(
     model_class: type[L.LightningModule], checkpoint_path: str, *, map_location: Any = "cpu", weights_only: bool | None = None, **kwargs: Any
 ) -> L.LightningModule:
-    """Rebuild a LightningModule from a checkpoint saved after :class:`PostTrainingQuantization`.
+    """Rebuild a LightningModule from a checkpoint saved by ``PostTrainingQuantization`` (or
+    ``QuantizationAwareTraining``).
 
-    Builds ``model_class(**hyper_parameters, **kwargs)``, quantizes the layers the checkpoint records
-    (Linear and Embedding) with the recorded mode, then loads the weights (a float checkpoint loads as float).
+    Builds ``model_class(**hyper_parameters, **kwargs)``, gives its layers the checkpoint's quantized
+    weights (and its recorded Conv1D layers the ``nn.Linear`` form), then loads the state dict (a float
+    checkpoint loads as float).
 
     Args:
         model_class: the LightningModule class (it must save its hyper-parameters).
         checkpoint_path: the ``.ckpt`` file.
         map_location: passed to ``torch.load``. Default: ``"cpu"``.
-        weights_only: passed to ``torch.load``; torchao registers its tensor classes as safe globals,
-            so ``True`` works for the quantized weights. Default: ``None`` (torch's default).
+        weights_only: passed to ``torch.load``; ``True`` works after ``import lightning_lowmem``.
+            Default: ``None`` (torch's default).
         **kwargs: override hyper-parameters.
     """
     checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=weights_only)
-    _checkpoint_spec(checkpoint, repr(checkpoint_path))
+    _refuse_static(checkpoint.get(CHECKPOINT_KEY), repr(checkpoint_path))
     model = model_class(**{**checkpoint.get("hyper_parameters", {}), **kwargs})
     quantize_like_checkpoint(model, checkpoint)
     model.load_state_dict(checkpoint["state_dict"])

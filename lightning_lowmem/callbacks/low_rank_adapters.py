@@ -124,6 +124,11 @@ class LowRankAdapters(L.Callback):
                     raise FileNotFoundError(f"`base_weights_path`={self.base_weights_path!r} is not a file")
                 payload = torch.load(self.base_weights_path, map_location="cpu", weights_only=True)
                 pl_module.load_state_dict(payload.get("state_dict", payload), strict=True)
+            device = trainer.strategy.root_device
+            if self.quantize_base == "int4" and device.type == "cuda":
+                # torchao's int4 (tinygemm) packs weights for the device they are on: quantize where they will
+                # train (Lightning moves the module after `setup`; moving it first changes nothing else)
+                pl_module.to(device)
             self.report = apply_lora_(
                 pl_module, r=self.r, alpha=self.alpha, dropout=self.dropout, target=self.target,
                 quantize_base=self.quantize_base, quantize_frozen=self.quantize_frozen,

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import copy
+import functools
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import lightning as L
-import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.callbacks import _quantized_checkpoints
+from lightning_lowmem.callbacks import _ptq_static, _quantized_checkpoints
 from lightning_lowmem.callbacks._quantized_checkpoints import (  # re-exported: the documented import path
     CHECKPOINT_KEY,
     load_quantized_checkpoint,
@@ -24,38 +23,37 @@ from lightning_lowmem.functional.quantization import (
     QuantizationReport,
     _include_embeddings,
     _quantize_layers,
+    _unsupported_reason,
     measure_latency,
     quantizable_layers,
     quantize_,
     search_float_fallback,
 )
+from lightning_lowmem.functional.quantization_layers import check_patterns, set_submodule, tied_groups
 from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.model_io import BatchCallError, forward_batch, has_forward_batch, model_inputs
 from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
 __all__ = ["PostTrainingQuantization", "load_quantized_checkpoint", "quantize_like_checkpoint"]
 
-_STATIC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
-
-
-def _is_quantized(tensor: Any) -> bool:
-    return isinstance(tensor, torch.Tensor) and type(tensor) not in (torch.Tensor, nn.Parameter)
-
-
-def _first_input(batch: Any) -> tuple[Any, ...]:
-    return (batch[0],) if isinstance(batch, (tuple, list)) else (batch,)
-
-
-def _device(module: nn.Module) -> torch.device:
-    """Where ``module`` lives (an exported int8 graph may hold its weights as buffers only)."""
-    tensor = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
+def _expand(units: dict[str, list[str]], chosen: Sequence[str]) -> list[str]:
+    return [name for unit in chosen for name in units[unit]]
 
 
 class PostTrainingQuantization(L.Callback):
-    """Quantize the model's ``nn.Linear`` layers and ``nn.Embedding`` tables with torchao at the end of ``fit``.
+    """Quantize the model's ``nn.Linear`` / ``Conv1D`` layers and ``nn.Embedding`` tables with torchao at the end
+    of ``fit``.
+
+    Hugging Face models work as they are: GPT-2's ``Conv1D`` layers become exact ``nn.Linear`` layers and
+    are quantized, tied weights (head = token table) are quantized once and stay tied (see
+    :mod:`lightning_lowmem.functional.quantization`). Where the callback runs the model itself (latency
+    timing, ``int8_static`` calibration) it calls it the way the package always does,
+    :func:`lightning_lowmem.model_io.forward_batch`: your module's ``forward_batch(self, batch)`` if you
+    define one, else ``module(**batch)`` for a dict batch, ``module(batch[0])`` for a tuple; a batch that
+    does not fit ``forward`` raises ``BatchCallError`` naming that override point (for ``int8_static``, at
+    the first training batch; latency timing is skipped with a warning instead). The metric search runs
+    your own ``validation_step``.
 
     With ``monitor`` and ``tolerance``, the quantized model is evaluated on the validation loader;
     while the drop of ``monitor`` exceeds ``tolerance``, the layers whose quantization alone hurts
@@ -69,18 +67,20 @@ class PostTrainingQuantization(L.Callback):
     graph is wrapped in :class:`~lightning_lowmem.functional.quantization_compile.CompiledInference`
     (oneDNN int8 kernels, inference only). Later ``validate``/``test``/``predict`` use it.
 
-    Checkpoints: the quantized weights are saved as torchao tensors. When the same callback is in a
-    Trainer that loads such a checkpoint (``fit/validate/test(ckpt_path=...)``), it quantizes the
-    matching layers before the weights load (and, while a stage runs, has Lightning's plain
-    ``TorchCheckpointIO`` load with ``map_location="cpu"``: torch cannot rebuild torchao tensors through
-    Lightning's callable one). Without a Trainer use :func:`load_quantized_checkpoint`, or call
-    :func:`quantize_like_checkpoint` in ``on_load_checkpoint`` for ``load_from_checkpoint``.
-    An ``int8_static`` model is for inference in this process: keep the float checkpoint to reload.
+    Checkpoints record what wrote them (``checkpoint["lowmem_quantization"]``) and hold the torchao
+    weights in a portable form (any ``map_location``; ``weights_only=True`` after ``import lightning_lowmem``).
+    When this callback is in a Trainer that loads one (``fit/validate/test(ckpt_path=...)``), the layers
+    take the checkpoint's quantized weights before they load, whatever the mode. Without a Trainer use
+    :func:`load_quantized_checkpoint`, or call :func:`quantize_like_checkpoint` in ``on_load_checkpoint``
+    for ``load_from_checkpoint``; a loader with neither fails on a state-dict entry whose key says which to
+    add. An ``int8_static`` model is for inference in this process: keep the float checkpoint to reload.
 
     Args:
         mode: ``"int8_dynamic"``, ``"int8_weight_only"``, ``"int4_weight_only"`` (CUDA),
             ``"intx4_weight_only"`` or ``"int8_static"`` (needs ``module_name``). Default: ``"int8_dynamic"``.
-        skip_modules: names of submodules kept in float. Default: ``()``.
+        skip_modules: submodules kept in float: qualified names, dotted suffixes (``"lm_head"``), fnmatch
+            globs (``"*.attn.*"``) or class names; an entry naming nothing raises at ``setup``, listing the
+            model's layers. Default: ``()``.
         filter_fn: ``filter_fn(layer, fqn) -> bool``; not YAML-serialisable, prefer ``skip_modules``
             in configs. Default: ``None``.
         embeddings: quantize ``nn.Embedding`` tables too (weight-only: int8 per row, int4 values in
@@ -90,7 +90,9 @@ class PostTrainingQuantization(L.Callback):
         tolerance: largest allowed drop of ``monitor`` (in its units). Needs ``monitor``. Default: ``None``.
         monitor_mode: ``"max"`` if higher ``monitor`` is better, ``"min"`` otherwise. Default: ``"max"``.
         group_size: group length of the int4 modes. Default: ``32``.
-        latency_batches: batches timed for the latency column (``0`` disables). Default: ``10``.
+        latency_batches: times the first validation batch is run for the latency column (``0`` disables).
+            On CPU, eager torchao int8 is *slower* than float (the table says so); the fast path is
+            ``int8_static`` with ``compile=True``. Default: ``10``.
         module_name: ``int8_static`` only: the submodule replaced by its int8 graph. Default: ``None``.
         calibration_batches: ``int8_static`` only: validation batches run to calibrate. Default: ``8``.
         compile: ``int8_static`` only: compile the int8 graph for inference (oneDNN kernels; the first
@@ -99,7 +101,9 @@ class PostTrainingQuantization(L.Callback):
     Raises:
         ValueError: unknown ``mode`` / ``monitor_mode``, ``tolerance`` without ``monitor`` or < 0,
             ``int8_static`` without ``module_name`` or with ``embeddings=True``, ``module_name`` /
-            ``compile`` with another mode.
+            ``compile`` with another mode; at ``setup``: a mode the Trainer's device cannot run (e.g.
+            ``int4_weight_only`` without CUDA: use ``intx4_weight_only``), a ``skip_modules`` entry or
+            ``module_name`` naming nothing.
         TypeError: ``skip_modules`` is a string, ``embeddings`` not a bool or ``None``.
 
     Example::
@@ -161,9 +165,14 @@ class PostTrainingQuantization(L.Callback):
         self.calibration_batches = calibration_batches
         self.compile = compile
         self.quantized: list[str] = []
+        self.conv1d: list[str] = []
+        self.tied: list[list[str]] = []
         self.summary: dict[str, Any] = {}
         self._hook_handle: Any = None
         self._replaced_io: Any = None
+        self._call_checked = False
+        self._time_latency = latency_batches > 0
+        self._last_static: tuple[tuple[str, ...], QuantizationReport] | None = None
 
     @property
     @override
@@ -174,6 +183,10 @@ class PostTrainingQuantization(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device.type
+        reason = _unsupported_reason(self.mode, device)
+        if reason is not None:  # now, not after the whole fit
+            raise ValueError(f"`mode`={self.mode!r} cannot run on this Trainer's device {device!r}: {reason}")
         if self.module_name is not None:
             try:
                 pl_module.get_submodule(self.module_name)
@@ -183,24 +196,19 @@ class PostTrainingQuantization(L.Callback):
                     f"`module_name`={self.module_name!r} is not a submodule of {type(pl_module).__name__}; "
                     f"its children are {children}."
                 ) from None
+        if not self.quantized:  # names of the float model (an int8_static child is a graph afterwards)
+            check_patterns(pl_module, self.skip_modules, "skip_modules", self._candidates(pl_module, skip=False))
         if self._hook_handle is None:
-            self._hook_handle = pl_module.register_load_state_dict_pre_hook(self._quantize_before_load)
-        if self._replaced_io is None:  # so that `ckpt_path=` may hold quantized tensors
+            self._hook_handle = pl_module.register_load_state_dict_pre_hook(self._prepare_before_load)
+        if self._replaced_io is None:  # so that `ckpt_path=` may hold quantized tensors of older checkpoints
             self._replaced_io = _quantized_checkpoints.swap_in(trainer)
 
-    def _quantize_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Quantize the layers whose incoming weights are torchao tensors, so they load in place."""
-        if self.mode == "int8_static":
-            return  # an exported graph has other state names; it is never rebuilt from a checkpoint
-        names = [
-            fqn
-            for fqn in quantizable_layers(module, self.mode, group_size=self.group_size, embeddings=True)
-            if _is_quantized(state_dict.get(f"{prefix}{fqn}.weight"))
-        ]
-        if names:
-            _quantize_layers(module, self.mode, names, group_size=self.group_size)
-            self.quantized = sorted(set(self.quantized) | set(names))
-        _quantized_checkpoints.match_zero_points(module, state_dict, prefix)
+    def _prepare_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """The layers whose incoming weights are quantized take them (any mode), so they load in place."""
+        names, conv1d = _quantized_checkpoints.prepare_for_load(module, state_dict, prefix)
+        self.quantized = sorted(set(self.quantized) | set(names))
+        self.conv1d = sorted(set(self.conv1d) | set(conv1d))
+        self.tied = [group for group in tied_groups(module) if set(group) <= set(self.quantized)]
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -213,15 +221,47 @@ class PostTrainingQuantization(L.Callback):
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self.quantized:
-            checkpoint[CHECKPOINT_KEY] = {"mode": self.mode, "group_size": self.group_size, "quantized": self.quantized}
+            _quantized_checkpoints.record_checkpoint(
+                checkpoint, f"PostTrainingQuantization(mode={self.mode!r})", self.state_dict(),
+                instruct=self.mode == "int8_static",
+            )  # fmt: skip
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "group_size": self.group_size, "quantized": list(self.quantized)}
+        return {
+            "mode": self.mode, "group_size": self.group_size, "quantized": list(self.quantized),
+            "conv1d": list(self.conv1d), "tied": [list(group) for group in self.tied],
+        }  # fmt: skip
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.quantized = list(state_dict.get("quantized", []))
+        self.conv1d = list(state_dict.get("conv1d", []))
+        self.tied = [list(group) for group in state_dict.get("tied", [])]
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._call_checked:  # at the first batch, not after the whole fit
+            self._call_checked = True
+            self._check_batch_call(pl_module, batch)
+
+    def _check_batch_call(self, pl_module: L.LightningModule, batch: Any) -> None:
+        """Whether the package can call the model on a batch like this one (signature only, no forward)."""
+        if has_forward_batch(pl_module) or not (self.mode == "int8_static" or self._time_latency):
+            return
+        from lightning_lowmem.model_io import _check_signature
+
+        try:
+            args, kwargs = model_inputs(batch)
+            _check_signature(pl_module, args, kwargs, batch)
+        except BatchCallError as err:
+            if self.mode == "int8_static":
+                raise BatchCallError(f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}") from None
+            self._skip_latency(err)
+
+    def _skip_latency(self, err: Exception) -> None:
+        self._time_latency = False
+        warnings.warn(f"PostTrainingQuantization: the latency column is not timed: {err}", LowMemWarning, stacklevel=3)
 
     # --- quantization ----------------------------------------------------------------------------------
 
@@ -235,8 +275,8 @@ class PostTrainingQuantization(L.Callback):
         if not candidates:
             if not self.quantized:
                 warnings.warn(
-                    f"PostTrainingQuantization(mode={self.mode!r}) found no quantizable nn.Linear / nn.Embedding layer in "
-                    f"{type(pl_module).__name__}: the model stays in float.",
+                    f"PostTrainingQuantization(mode={self.mode!r}) found no quantizable nn.Linear / Conv1D / nn.Embedding "
+                    f"layer in {type(pl_module).__name__}: the model stays in float.",
                     NoEffectWarning,
                     stacklevel=2,
                 )
@@ -248,15 +288,17 @@ class PostTrainingQuantization(L.Callback):
         if self.mode == "int8_static":
             if loader is None:
                 raise ValueError("mode='int8_static' calibrates on validation (or training) batches; no loader is attached.")
-            calibration = self._calibration_inputs(pl_module, loader)
+            assert self.module_name is not None
+            calibration = _ptq_static.calibration_calls(pl_module, self.module_name, loader, self.calibration_batches)
         result = None
         chosen = candidates
+        units = self._units(pl_module, candidates)  # a tied group is one candidate of the search
         if self.monitor is not None and self.tolerance is not None:
             if loader is None:
                 raise ValueError(f"`monitor`={self.monitor!r} needs a validation loader to evaluate on; none is attached.")
             result = search_float_fallback(
-                candidates,
-                lambda names: self._evaluate(trainer, pl_module, loader, names, calibration),
+                list(units),
+                lambda names: self._evaluate(trainer, pl_module, loader, _expand(units, names), calibration),
                 tolerance=self.tolerance,
                 higher_is_better=self.monitor_mode == "max",
             )
@@ -272,7 +314,7 @@ class PostTrainingQuantization(L.Callback):
                 self.summary = {"met": False, "before": before, "after": None, "kept_float": candidates}
                 rank_zero_info(self._table(before, None, candidates))
                 return None
-            chosen = result.quantized
+            chosen = _expand(units, result.quantized)
         if self.mode == "int8_static":
             report = self._quantize_static(pl_module, chosen, calibration)
             self._set_child(pl_module, report.module)
@@ -281,18 +323,22 @@ class PostTrainingQuantization(L.Callback):
                 pl_module, self.mode, filter_fn=lambda _, fqn: fqn in chosen, group_size=self.group_size, embeddings=self.embeddings
             )
         self.quantized = sorted(set(self.quantized) | set(report.converted))
+        self.conv1d = sorted(set(self.conv1d) | set(report.conv1d))
+        self.tied = [list(group) for group in report.tied]
         after = self._measure(pl_module, batch)
         if result is not None:
             after["metric"] = result.metric
         kept = [name for name in candidates if name not in chosen]
         self.summary = {"met": True, "before": before, "after": after, "kept_float": kept, "report": report}
+        rank_zero_info(report.summary())
         rank_zero_info(self._table(before, after, kept))
         if trainer.logger is not None:
             trainer.logger.log_metrics(
                 {"lowmem/quantization/size_ratio": before["bytes"] / max(1, after["bytes"]),
-                 "lowmem/quantization/kept_float": float(len(kept))},
+                 "lowmem/quantization/kept_float": float(len(kept)),
+                 "lowmem/quantization/converted_share": report.converted_share},
                 step=trainer.global_step,
-            )
+            )  # fmt: skip
         return report
 
     def _loader(self, trainer: L.Trainer) -> Any:
@@ -304,113 +350,90 @@ class PostTrainingQuantization(L.Callback):
         return None
 
     def _measure(self, pl_module: L.LightningModule, batch: Any) -> dict[str, Any]:
+        """Size, and the latency of running the model on ``batch`` the way the package always calls it."""
         figures: dict[str, Any] = {"bytes": state_bytes(pl_module)["parameters"], "latency_s": float("nan")}
-        if batch is not None and self.latency_batches > 0:
-            was_training = pl_module.training
-            pl_module.eval()
-            device = _device(pl_module)
-            inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in _first_input(batch))
-            figures["latency_s"] = measure_latency(pl_module, inputs, repeats=self.latency_batches, warmup=2)
-            pl_module.train(was_training)
-        return figures
-
-    # --- int8_static: replace the child ``module_name`` by its exported int8 graph ----------------------
-
-    def _candidates(self, pl_module: L.LightningModule) -> list[str]:
-        if self.mode != "int8_static":
-            return quantizable_layers(
-                pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size,
-                embeddings=self.embeddings,
-            )  # fmt: skip
-        assert self.module_name is not None
-        skip = tuple(self.skip_modules)
-        names = []
-        for fqn, layer in pl_module.get_submodule(self.module_name).named_modules(prefix=self.module_name):
-            if not isinstance(layer, _STATIC_TYPES) or any(fqn == s or fqn.startswith(s + ".") for s in skip):
-                continue
-            if self.filter_fn is None or self.filter_fn(layer, fqn):
-                names.append(fqn)
-        return names
-
-    def _calibration_inputs(self, pl_module: L.LightningModule, loader: Any) -> list[tuple[Any, ...]]:
-        """The positional inputs the child ``module_name`` receives on the first validation batches."""
-        assert self.module_name is not None
-        captured: list[tuple[Any, ...]] = []
-
-        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if kwargs:
-                raise ValueError(
-                    f"`module_name`={self.module_name!r} is called with keyword arguments {sorted(kwargs)}; "
-                    "int8_static exports positional inputs only."
-                )
-            captured.append(tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
-
-        handle = pl_module.get_submodule(self.module_name).register_forward_pre_hook(record, with_kwargs=True)
-        device = _device(pl_module)
+        if batch is None or not self._time_latency:
+            return figures
         was_training = pl_module.training
         pl_module.eval()
         try:
-            with torch.no_grad():
-                for index, batch in enumerate(loader):
-                    if index >= self.calibration_batches:
-                        break
-                    pl_module(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in _first_input(batch)))
+            batch = move_data_to_device(batch, _ptq_static.device_of(pl_module))
+            run = functools.partial(forward_batch, pl_module)
+            figures["latency_s"] = measure_latency(run, (batch,), repeats=self.latency_batches, warmup=2)
+        except BatchCallError as err:
+            self._skip_latency(err)
         finally:
-            handle.remove()
             pl_module.train(was_training)
-        return captured
+        return figures
 
-    def _quantize_static(
-        self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[tuple[Any, ...]], *, compile: bool | None = None
-    ) -> QuantizationReport:
-        """Static int8 of a copy of the child with exactly ``names`` quantized (``report.module``: to install)."""
-        from lightning_lowmem.functional.quantization_compile import compile_inference
-        from lightning_lowmem.functional.quantization_static import quantize_static
+    # --- which layers: in-place candidates, tied groups as one unit; int8_static: the child's Linear/Conv --
 
-        prefix = f"{self.module_name}."
-        chosen = {name.removeprefix(prefix) for name in names}
-        child = copy.deepcopy(pl_module.get_submodule(self.module_name))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NoEffectWarning)  # evaluating "none quantized" is expected
-            report = quantize_static(child, calibration[0], calibration, filter_fn=lambda _, fqn: fqn in chosen)
-        report.converted = [prefix + name for name in report.converted]
-        if self.compile if compile is None else compile:
-            report.module = compile_inference(report.module)
-        return report
+    def _units(self, pl_module: L.LightningModule, candidates: list[str]) -> dict[str, list[str]]:
+        """Search unit (first layer of a tied group, or the layer) -> the layers it stands for."""
+        group_of = {name: group for group in tied_groups(pl_module) for name in group}
+        units: dict[str, list[str]] = {}
+        seen: set[str] = set()
+        for name in candidates:
+            if name not in seen:
+                units[name] = [n for n in group_of.get(name, [name]) if n in candidates]
+                seen.update(units[name])
+        return units
 
     def _set_child(self, pl_module: L.LightningModule, child: nn.Module) -> nn.Module:
         """Install ``child`` as the submodule ``module_name``; returns the one it replaced."""
         assert self.module_name is not None
-        parent_name, _, attribute = self.module_name.rpartition(".")
-        parent = pl_module.get_submodule(parent_name)
-        previous = getattr(parent, attribute)
-        setattr(parent, attribute, child)
-        return previous
+        return set_submodule(pl_module, self.module_name, child)
+
+    def _candidates(self, pl_module: L.LightningModule, skip: bool = True) -> list[str]:
+        skip_modules, filter_fn = (self.skip_modules, self.filter_fn) if skip else ((), None)
+        if self.mode == "int8_static":
+            assert self.module_name is not None
+            return _ptq_static.static_candidates(pl_module, self.module_name, skip_modules, filter_fn)
+        return quantizable_layers(
+            pl_module, self.mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=self.group_size,
+            embeddings=self.embeddings,
+        )  # fmt: skip
+
+    def _quantize_static(
+        self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[Any], *, compile: bool | None = None
+    ) -> QuantizationReport:
+        assert self.module_name is not None
+        compile = self.compile if compile is None else compile
+        evaluated, self._last_static = self._last_static, None
+        if evaluated is not None and evaluated[0] == tuple(names):  # the search already built it: no second export
+            report = evaluated[1]
+            if compile:
+                from lightning_lowmem.functional.quantization_compile import compile_inference
+
+                report.module = compile_inference(report.module)
+            return report
+        return _ptq_static.quantize_child(pl_module, self.module_name, names, calibration, compile=compile)
 
     @contextmanager
-    def _quantized_for_evaluation(
-        self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[tuple[Any, ...]] | None
-    ) -> Iterator[None]:
-        """``pl_module`` with exactly ``names`` quantized inside the block; float again after it."""
+    def _quantized_for_evaluation(self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[Any] | None) -> Iterator[None]:
+        """``pl_module`` with exactly ``names`` quantized inside the block; float again after it (the same
+        layer objects and weight Parameters: Conv1D layers and ties come back as they were)."""
         if self.mode == "int8_static":
             if not names:
                 yield
                 return
             assert calibration is not None
             report = self._quantize_static(pl_module, names, calibration, compile=False)
+            self._last_static = (tuple(names), report)
             previous = self._set_child(pl_module, report.module)
             try:
                 yield
             finally:
                 self._set_child(pl_module, previous)
             return
-        originals = {name: pl_module.get_submodule(name).weight for name in names}
+        originals = {name: (pl_module.get_submodule(name), pl_module.get_submodule(name).weight) for name in names}
         _quantize_layers(pl_module, self.mode, list(names), group_size=self.group_size)
         try:
             yield
         finally:
-            for name, weight in originals.items():
-                layer = pl_module.get_submodule(name)
+            for name, (layer, weight) in originals.items():
+                if pl_module.get_submodule(name) is not layer:
+                    set_submodule(pl_module, name, layer)  # the Conv1D an nn.Linear stood in for
                 layer.weight = weight
                 layer.__dict__.pop("extra_repr", None)  # torchao patches the instance's extra_repr
 
@@ -419,10 +442,11 @@ class PostTrainingQuantization(L.Callback):
     ) -> float:
         """``monitor`` of ``pl_module`` with exactly ``names`` quantized; the float weights come back after."""
         with self._quantized_for_evaluation(pl_module, names, calibration):
-            accelerator = "gpu" if _device(pl_module).type == "cuda" else "cpu"
+            accelerator = "gpu" if _ptq_static.device_of(pl_module).type == "cuda" else "cpu"
             evaluator = L.Trainer(
                 accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, callbacks=[],
+                limit_val_batches=trainer.limit_val_batches,  # the user's own validation budget
             )  # fmt: skip
             results = evaluator.validate(pl_module, dataloaders=loader, verbose=False)
         pl_module.trainer = trainer
@@ -447,4 +471,10 @@ class PostTrainingQuantization(L.Callback):
                 f"{(f'{metric:.4f}' if metric is not None else '-'):>10}"
             )
         rows.append(f"layers kept in float: {kept or 'none'}")
+        slower = after is not None and after["latency_s"] > before["latency_s"]  # nan compares False
+        if slower:
+            rows.append(
+                f"note: quantized runs {after['latency_s'] / before['latency_s']:.1f}x SLOWER than float here: eager torchao "
+                "int8 dispatches per op (smaller, not faster); on CPU use mode='int8_static' with compile=True for speed"
+            )
         return "\n".join(rows)

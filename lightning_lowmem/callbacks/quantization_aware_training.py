@@ -11,23 +11,20 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_lowmem.callbacks import _quantized_checkpoints
-from lightning_lowmem.functional.quantization import (
+from lightning_lowmem.functional.quantization import QuantizationReport, dequantize_, warn_if_mostly_float
+from lightning_lowmem.functional.quantization_layers import is_conv1d, tied_groups
+from lightning_lowmem.functional.quantization_modes import apply_config
+from lightning_lowmem.functional.quantization_qat import (
     QAT_MODES,
-    QuantizationReport,
-    _apply_config,
-    _qat_base_config,
     convert_qat_,
-    dequantize_,
     prepare_qat_,
+    qat_base_config,
+    qat_layers,
     set_fake_quant_enabled,
 )
-from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.functional.quantization_serialization import is_quantized_tensor
 
 __all__ = ["QuantizationAwareTraining"]
-
-
-def _is_quantized(tensor: Any) -> bool:
-    return isinstance(tensor, torch.Tensor) and type(tensor) not in (torch.Tensor, nn.Parameter)
 
 
 class QuantizationAwareTraining(L.Callback):
@@ -35,14 +32,21 @@ class QuantizationAwareTraining(L.Callback):
 
     The layers are swapped for torchao ``FakeQuantizedLinear`` in ``setup`` (the same weight
     ``nn.Parameter`` objects are kept, so optimizers and pruning masks made later see them);
-    fake quantization is switched on at ``start_step``. At the end of ``fit`` the layers are
+    fake quantization is on from global step ``start_step`` on, also in a run resumed from a checkpoint
+    (decided when training starts, after Lightning restored the step). At the end of ``fit`` the layers are
     converted (``QATConfig(step="convert")``).
+
+    Hugging Face models: GPT-2's ``Conv1D`` layers become exact ``nn.Linear`` layers first and are trained
+    fake-quantized like the others; a head tied to the token table (GPT-2, BERT, T5) is fake-quantized in
+    training and, at convert, the one tied tensor is quantized once and shared by the table again (stored
+    once). Other embedding tables stay float.
 
     Lightning regressions this covers (each has a test): pruning in the same Trainer, ``fit`` called
     twice (a converted model is dequantized and prepared again, then training continues from its
-    quantized weights), and ``trainer.test(ckpt_path=...)`` after training (a float/fake-quantized
+    quantized weights), ``trainer.test(ckpt_path=...)`` after training (a float/fake-quantized
     checkpoint loaded into a converted model is converted again after loading; a converted checkpoint
-    loaded into a float model quantizes the layers first).
+    loaded into a float model takes its quantized weights first), and resuming with ``ckpt_path=``
+    (bit-identical to an uninterrupted run).
 
     Args:
         mode: ``"int8_weight_only"``, ``"intx4_weight_only"`` (int4 values, any device) or
@@ -52,7 +56,8 @@ class QuantizationAwareTraining(L.Callback):
             frozen, the usual QAT "freeze observers" step; torchao weight fake quantizers have no
             observer state: scales follow the weights). Default: ``None`` (never).
         convert_on_fit_end: convert to real quantized weights at the end of ``fit``. Default: ``True``.
-        skip_modules: names of submodules kept in float. Default: ``()``.
+        skip_modules: submodules kept in float (qualified names, dotted suffixes, globs or class names); an
+            entry naming nothing raises at ``setup``, listing the model's layers. Default: ``()``.
         filter_fn: ``filter_fn(layer, fqn) -> bool``. Default: ``None``.
         group_size: group length of the int4 modes. Default: ``32``.
 
@@ -92,7 +97,9 @@ class QuantizationAwareTraining(L.Callback):
         self.group_size = group_size
         self.prepared: list[str] = []
         self.converted: list[str] = []
+        self.conv1d: list[str] = []
         self.report: QuantizationReport | None = None
+        self._fake_quant_on: bool | None = None
         self._handles: list[Any] = []
         self._reconvert: list[str] = []
         self._replaced_io: Any = None
@@ -102,6 +109,10 @@ class QuantizationAwareTraining(L.Callback):
     def state_key(self) -> str:
         return self._generate_state_key(mode=self.mode)
 
+    @property
+    def _writer(self) -> str:
+        return f"QuantizationAwareTraining(mode={self.mode!r})"
+
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not self._handles:
@@ -109,57 +120,74 @@ class QuantizationAwareTraining(L.Callback):
                 pl_module.register_load_state_dict_pre_hook(self._match_before_load),
                 pl_module.register_load_state_dict_post_hook(self._reconvert_after_load),
             ]
-        if self._replaced_io is None:  # so that `ckpt_path=` may hold converted (quantized) weights
+        if self._replaced_io is None:  # so that `ckpt_path=` may hold converted weights of older checkpoints
             self._replaced_io = _quantized_checkpoints.swap_in(trainer)
         if stage != "fit":
             return
         if self.converted:  # fit called again: continue training from the quantized weights
             dequantize_(pl_module)
             self.converted = []
-        self.prepared = sorted(
-            set(self.prepared)
-            | set(prepare_qat_(pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size))
+        chosen = qat_layers(pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size)
+        conv1d = [name for name in chosen if is_conv1d(pl_module.get_submodule(name))]
+        prepared = prepare_qat_(
+            pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size
         )
-        set_fake_quant_enabled(pl_module, trainer.global_step >= self.start_step)
+        self.prepared = sorted(set(self.prepared) | set(prepared))
+        self.conv1d = sorted(set(self.conv1d) | set(conv1d))
+        if prepared:
+            rank_zero_info(
+                f"QuantizationAwareTraining ({self.mode}): {len(prepared)} layers fake-quantized"
+                + (f", {len(conv1d)} Conv1D -> nn.Linear" if conv1d else "")
+                + f", from global step {self.start_step}"
+            )
+        # the step is known only once Lightning restored a checkpoint: decided again in on_train_start
+        self._set_fake_quant(pl_module, trainer.global_step >= self.start_step)
+
+    def _set_fake_quant(self, pl_module: nn.Module, enabled: bool) -> None:
+        if self._fake_quant_on is not enabled:
+            set_fake_quant_enabled(pl_module, enabled)
+            self._fake_quant_on = enabled
 
     def _match_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Make each layer's weight kind (float / quantized) match the incoming one before loading."""
-        to_quantize = []
+        names, conv1d = _quantized_checkpoints.prepare_for_load(module, state_dict, prefix)
+        self.converted = sorted(set(self.converted) | set(names))
+        self.conv1d = sorted(set(self.conv1d) | set(conv1d))
+        floats: dict[int, nn.Parameter] = {}
         for fqn, layer in module.named_modules():
-            if not isinstance(layer, nn.Linear):
-                continue
+            weight = getattr(layer, "weight", None)
             incoming = state_dict.get(f"{prefix}{fqn}.weight")
-            if incoming is None:
+            if incoming is None or not is_quantized_tensor(weight) or is_quantized_tensor(incoming):
                 continue
-            if _is_quantized(incoming) and not _is_quantized(layer.weight):
-                to_quantize.append(fqn)
-            elif not _is_quantized(incoming) and _is_quantized(layer.weight):
-                self._reconvert.append(fqn)  # float checkpoint of a converted model: convert again after load
-        if self._reconvert:
-            for fqn in self._reconvert:
-                layer = module.get_submodule(fqn)
-                layer.weight = nn.Parameter(layer.weight.dequantize().to(torch.float32))
-                layer.__dict__.pop("extra_repr", None)
-        if to_quantize:
-            from torchao.quantization.qat import FakeQuantizedLinear
-
-            fake = [fqn for fqn in to_quantize if isinstance(module.get_submodule(fqn), FakeQuantizedLinear)]
-            if fake:
-                convert_qat_(module, self.mode, group_size=self.group_size)
-            plain = [fqn for fqn in to_quantize if fqn not in fake]
-            if plain:
-                _apply_config(module, _qat_base_config(self.mode, self.group_size), plain)
-            self.converted = sorted(set(self.converted) | set(to_quantize))
+            # a float checkpoint of a converted model (e.g. test(ckpt_path="best")): load float, convert again after
+            if id(weight) not in floats:
+                floats[id(weight)] = nn.Parameter(weight.dequantize().to(torch.float32))
+            layer.weight = floats[id(weight)]
+            layer.__dict__.pop("extra_repr", None)
+            self._reconvert.append(fqn)
 
     def _reconvert_after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        if self._reconvert:
-            _apply_config(module, _qat_base_config(self.mode, self.group_size), self._reconvert)
-            self._reconvert = []
+        if not self._reconvert:
+            return
+        groups = [group for group in tied_groups(module) if set(group) & set(self._reconvert)]
+        in_groups = {name for group in groups for name in group}
+        config = qat_base_config(self.mode, self.group_size)
+        apply_config(module, config, [name for name in self._reconvert if name not in in_groups])
+        for group in groups:  # quantized once, shared again
+            head = next((name for name in group if isinstance(module.get_submodule(name), nn.Linear)), group[0])
+            apply_config(module, config, [head], type(module.get_submodule(head)))
+            for name in group:
+                module.get_submodule(name).weight = module.get_submodule(head).weight
+        self._reconvert = []
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._set_fake_quant(pl_module, trainer.global_step >= self.start_step)  # the restored step, on resume
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self.start_step:
-            set_fake_quant_enabled(pl_module, True)
+        if trainer.global_step >= self.start_step:
+            self._set_fake_quant(pl_module, True)
         if self.freeze_bn_step is not None and trainer.global_step >= self.freeze_bn_step:
             for layer in pl_module.modules():
                 if isinstance(layer, nn.modules.batchnorm._BatchNorm):
@@ -170,11 +198,11 @@ class QuantizationAwareTraining(L.Callback):
         if not self.convert_on_fit_end:
             return
         self.report = convert_qat_(pl_module, self.mode, group_size=self.group_size)
+        self.report.conv1d = [name for name in self.conv1d if name in self.report.converted]
         self.converted = list(self.report.converted)
-        rank_zero_info(
-            f"QuantizationAwareTraining ({self.mode}): converted {len(self.converted)} layers, "
-            f"{format_bytes(self.report.bytes_before)} -> {format_bytes(self.report.bytes_after)}"
-        )
+        self._fake_quant_on = None
+        rank_zero_info(f"QuantizationAwareTraining: {self.report.summary()}")
+        warn_if_mostly_float(pl_module, self.report)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -185,9 +213,15 @@ class QuantizationAwareTraining(L.Callback):
         self._replaced_io = None
 
     @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.prepared or self.converted:
+            _quantized_checkpoints.record_checkpoint(checkpoint, self._writer, {"group_size": self.group_size, **self.state_dict()})
+
+    @override
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "prepared": list(self.prepared), "converted": list(self.converted)}
+        return {"mode": self.mode, "prepared": list(self.prepared), "converted": list(self.converted), "conv1d": list(self.conv1d)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.prepared = list(state_dict.get("prepared", []))
+        self.conv1d = list(state_dict.get("conv1d", []))

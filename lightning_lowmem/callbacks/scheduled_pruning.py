@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import difflib
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence, Union
 
 import lightning as L
@@ -19,6 +21,7 @@ from lightning_lowmem.functional.pruning import (
     collect_prunable,
     get_mask,
     layer_sparsity,
+    load_masks_,
     prune_,
     remove_pruning_,
 )
@@ -62,7 +65,9 @@ class ScheduledPruning(Callback):
             ``BasePruningMethod`` subclass (local only). Strings keep the saved config reloadable.
             Default: ``"l1_unstructured"``.
         parameters_to_prune: ``(module, "weight")`` pairs, or ``"module.fqn.param"`` strings (YAML);
-            empty = every leaf module's ``parameter_names``. Default: ``()``.
+            empty = every module's ``parameter_names`` except embeddings (see ``prune_embeddings``).
+            Pairs are found again by their parameter when a callback (e.g. ``QuantizationAwareTraining``)
+            swaps their module for one holding the same parameter. Default: ``()``.
         parameter_names: names pruned in each module. Default: ``["weight", "bias"]`` (as ModelPruning).
         use_global_unstructured: rank across all tensors (structured methods too). Default: ``True``.
         amount: float fraction, int count, or ``callable(epoch)``; per event in epoch mode, the final
@@ -90,6 +95,11 @@ class ScheduledPruning(Callback):
         structural_ratio: fraction of channels removed per layer; ``None`` = the final sparsity.
             Default: ``None``.
         seed: seed of the random methods' generator (same on every rank). Default: 0.
+        prune_embeddings: with no ``parameters_to_prune``, also prune embedding tables and the parameters
+            tied to them (GPT-2's ``lm_head``, BERT's MLM decoder), as ``ModelPruning`` does. Off by default
+            (Torch-Pruning's and most users' expectation: token tables are lookups, not matmuls, and a tied
+            head would be pruned through its embedding). A tied weight is always one target, pruned once,
+            its mask shared by the modules that hold it. Default: ``False``.
 
     Raises:
         ValueError / TypeError: bad ``amount``, unknown method or schedule, ``end_step <= start_step``,
@@ -131,6 +141,7 @@ class ScheduledPruning(Callback):
         structural: bool = False,
         structural_ratio: float | None = None,
         seed: int = 0,
+        prune_embeddings: bool = False,
     ) -> None:
         if method is not None:
             if pruning_fn not in ("l1_unstructured", method):
@@ -138,6 +149,7 @@ class ScheduledPruning(Callback):
             pruning_fn = method
         self.method = _method_name(pruning_fn)
         self.parameter_names = list(parameter_names or self.PARAMETER_NAMES)
+        self._names_given = parameter_names is not None
         for name in self.parameter_names:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"`parameter_names` entries must be parameter names like 'weight', got {name!r}")
@@ -190,6 +202,7 @@ class ScheduledPruning(Callback):
         self.pruning_dim, self.pruning_norm = pruning_dim, pruning_norm if pruning_norm is not None else 1
         self.verbose, self.prune_on_train_epoch_end = verbose, prune_on_train_epoch_end
         self.n, self.m, self.structural, self.structural_ratio, self.seed = n, m, structural, structural_ratio, seed
+        self.prune_embeddings = prune_embeddings
         # state (saved in state_dict)
         self.last_pruned_step = -1
         self.last_pruned_epoch = -1
@@ -197,6 +210,7 @@ class ScheduledPruning(Callback):
         self.structural_shapes: dict[str, list[int]] | None = None
         self._pending_masks: dict[str, torch.Tensor] | None = None
         self._targets: list[tuple[str, nn.Module, str]] = []
+        self._module: nn.Module | None = None  # the LightningModule of the current fit (targets are re-found in it)
         self._original: dict[str, torch.Tensor] = {}
         self._example_input: Any = None
 
@@ -215,16 +229,25 @@ class ScheduledPruning(Callback):
         return (step - start) % frequency == 0 or step == self.end_step
 
     def _resolve_targets(self, pl_module: L.LightningModule) -> list[tuple[str, nn.Module, str]]:
+        """The targets in the model as it is *now*: called at setup, at fit start, at each pruning event.
+
+        Another callback may have swapped modules since the last call (``QuantizationAwareTraining`` replaces
+        ``nn.Linear`` by ``FakeQuantizedLinear`` in its ``setup``, keeping the same parameters): targets are
+        found again by name, and explicit pairs by their parameter, never by a stale module reference.
+        """
         pairs = []
         for item in self.parameters_to_prune:
             if isinstance(item, str):  # "fqn.param" from YAML
                 fqn, _, pname = item.rpartition(".")
                 try:
                     pairs.append((pl_module.get_submodule(fqn), pname))
-                except AttributeError as err:
+                except AttributeError:
+                    names = [n for n, _ in pl_module.named_parameters()]
+                    close = difflib.get_close_matches(item, names, n=5, cutoff=0.5) or names[:5]
                     raise ValueError(
-                        f"`parameters_to_prune` entry {item!r} names no submodule of {type(pl_module).__name__}"
-                    ) from err
+                        f"`parameters_to_prune` entry {item!r} names no submodule of {type(pl_module).__name__}; "
+                        f"entries are 'module.path.param' strings such as {close}"
+                    ) from None
             else:
                 pairs.append(tuple(item))
         names = self.parameter_names
@@ -235,18 +258,20 @@ class ScheduledPruning(Callback):
         if not pairs:  # ModelPruning prunes only the names each module has; error if a name exists nowhere
             present = {n.rsplit(".", 1)[-1] for n, _ in pl_module.named_parameters()}
             missing = [n for n in names if n not in present]
-            if missing:
+            if missing and self._names_given:  # the default ["weight", "bias"] fits bias-free models (Llama)
                 raise ValueError(
                     f"`parameter_names` contains {missing}, which no module has;"
                     f" parameter names present: {sorted(present)}"
                 )
-        return collect_prunable(pl_module, names, None, pairs or None)
+            names = [n for n in names if n in present]
+        return collect_prunable(pl_module, names, None, pairs or None, embeddings=self.prune_embeddings)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._targets = self._resolve_targets(pl_module)
+        self._module = pl_module
+        self._targets = self._resolve_targets(pl_module)  # bad names fail here, before any training
         if self.step_mode and self.schedule is None:
             last = int(trainer.estimated_stepping_batches) if trainer.max_steps != -1 or trainer.max_epochs else 0
             if last <= self._schedule_args["start_step"]:
@@ -263,6 +288,7 @@ class ScheduledPruning(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, amount: float | int, relative: bool, tag: int, on_step: bool
     ) -> None:
         generator = torch.Generator().manual_seed(self.seed + tag)  # same on every rank
+        self._targets = self._resolve_targets(pl_module)
         use_global = self.use_global_unstructured and isinstance(self.method, str) and self.method != "nm"
         report = prune_(
             pl_module,
@@ -297,16 +323,14 @@ class ScheduledPruning(Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._pending_masks is not None:  # resumed: put the saved masks back
-            for fqn, sub, pname in self._targets:
-                key = f"{fqn}.{pname}" if fqn else pname
-                if key in self._pending_masks:
-                    mask = self._pending_masks[key].to(getattr(sub, pname).device)
-                    if get_mask(sub, pname) is None:
-                        sub.register_buffer(pname + "_mask", mask.bool(), persistent=False)
-                    else:
-                        get_mask(sub, pname).copy_(mask)
-            apply_masks_(pl_module)
+        self._targets = [] if self.structural_done else self._resolve_targets(pl_module)  # after every setup
+        if self._pending_masks is not None:  # resumed: put the saved masks back (shared again by tied owners)
+            missing = load_masks_(pl_module, self._pending_masks)
+            if missing:
+                raise ValueError(
+                    f"the checkpoint holds ScheduledPruning masks for {missing[:5]}, which are not parameters of "
+                    f"{type(pl_module).__name__}: resume with the model (and callbacks) the checkpoint was written with"
+                )
             self._pending_masks = None
         if self.use_lottery_ticket_hypothesis and not self._original:
             self._original = {f"{f}.{p}": getattr(s, p).detach().clone() for f, s, p in self._targets}
@@ -315,9 +339,12 @@ class ScheduledPruning(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.structural and self._example_input is None:
+        if self.structural and self._example_input is None:  # one row of the model inputs, to trace the graph
             x = batch[0] if isinstance(batch, (tuple, list)) else batch
-            self._example_input = x[:1].detach().clone()
+            if isinstance(x, Mapping):  # Hugging Face dict batch / BatchEncoding: the model is called with keywords
+                self._example_input = {k: v[:1].detach().clone() for k, v in x.items() if isinstance(v, torch.Tensor)}
+            else:
+                self._example_input = x[:1].detach().clone()
 
     @override
     def on_train_batch_end(
@@ -400,8 +427,10 @@ class ScheduledPruning(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self._module is not None and self._targets:
+            self._targets = self._resolve_targets(self._module)  # modules may have been swapped since
         masks = {}
-        for fqn, sub, pname in self._targets:
+        for fqn, sub, pname in self._targets:  # one entry per parameter: a tied weight's mask is saved once
             mask = get_mask(sub, pname)
             if mask is not None:
                 masks[f"{fqn}.{pname}" if fqn else pname] = mask.detach().cpu().clone()

@@ -11,18 +11,29 @@ Files written for a cache at ``path`` (e.g. ``teacher_cache.npy``):
 Batches find their rows by a hash of each sample's input bytes (from one CPU copy of the batch inputs),
 so shuffling, samplers and DDP need no change to the data pipeline. A cache whose
 sample count or fingerprint differs from the dataset is refused with :class:`StaleCacheError`.
+
+Samples are ``(input, target, ...)`` tuples (the key hashes the input), bare tensors, or dicts such as
+Hugging Face samples ``{"input_ids", "attention_mask", "labels"}`` (the key hashes every tensor of the
+sample). Every sample must have the same shapes: pad in the dataset (as ``HFTextDataModule`` does), not in a
+``collate_fn`` that pads each batch to its longest row, since the rows of such a batch no longer hash to
+their samples. Padding itself is not a problem: the cache stores the logits of every position and the
+training step masks padded positions out of the loss from the batch's own ``attention_mask`` / ``labels``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import default_collate
+
+from lightning_lowmem.model_io import batch_size, describe_batch, forward_batch, output_logits
 
 __all__ = ["StaleCacheError", "TeacherCache", "build_teacher_cache", "dataset_fingerprint", "sample_key"]
 
@@ -33,24 +44,44 @@ class StaleCacheError(ValueError):
     """The cache on disk was built for another dataset (size or content differ)."""
 
 
-def sample_key(sample: torch.Tensor) -> bytes:
-    """A 16-byte hash of one sample's dtype, shape and bytes."""
-    array = sample.detach().cpu().contiguous().numpy()
-    digest = hashlib.blake2b(digest_size=16)
+def _update(digest: Any, tensor: torch.Tensor) -> None:
+    array = tensor.detach().cpu().contiguous().numpy()
     digest.update(f"{array.dtype}{array.shape}".encode())
     digest.update(array.tobytes())
+
+
+def sample_key(sample: torch.Tensor | Mapping[str, torch.Tensor]) -> bytes:
+    """A 16-byte hash of one sample's dtype, shape and bytes (of each tensor, by key, for a dict sample)."""
+    digest = hashlib.blake2b(digest_size=16)
+    if isinstance(sample, Mapping):
+        for key in sorted(sample):
+            if isinstance(sample[key], torch.Tensor):
+                digest.update(str(key).encode())
+                _update(digest, sample[key])
+    else:
+        _update(digest, sample)
     return digest.digest()
 
 
-def batch_keys(inputs: torch.Tensor) -> list[bytes]:
-    """:func:`sample_key` of every row of a batch ``(B, ...)``."""
-    return [sample_key(row) for row in inputs]
+def batch_keys(batch: Any) -> list[bytes]:
+    """:func:`sample_key` of every row of a batch: a tensor ``(B, ...)``, an ``(inputs, targets)`` tuple (the
+    inputs are hashed) or a dict batch (each row's tensors are hashed)."""
+    if isinstance(batch, (tuple, list)):
+        batch = batch[0]
+    if isinstance(batch, Mapping):
+        tensors = {k: v.detach().cpu() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        rows = batch_size(tensors) or 0
+        return [sample_key({k: v[i] for k, v in tensors.items()}) for i in range(rows)]
+    return [sample_key(row) for row in batch.detach().cpu()]
 
 
-def _input_of(item: Any) -> torch.Tensor:
+def _input_of(item: Any) -> torch.Tensor | Mapping[str, torch.Tensor]:
     sample = item[0] if isinstance(item, (tuple, list)) else item
-    if not isinstance(sample, torch.Tensor):
-        raise TypeError(f"teacher cache needs dataset items that are tensors or (input, ...) tuples; got {type(sample).__name__}")
+    if not isinstance(sample, (torch.Tensor, Mapping)):
+        raise TypeError(
+            f"teacher cache needs dataset items that are tensors, (input, ...) tuples or dicts of tensors; got "
+            f"{type(sample).__name__}"
+        )
     return sample
 
 
@@ -61,6 +92,16 @@ def dataset_fingerprint(dataset: Sequence[Any]) -> tuple[list[bytes], str]:
     for key in keys:
         digest.update(key)
     return keys, digest.hexdigest()[:32]
+
+
+def _to(batch: Any, device: torch.device | str) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return [_to(v, device) for v in batch]
+    return batch
 
 
 def _paths(path: str | Path) -> tuple[Path, Path, Path]:
@@ -121,14 +162,16 @@ class TeacherCache:
         """Dataset rows of the given sample keys.
 
         Raises:
-            KeyError: a sample is not in the cached dataset (e.g. random augmentation changed it).
+            KeyError: a sample is not in the cached dataset (e.g. random augmentation changed it, or a
+                ``collate_fn`` padded the batch).
         """
         try:
             return [self._rows[key] for key in keys]
         except KeyError:
             raise KeyError(
                 "a training sample is not in the teacher cache: inputs must be the exact cached samples "
-                "(random augmentation cannot be cached; train with the live teacher instead)"
+                "(random augmentation cannot be cached, and a collate_fn that pads or masks each batch changes "
+                "the rows; pad in the dataset, or train with the live teacher instead)"
             ) from None
 
     def logits(self, rows: list[int], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -148,7 +191,7 @@ class TeacherCache:
 
 @torch.no_grad()
 def build_teacher_cache(
-    teacher: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    teacher: nn.Module | Callable[[Any], torch.Tensor],
     dataset: Sequence[Any],
     path: str | Path,
     top_k: int | None = None,
@@ -159,8 +202,12 @@ def build_teacher_cache(
     """Run ``teacher`` over ``dataset`` once and write its logits to ``path``.
 
     Args:
-        teacher: the teacher (called on input batches; already in eval mode on ``device``).
-        dataset: indexable dataset whose items are tensors or ``(input, target, ...)`` tuples.
+        teacher: the teacher, already in eval mode on ``device``: an ``nn.Module`` is called on each batch the
+            way :func:`lightning_lowmem.model_io.forward_batch` does (a dict batch as keywords, a tuple's first
+            element) and its logits read with ``output_logits``; any other callable receives the batch of
+            samples collated as a ``DataLoader`` would and returns the logits.
+        dataset: indexable dataset whose items are tensors, ``(input, target, ...)`` tuples or dicts of
+            tensors (Hugging Face samples), all of one shape.
         path: the ``.npy`` file to write (parents are created).
         top_k: keep only the ``k`` largest logits per position. Default: ``None`` (all).
         batch_size: samples per teacher call. Default: 256.
@@ -172,7 +219,7 @@ def build_teacher_cache(
         integer targets.
 
     Raises:
-        ValueError: bad ``top_k`` / ``dtype`` / ``batch_size`` or an empty dataset.
+        ValueError: bad ``top_k`` / ``dtype`` / ``batch_size``, an empty dataset, or samples of different shapes.
     """
     if dtype not in ("float16", "float32"):
         raise ValueError(f"`dtype`={dtype!r} is not supported; choose 'float16' or 'float32'")
@@ -188,10 +235,21 @@ def build_teacher_cache(
     values_file = indices_file = None
     correct = counted = 0
     output_shape: list[int] = []
+    first = describe_batch(_input_of(dataset[0]))
     for start in range(0, len(dataset), batch_size):
         items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        inputs = torch.stack([_input_of(item) for item in items]).to(device)
-        logits = teacher(inputs).float()  # (b, *out)
+        for offset, item in enumerate(items):
+            if describe_batch(_input_of(item)) != first:
+                raise ValueError(
+                    f"teacher cache needs samples of one shape: sample 0 is {first}, sample {start + offset} is "
+                    f"{describe_batch(_input_of(item))}; pad every sample to one length in the dataset, or train "
+                    "with the live teacher (no `teacher_cache`)"
+                )
+        batch = _to(default_collate(items), device)
+        if isinstance(teacher, nn.Module):
+            logits = output_logits(forward_batch(teacher, batch)).float()  # (b, *out)
+        else:
+            logits = teacher(batch).float()
         if values_file is None:
             output_shape = list(logits.shape[1:])
             if top_k is not None and top_k > output_shape[-1]:
@@ -201,7 +259,7 @@ def build_teacher_cache(
             if top_k:
                 indices_file = np.lib.format.open_memmap(indices_path, mode="w+", dtype=np.int32, shape=(len(dataset), *stored))
         if isinstance(items[0], (tuple, list)) and len(items[0]) > 1 and isinstance(items[0][1], torch.Tensor):
-            targets = torch.stack([item[1] for item in items]).to(logits.device)
+            targets = batch[1].to(logits.device)
             if not targets.is_floating_point() and targets.shape == logits.shape[:-1]:
                 correct += int((logits.argmax(-1) == targets).sum())
                 counted += targets.numel()

@@ -13,6 +13,7 @@ No Lightning import: everything here works on plain tensors and ``nn.Module`` ob
 from __future__ import annotations
 
 import difflib
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 __all__ = [
     "FeatureRecorder",
+    "call_loss",
     "check_logit_shapes",
     "feature_loss",
     "find_module",
@@ -80,29 +82,39 @@ def kd_loss(
     temperature: float = 2.0,
     alpha: float = 0.5,
     ignore_index: int = -100,
+    *,
+    mask: torch.Tensor | None = None,
+    hard_loss: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hinton knowledge-distillation loss.
 
     ``alpha * T² * KL(softmax(teacher/T) || softmax(student/T)) + (1 - alpha) * CE(student, targets)``,
-    the KL averaged over positions (classification rows, or every token of a ``(B, T, V)`` sequence).
-    The ``T²`` factor keeps the soft term's gradient scale independent of ``T``. With ``alpha=1`` and
-    ``T=1`` its gradient equals that of plain cross-entropy against the teacher's probabilities.
+    the KL averaged over the positions that count (classification rows, or the tokens of a ``(B, T, V)``
+    sequence that are neither padding nor ignored). The ``T²`` factor keeps the soft term's gradient scale
+    independent of ``T``. With ``alpha=1`` and ``T=1`` its gradient equals that of plain cross-entropy
+    against the teacher's probabilities.
 
     Args:
         student_logits: ``(B, C)`` or ``(B, T, V)``.
         teacher_logits: same shape as ``student_logits`` (no gradient needed).
-        targets: hard labels ``(B,)`` or ``(B, T)``; required when ``alpha < 1``. Default: ``None``.
+        targets: hard labels ``(B,)`` or ``(B, T)``; required when ``alpha < 1`` and no ``hard_loss``.
+            Default: ``None``.
         temperature: softening temperature ``T`` > 0. Default: 2.0.
         alpha: weight of the distillation term in [0, 1]; ``1 - alpha`` weighs the hard-label loss.
             Default: 0.5.
         ignore_index: target value whose positions are left out of both terms. Default: -100.
+        mask: ``bool`` tensor of the positions' shape (``logits.shape[:-1]``): only ``True`` positions count in
+            both terms, e.g. ``attention_mask`` of a padded batch. Logits at other positions do not change the
+            loss. Default: ``None`` (every position whose target is not ``ignore_index``).
+        hard_loss: the hard-label term, already computed, used instead of ``CE(student, targets)``, e.g. a
+            Hugging Face model's own ``.loss`` (shifted for causal LMs). Default: ``None``.
 
     Returns:
         A scalar tensor.
 
     Raises:
         ValueError: shapes that cannot be matched, ``temperature`` <= 0, ``alpha`` outside [0, 1], or
-            ``targets`` missing while ``alpha < 1``.
+            ``targets`` missing while ``alpha < 1`` and no ``hard_loss``.
 
     Example::
 
@@ -117,16 +129,23 @@ def kd_loss(
     check_logit_shapes(student_logits, teacher_logits)
     student = _flatten_logits(student_logits)  # (N, C)
     teacher = _flatten_logits(teacher_logits).to(student.dtype)  # (N, C)
-    mask = None
+    keep = None
+    if mask is not None:
+        if mask.shape != student_logits.shape[:-1]:
+            raise ValueError(
+                f"`mask` shape {tuple(mask.shape)} does not match the positions {tuple(student_logits.shape[:-1])} "
+                f"of logits {tuple(student_logits.shape)}"
+            )
+        keep = mask.reshape(-1).to(torch.bool)  # (N,)
     if targets is not None:
         flat_targets = targets.reshape(-1)
         if flat_targets.numel() != student.size(0):
             raise ValueError(
                 f"`targets` shape {tuple(targets.shape)} does not match logits shape {tuple(student_logits.shape)}"
             )
-        mask = flat_targets != ignore_index
-        if bool(mask.all()):
-            mask = None
+        keep = flat_targets != ignore_index if keep is None else keep & (flat_targets != ignore_index)
+    if keep is not None and bool(keep.all()):
+        keep = None
     loss = student.new_zeros(())
     if alpha > 0:
         log_p_student = F.log_softmax(student / temperature, dim=-1)
@@ -134,12 +153,19 @@ def kd_loss(
         p_teacher = log_p_teacher.exp()
         # classes a top-k cache left out have p_teacher == 0 (logit -inf): they add nothing, not NaN
         kl = torch.where(p_teacher > 0, p_teacher * (log_p_teacher - log_p_student), 0.0).sum(-1)  # (N,)
-        kl = kl[mask] if mask is not None else kl
+        if keep is not None:  # padded / ignored positions are selected away: their logits do not matter
+            kl = kl[keep] if bool(keep.any()) else kl[keep].sum()  # no position counts: 0, not NaN
         loss = loss + alpha * temperature**2 * kl.mean()
     if alpha < 1:
-        if targets is None:
+        if hard_loss is not None:
+            loss = loss + (1 - alpha) * hard_loss
+        elif targets is None:
             raise ValueError(f"`targets` are required for the hard-label term when `alpha`={alpha} < 1")
-        loss = loss + (1 - alpha) * F.cross_entropy(student, targets.reshape(-1), ignore_index=ignore_index)
+        else:
+            flat_targets = targets.reshape(-1)
+            if keep is not None:
+                flat_targets = torch.where(keep, flat_targets, ignore_index)
+            loss = loss + (1 - alpha) * F.cross_entropy(student, flat_targets, ignore_index=ignore_index)
     return loss
 
 
@@ -189,7 +215,7 @@ def layer_width(layer: nn.Module) -> tuple[int, int]:
     Raises:
         ValueError: the width cannot be read from the layer's attributes.
     """
-    for attribute in ("out_features", "embedding_dim"):
+    for attribute in ("out_features", "embedding_dim", "nf"):  # nf: Hugging Face Conv1D (GPT-2)
         if hasattr(layer, attribute):
             return int(getattr(layer, attribute)), -1
     if hasattr(layer, "out_channels"):
@@ -289,7 +315,9 @@ _LOSSES: dict[str, LossFn] = {"kd": kd_loss}
 def register_loss(name: str, fn: LossFn) -> None:
     """Register a logit loss under ``name`` so ``DistillationModule(loss=name)`` (and YAML) can use it.
 
-    ``fn(student_logits, teacher_logits, targets, temperature=..., alpha=...)`` returns a scalar.
+    ``fn(student_logits, teacher_logits, targets, temperature=..., alpha=..., ignore_index=...)`` returns a
+    scalar. If ``fn`` also accepts ``mask=`` (positions that count: padding excluded) and ``hard_loss=`` (the
+    student's own ``.loss``, e.g. of a Hugging Face model given ``labels``), it receives them, as :func:`kd_loss` does.
 
     Raises:
         TypeError: ``fn`` is not callable.
@@ -308,3 +336,22 @@ def get_loss(name: str) -> LossFn:
     if name not in _LOSSES:
         raise ValueError(f"`loss`={name!r} is not registered; choose from {sorted(_LOSSES)} or call register_loss()")
     return _LOSSES[name]
+
+
+def call_loss(fn: LossFn, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn(*args, **kwargs)`` leaving out the ``None`` keywords and those ``fn`` does not accept, so a loss
+    registered before ``mask`` / ``hard_loss`` existed keeps working (with tuple batches, which need neither)."""
+    kwargs = {key: value for key, value in kwargs.items() if value is not None or key in ("temperature", "alpha")}
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        names = {p.name for p in parameters}
+        dropped = [key for key in ("mask", "hard_loss") if key in kwargs and key not in names]
+        if dropped:
+            raise TypeError(
+                f"the registered loss {getattr(fn, '__name__', fn)!r} does not accept {dropped}, which dict batches "
+                "need (padding mask, the student's own loss): add `mask=None, hard_loss=None` (or **kwargs) to it"
+            )
+    return fn(*args, **kwargs)

@@ -5,60 +5,43 @@ The teacher is held *outside* the module's registered children, so by constructi
 by DDP, not touched by ``train()`` and not seen by pruning / quantization callbacks that walk the
 LightningModule: those act on the student only. It is frozen, kept in eval mode, run under
 ``torch.no_grad()``, moved to the student's device on first use, and optionally held in bf16 or int8.
+
+Batches: ``(inputs, targets)`` tuples, or dict batches as Hugging Face models take them. Student and
+teacher receive the same model inputs through one override point, :meth:`DistillationModule.call_model`
+(default: :func:`lightning_lowmem.model_io.forward_batch`: a dict batch as keywords, a tuple's first
+element); logits are read from ``.logits``; padded / ignored positions never count in the losses
+(:func:`~lightning_lowmem.distillation.batches.position_mask`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Union
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_lowmem.distillation.batches import cast_floating, first_tensor, position_mask, takes_labels
 from lightning_lowmem.distillation.cache import TeacherCache, batch_keys, build_teacher_cache
 from lightning_lowmem.distillation.losses import (
     FeatureRecorder,
+    call_loss,
     check_logit_shapes,
     feature_loss,
     find_module,
     get_loss,
     make_adapter,
 )
+from lightning_lowmem.distillation.teacher import TEACHER_PRECISIONS, load_teacher_weights, prepare_teacher  # noqa: F401
+from lightning_lowmem.model_io import BatchCallError, forward_batch, output_logits, output_loss
 
 __all__ = ["DistillationModule", "TEACHER_PRECISIONS"]
-
-TEACHER_PRECISIONS: tuple[str, ...] = ("32", "bf16", "int8")
-
-
-def _logits_of(output: Any) -> torch.Tensor:
-    """Logits from a model output: a tensor, an object with ``.logits`` (Hugging Face) or a tuple's first item."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise TypeError(f"cannot find logits in a model output of type {type(output).__name__}")
-
-
-def load_teacher_weights(teacher: nn.Module, checkpoint_path: str | Path) -> None:
-    """Load a Lightning checkpoint (its ``state_dict``) or a plain state dict file into ``teacher``.
-
-    Raises:
-        FileNotFoundError: no file at ``checkpoint_path``.
-    """
-    path = Path(checkpoint_path)
-    if not path.exists():
-        raise FileNotFoundError(f"`teacher_checkpoint`={str(path)!r} does not exist")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if isinstance(state, dict) and "state_dict" in state:
-        state = state["state_dict"]
-    teacher.load_state_dict(state)
 
 
 class DistillationModule(L.LightningModule):
@@ -66,8 +49,16 @@ class DistillationModule(L.LightningModule):
 
     Subclass it (override :meth:`distillation_loss` for a custom loss) or configure it from YAML.
 
+    Batches are ``(inputs, targets, ...)`` tuples or dicts (Hugging Face: ``input_ids``, ``attention_mask``,
+    ``labels``). Both models are called through :meth:`call_model` (the one override point for how a batch
+    becomes a model call; the default passes a dict batch as keywords, ``labels`` included when the model
+    takes them). With dict batches the KD term covers only the positions whose ``labels`` are not
+    ``ignore_index`` and whose ``attention_mask`` is 1, and the hard-label term is the student's own
+    ``.loss`` when it returns one (Hugging Face models given ``labels``: shifted for causal LMs).
+
     Args:
-        student: the model to train; returns logits ``(B, C)`` or ``(B, T, V)``.
+        student: the model to train; returns logits ``(B, C)`` or ``(B, T, V)``, or a ``ModelOutput`` /
+            dict with ``logits`` (and ``loss``).
         teacher: a module, or a callable that builds one (called on first use, so a valid
             ``teacher_cache`` means it is never built). A LightningModule plus ``teacher_checkpoint``
             restores a trained Lightning teacher. Default: ``None`` (only valid with an existing
@@ -155,7 +146,7 @@ class DistillationModule(L.LightningModule):
         self._teacher_source_slot: list[Any] = [teacher] if teacher is not None else []
         self._teacher_slot: list[nn.Module] = []
         self._cache: TeacherCache | None = None
-        self._teacher_val_acc: float | None = None
+        self._teacher_scores: dict[str, float] = {}  # teacher_val_acc (tuples) / teacher_val_loss (dicts), once
 
         self.hint_adapters = nn.ModuleDict()
         self._student_recorder: FeatureRecorder | None = None
@@ -175,6 +166,7 @@ class DistillationModule(L.LightningModule):
         self.val_acc = MeanMetric()
         self.val_agreement = MeanMetric()
         self.teacher_val_acc = MeanMetric()
+        self.teacher_val_loss = MeanMetric()
         self.test_acc = MeanMetric()
 
     # ------------------------------------------------------------------ teacher
@@ -186,24 +178,10 @@ class DistillationModule(L.LightningModule):
     def teacher(self) -> nn.Module | None:
         """The frozen teacher, built from its source on first access; ``None`` once a cache replaced it."""
         if not self._teacher_slot and self._teacher_source_slot and self._cache is None:
-            self._teacher_slot.append(self._prepare_teacher(self._teacher_source_slot[0]))
+            hp = self.hparams
+            teacher = prepare_teacher(self._teacher_source_slot[0], hp.teacher_checkpoint, hp.teacher_precision)
+            self._teacher_slot.append(teacher)
         return self._teacher_slot[0] if self._teacher_slot else None
-
-    def _prepare_teacher(self, source: nn.Module | Callable[[], nn.Module]) -> nn.Module:
-        teacher = source if isinstance(source, nn.Module) else source()
-        if not isinstance(teacher, nn.Module):
-            raise TypeError(f"the `teacher` callable must return an nn.Module, got {type(teacher).__name__}")
-        if self.hparams.teacher_checkpoint:
-            load_teacher_weights(teacher, self.hparams.teacher_checkpoint)
-        teacher.requires_grad_(False)
-        teacher.eval()
-        if self.hparams.teacher_precision == "bf16":
-            teacher.to(torch.bfloat16)
-        elif self.hparams.teacher_precision == "int8":
-            from lightning_lowmem.functional.quantization import quantize_
-
-            quantize_(teacher, "int8_weight_only")
-        return teacher
 
     def release_teacher(self) -> None:
         """Drop the teacher (e.g. once its outputs are cached) so its memory can be freed."""
@@ -219,19 +197,57 @@ class DistillationModule(L.LightningModule):
             self._teacher_slot[0].eval()  # the teacher never leaves eval mode
         return self
 
-    @torch.no_grad()
-    def teacher_logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Run the teacher (eval, no grad, on the inputs' device) and return float32 logits."""
+    def call_model(self, model: nn.Module, batch: Any, role: str) -> Any:
+        """Run ``model`` (the student or the teacher) on one ``batch``: **the** override point for how a batch
+        becomes a model call. Both get the same inputs by default; ``role`` (``"student"`` / ``"teacher"``)
+        lets an override map them differently.
+
+        Default: :func:`lightning_lowmem.model_io.forward_batch` (the model's own ``forward_batch(batch)`` if it
+        defines one; else a dict batch as keywords, ``labels`` dropped for a model whose ``forward`` takes no
+        ``labels``; a tuple / list batch's first element; a tensor as it is).
+
+        Returns:
+            The model output: a tensor, or a ``ModelOutput`` / dict with ``logits`` (and ``loss``).
+
+        Example::
+
+            class MyDistillation(DistillationModule):
+                def call_model(self, model, batch, role):
+                    return model(batch["pixel_values"], mask=batch["pixel_mask"])
+        """
+        try:
+            return forward_batch(model, batch, drop_keys=() if takes_labels(model) else ("labels",))
+        except BatchCallError as err:
+            raise BatchCallError(
+                f"{err} For DistillationModule: override `call_model(self, model, batch, role)` to call the {role} "
+                f"({type(model).__name__}) on your batch."
+            ) from None
+
+    def forward_batch(self, batch: Any) -> Any:
+        """The student's output on ``batch`` (``lightning_lowmem.model_io``'s override point, so callbacks that
+        run the model themselves, e.g. post-training quantization, run the student as training does)."""
+        return self.call_model(self.student, batch, "student")
+
+    def _teacher_output(self, batch: Any) -> Any:
         teacher = self.teacher
         if teacher is None:
             raise RuntimeError("the teacher was released (cached mode); teacher logits come from the cache")
-        reference = next(teacher.parameters(), None)
-        if reference is not None and reference.device != inputs.device:
-            teacher.to(inputs.device)
+        reference, device = next(teacher.parameters(), None), first_tensor(batch)
+        if reference is not None and device is not None and reference.device != device.device:
+            teacher.to(device.device)
         teacher.eval()
-        if self.hparams.teacher_precision == "bf16" and inputs.is_floating_point():
-            inputs = inputs.to(torch.bfloat16)
-        return _logits_of(teacher(inputs)).float()
+        if self.hparams.teacher_precision == "bf16":
+            batch = cast_floating(batch, torch.bfloat16)
+        return self.call_model(teacher, batch, "teacher")
+
+    @torch.no_grad()
+    def teacher_logits(self, batch: Any) -> torch.Tensor:
+        """Run the teacher (eval, no grad, on the batch's device) on ``batch`` and return float32 logits.
+
+        Args:
+            batch: a batch as the DataLoader yields it (tuple, dict) or a bare input tensor.
+        """
+        return output_logits(self._teacher_output(batch)).float()
 
     # ------------------------------------------------------------------ hooks and helpers
     def _ensure_recorders(self) -> None:
@@ -248,8 +264,9 @@ class DistillationModule(L.LightningModule):
         self._student_recorder = self._teacher_recorder = None
 
     @override
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return _logits_of(self.student(inputs))
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The student's logits: ``module(x)`` for a tensor model, ``module(**batch)`` for a Hugging Face one."""
+        return output_logits(self.student(*args, **kwargs))
 
     def _use_cache(self) -> bool:
         return self.hparams.teacher_cache is not None
@@ -290,8 +307,12 @@ class DistillationModule(L.LightningModule):
         if accuracy is not None:
             rank_zero_info(f"[DistillationModule] teacher accuracy on the cached training set: {accuracy:.4f}")
 
-    def _positions(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return targets != self.hparams.ignore_index  # (B,) or (B, T)
+    def batch_targets(self, batch: Any, logits: torch.Tensor, output: Any = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(targets, mask)`` of a batch: the hard labels and the ``bool`` positions that count in the losses and
+        metrics (``None``: all). Default: :func:`~lightning_lowmem.distillation.batches.position_mask` (tuples: the
+        targets not equal to ``ignore_index``; dicts: ``labels != ignore_index`` and ``attention_mask == 1``).
+        Override for other conventions."""
+        return position_mask(batch, logits, output, self.hparams.ignore_index)
 
     def distillation_loss(
         self,
@@ -300,19 +321,33 @@ class DistillationModule(L.LightningModule):
         targets: torch.Tensor,
         student_features: dict[str, torch.Tensor],
         teacher_features: dict[str, torch.Tensor],
+        *,
+        mask: torch.Tensor | None = None,
+        student_loss: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The losses of one training step; ``"loss"`` is what is minimised. Override for custom losses.
+
+        Args:
+            student_logits, teacher_logits: ``(B, C)`` or ``(B, T, V)``.
+            targets: hard labels of the positions' shape, or ``None``.
+            student_features, teacher_features: hint-layer outputs by layer name.
+            mask: positions that count (padding / ignored labels excluded), or ``None`` (all).
+            student_loss: the student's own ``.loss`` (dict batches with ``labels``), used as the hard-label
+                term instead of a cross-entropy on unshifted logits; ``None`` otherwise.
 
         Returns:
             ``{"loss": total, "logit_loss": ..., "hint_loss": ...}`` (``hint_loss`` only with hints).
         """
-        logit_loss = get_loss(self.hparams.loss)(
+        logit_loss = call_loss(
+            get_loss(self.hparams.loss),
             student_logits,
             teacher_logits,
             targets,
             temperature=self.hparams.temperature,
             alpha=self.hparams.alpha,
             ignore_index=self.hparams.ignore_index,
+            mask=mask,
+            hard_loss=student_loss,
         )
         losses = {"logit_loss": logit_loss, "loss": logit_loss}
         if self.hparams.hint_layers:
@@ -326,24 +361,58 @@ class DistillationModule(L.LightningModule):
             losses["loss"] = logit_loss + self.hparams.hint_weight * hint
         return losses
 
+    def _student_step(self, batch: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        output = self.call_model(self.student, batch, "student")
+        logits = output_logits(output)
+        targets, mask = self.batch_targets(batch, logits, output)
+        return output, logits, targets, mask
+
+    def _hard_loss(self, output: Any, logits: torch.Tensor, targets: torch.Tensor | None, mask: torch.Tensor | None):
+        """The student's own ``.loss`` if it has one, else cross-entropy on the counted positions (or ``None``)."""
+        loss = output_loss(output)
+        if loss is not None or targets is None:
+            return loss
+        flat = targets.reshape(-1)
+        if mask is not None:
+            flat = torch.where(mask.reshape(-1), flat, self.hparams.ignore_index)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=self.hparams.ignore_index)
+
+    def _warn_unshifted_once(self) -> None:
+        if not getattr(self, "_warned_unshifted", False):
+            self._warned_unshifted = True
+            rank_zero_warn(
+                "DistillationModule: the student returned no `.loss` for a dict batch with `labels`, so the hard-label "
+                "term is a cross-entropy of its logits against `labels` position by position (no shift). For a causal "
+                "LM whose labels are its input ids, return the model's own `.loss` (take `labels` in forward) or "
+                "override `batch_targets` to shift them."
+            )
+
+    @staticmethod
+    def _counted(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return values[mask] if mask is not None else values.reshape(-1)
+
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch[0], batch[1]
         self._ensure_recorders()
-        student_logits = self(inputs)
+        output, student_logits, targets, mask = self._student_step(batch)
         if self._cache is not None:
-            # rows found by hashing each input's bytes: one small device-to-host copy of the inputs
-            rows = self._cache.rows(batch_keys(inputs.detach().cpu()))
+            # rows found by hashing each sample's input bytes: one small device-to-host copy of the inputs
+            rows = self._cache.rows(batch_keys(batch))
             teacher_logits = self._cache.logits(rows, device=student_logits.device)
         else:
-            teacher_logits = self.teacher_logits(inputs)
+            teacher_logits = self.teacher_logits(batch)
         check_logit_shapes(student_logits, teacher_logits)
         student_features = dict(self._student_recorder.features) if self._student_recorder else {}
         teacher_features = dict(self._teacher_recorder.features) if self._teacher_recorder else {}
-        losses = self.distillation_loss(student_logits, teacher_logits, targets, student_features, teacher_features)
-        mask = self._positions(student_logits, targets)
+        dict_batch = isinstance(batch, Mapping)
+        if dict_batch and targets is not None and output_loss(output) is None and self.hparams.alpha < 1:
+            self._warn_unshifted_once()
+        losses = self.distillation_loss(
+            student_logits, teacher_logits, targets, student_features, teacher_features,
+            mask=mask if dict_batch else None, student_loss=output_loss(output) if dict_batch else None,
+        )  # fmt: skip
         agree = student_logits.argmax(-1) == teacher_logits.argmax(-1)
-        self.train_agreement.update(agree[mask].float())
+        self.train_agreement.update(self._counted(agree, mask).float())
         self.log("train_loss", losses["loss"], prog_bar=True)
         for name, value in losses.items():
             if name != "loss":
@@ -353,46 +422,63 @@ class DistillationModule(L.LightningModule):
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        inputs, targets = batch[0], batch[1]
-        student_logits = self(inputs)
-        mask = self._positions(student_logits, targets)
-        flat = student_logits.reshape(-1, student_logits.size(-1)).float()
-        self.log("val_loss", F.cross_entropy(flat, targets.reshape(-1), ignore_index=self.hparams.ignore_index), prog_bar=True)
-        self.val_acc.update((student_logits.argmax(-1) == targets)[mask].float())
-        self.log("val_acc", self.val_acc, prog_bar=True)
+        output, student_logits, targets, mask = self._student_step(batch)
+        dict_batch = isinstance(batch, Mapping)
+        if dict_batch:  # Hugging Face: the model's own loss (token accuracy of a causal LM would need the shift)
+            loss = self._hard_loss(output, student_logits, targets, mask)
+            if loss is not None:
+                self.log("val_loss", loss, prog_bar=True)
+        elif targets is not None:
+            flat = student_logits.reshape(-1, student_logits.size(-1)).float()
+            self.log("val_loss", F.cross_entropy(flat, targets.reshape(-1), ignore_index=self.hparams.ignore_index), prog_bar=True)
+            self.val_acc.update(self._counted(student_logits.argmax(-1) == targets, mask).float())
+            self.log("val_acc", self.val_acc, prog_bar=True)
         if self._use_cache():
             return  # cached mode: no teacher in memory (its accuracy is logged when the cache is built)
-        teacher_logits = self.teacher_logits(inputs)
+        with torch.no_grad():
+            teacher_output = self._teacher_output(batch)
+        teacher_logits = output_logits(teacher_output).float()
         check_logit_shapes(student_logits, teacher_logits)
         teacher_pred = teacher_logits.argmax(-1)
-        self.val_agreement.update((student_logits.argmax(-1) == teacher_pred)[mask].float())
+        self.val_agreement.update(self._counted(student_logits.argmax(-1) == teacher_pred, mask).float())
         self.log("val_agreement", self.val_agreement)
-        if self._teacher_val_acc is None:  # the teacher's accuracy is measured once (it never changes)
-            self.teacher_val_acc.update((teacher_pred == targets)[mask].float())
+        if self._teacher_scores:
+            return  # the teacher's score is measured once (it never changes)
+        if dict_batch:
+            teacher_loss = self._hard_loss(teacher_output, teacher_logits, targets, mask)
+            if teacher_loss is not None:
+                self.teacher_val_loss.update(teacher_loss.float())
+        elif targets is not None:
+            self.teacher_val_acc.update(self._counted(teacher_pred == targets, mask).float())
 
     @override
     def on_validation_epoch_end(self) -> None:
         if self._use_cache():
             return
-        if self._teacher_val_acc is None and self.teacher_val_acc.update_called:
-            value = float(self.teacher_val_acc.compute())
-            self.teacher_val_acc.reset()
-            if not self.trainer.sanity_checking:
-                self._teacher_val_acc = value
-        if self._teacher_val_acc is not None:
-            self.log("teacher_val_acc", self._teacher_val_acc)
+        for name in ("teacher_val_acc", "teacher_val_loss"):
+            metric = getattr(self, name)
+            if not self._teacher_scores and metric.update_called:
+                value = float(metric.compute())
+                if not self.trainer.sanity_checking:
+                    self._teacher_scores[name] = value
+            metric.reset()
+        for name, value in self._teacher_scores.items():
+            self.log(name, value)
 
     @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
-        inputs, targets = batch[0], batch[1]
-        student_logits = self(inputs)
-        mask = self._positions(student_logits, targets)
-        self.test_acc.update((student_logits.argmax(-1) == targets)[mask].float())
-        self.log("test_acc", self.test_acc)
+        output, student_logits, targets, mask = self._student_step(batch)
+        if isinstance(batch, Mapping):
+            loss = self._hard_loss(output, student_logits, targets, mask)
+            if loss is not None:
+                self.log("test_loss", loss)
+        elif targets is not None:
+            self.test_acc.update(self._counted(student_logits.argmax(-1) == targets, mask).float())
+            self.log("test_acc", self.test_acc)
 
     @override
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(batch[0]).argmax(-1)
+        return output_logits(self.forward_batch(batch)).argmax(-1)
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -409,11 +495,12 @@ class DistillationModule(L.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # the teacher is restored from its source (`teacher` + `teacher_checkpoint`), never saved
-        checkpoint["distillation"] = {"teacher_val_acc": self._teacher_val_acc}
+        checkpoint["distillation"] = dict(self._teacher_scores)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._teacher_val_acc = checkpoint.get("distillation", {}).get("teacher_val_acc")
+        saved = checkpoint.get("distillation", {})
+        self._teacher_scores = {name: value for name, value in saved.items() if value is not None}
 
     @override
     def teardown(self, stage: str) -> None:

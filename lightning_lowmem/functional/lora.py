@@ -27,6 +27,8 @@ from torch import nn
 
 from lightning_lowmem.functional._lora_quantization import (
     check_quantization_supported,
+    dequantized,
+    frozen_linear,
     is_quantized,
     quantize_base_layers_,
     quantize_frozen_,
@@ -147,7 +149,7 @@ class LoraLinear(nn.Linear):
         return (self.lora_B @ self.lora_A) * self.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)  # (..., out)
+        out = frozen_linear(x, self.weight, self.bias)  # (..., out); differentiable for any quantized base
         if self.merged:
             return out
         update = F.linear(F.linear(self.lora_dropout(x.to(self.lora_A.dtype)), self.lora_A), self.lora_B)  # (..., out)
@@ -396,7 +398,7 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, layer in lora_layers(module).items():
             key = f"{name}.weight" if name else "weight"
-            weight = layer.weight.dequantize() if is_quantized(layer.weight) else layer.weight.detach()
+            weight = dequantized(layer.weight) if is_quantized(layer.weight) else layer.weight.detach()
             if not layer.merged:
                 weight = weight + layer.delta_weight().to(weight.dtype)
             state[key] = weight.t().contiguous() if layer.fan_in_fan_out else weight.clone()

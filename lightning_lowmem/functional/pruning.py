@@ -3,18 +3,44 @@
 Unlike ``torch.nn.utils.prune`` there is no ``weight_orig`` copy and no float mask: each pruned
 parameter ``<name>`` gets one non-persistent ``bool`` buffer ``<name>_mask`` (1 byte per weight) on its
 module, and :func:`apply_masks_` multiplies the weight by it in place (call it after every optimizer
-step). Masks only ever grow: a weight pruned once stays pruned.
+step). Masks only ever grow: a weight pruned once stays pruned. Masks and target selection live in
+:mod:`~lightning_lowmem.functional.pruning_masks` (re-exported here), the sparse export in
+:mod:`~lightning_lowmem.functional.sparse_format`.
+
+Which parameters: by default every module that directly holds a parameter named in ``parameter_names``
+(an ``nn.Linear``, a Hugging Face ``Conv1D``, a torchao ``FakeQuantizedLinear``...), **except embeddings**:
+the weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` and every parameter tied to one (GPT-2's ``lm_head``,
+BERT's MLM decoder) are left alone unless ``embeddings=True``. A tied parameter is one target: it is ranked
+and counted once, and its single mask buffer is shared by every module that holds it.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.pruning_masks import (
+    MASK_SUFFIX,
+    FilterFn,
+    _key,
+    _set_mask,
+    apply_masks_,
+    collect_prunable,
+    embedding_parameters,
+    get_mask,
+    layer_sparsity,
+    load_masks_,
+    mask_state,
+    parameter_owners,
+    remove_pruning_,
+    sparsity,
+    weight_dims,
+)
+from lightning_lowmem.functional.sparse_format import from_sparse_state_dict, to_sparse_state_dict
 from lightning_lowmem.warnings import NoEffectWarning
 
 __all__ = [
@@ -22,105 +48,37 @@ __all__ = [
     "PruningReport",
     "apply_masks_",
     "collect_prunable",
+    "embedding_parameters",
     "from_sparse_state_dict",
     "get_mask",
     "layer_sparsity",
+    "load_masks_",
+    "mask_state",
+    "parameter_owners",
     "prune_",
     "remove_pruning_",
     "sparsity",
     "to_sparse_state_dict",
+    "weight_dims",
 ]
 
 METHODS = ("l1_unstructured", "random_unstructured", "ln_structured", "random_structured", "nm")
-MASK_SUFFIX = "_mask"
 Amount = Union[int, float]
-FilterFn = Callable[[nn.Module, str], bool]
 
 
 @dataclass
 class PruningReport:
-    """What :func:`prune_` did: ``sparsity`` over the pruned tensors and per tensor (by ``module.param`` name)."""
+    """What :func:`prune_` did: ``sparsity`` over the pruned tensors and per tensor (by ``module.param`` name).
+
+    ``num_prunable`` counts each distinct parameter once (a tied weight once), ``mask_bytes`` each mask buffer once.
+    """
 
     method: str
     sparsity: float
     per_tensor: dict[str, float] = field(default_factory=dict)
     num_pruned: int = 0
     num_prunable: int = 0
-
-
-def _is_transposed(module: nn.Module) -> bool:
-    # HF's Conv1D (GPT-2) stores weight as (in_features, out_features)
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
-def weight_dims(module: nn.Module, name: str = "weight") -> tuple[int, int]:
-    """Return ``(output_dim, input_dim)`` of ``module.<name>``: (0, 1) for Linear/Conv, (1, 0) for HF Conv1D."""
-    if name == "weight" and _is_transposed(module):
-        return 1, 0
-    return 0, 1
-
-
-def get_mask(module: nn.Module, name: str = "weight") -> torch.Tensor | None:
-    """The ``bool`` mask buffer of ``module.<name>``, or ``None`` when it is not pruned."""
-    mask = getattr(module, name + MASK_SUFFIX, None)
-    return mask if isinstance(mask, torch.Tensor) else None
-
-
-def _set_mask(module: nn.Module, name: str, mask: torch.Tensor) -> None:
-    existing = get_mask(module, name)
-    if existing is None:
-        # non-persistent: the model's state_dict stays loadable into an unpruned model
-        module.register_buffer(name + MASK_SUFFIX, mask.to(torch.bool), persistent=False)
-    else:
-        existing.copy_(mask)
-
-
-def collect_prunable(
-    module: nn.Module,
-    parameter_names: Sequence[str] = ("weight",),
-    filter_fn: FilterFn | None = None,
-    parameters_to_prune: Sequence[tuple[nn.Module, str]] | None = None,
-) -> list[tuple[str, nn.Module, str]]:
-    """List ``(fqn, submodule, parameter_name)`` targets.
-
-    With ``parameters_to_prune`` those pairs are used as given; otherwise every leaf module (no children)
-    owning a parameter in ``parameter_names`` and accepted by ``filter_fn(module, fqn)``.
-
-    Raises:
-        ValueError: a name in ``parameter_names`` (or a pair of ``parameters_to_prune``) that no module has.
-    """
-    names = {id(m): n for n, m in module.named_modules()}
-    targets: list[tuple[str, nn.Module, str]] = []
-    if parameters_to_prune:
-        for pair in parameters_to_prune:
-            if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], nn.Module)):
-                raise TypeError(f"`parameters_to_prune` entries must be (nn.Module, 'param_name') pairs, got {pair!r}")
-            sub, pname = pair
-            if not isinstance(getattr(sub, pname, None), nn.Parameter):
-                have = [n for n, _ in sub.named_parameters(recurse=False)]
-                raise ValueError(
-                    f"`parameters_to_prune` names parameter {pname!r} of {type(sub).__name__}, which has"
-                    f" parameters {have}"
-                )
-            targets.append((names.get(id(sub), type(sub).__name__), sub, pname))
-        return targets
-    found: set[str] = set()
-    for fqn, sub in module.named_modules():
-        if any(True for _ in sub.children()):
-            continue
-        if filter_fn is not None and not filter_fn(sub, fqn):
-            continue
-        for pname in parameter_names:
-            if isinstance(getattr(sub, pname, None), nn.Parameter):
-                targets.append((fqn, sub, pname))
-                found.add(pname)
-    missing = [p for p in parameter_names if p not in found]
-    if missing:
-        available = sorted({n.rsplit(".", 1)[-1] for n, _ in module.named_parameters()})
-        raise ValueError(
-            f"`parameter_names` contains {missing}, which no (filtered) module has; parameter names present: {available}"
-        )
-    return targets
+    mask_bytes: int = 0
 
 
 def _check_amount(amount: Any) -> None:
@@ -199,6 +157,7 @@ def prune_(
     norm: float = 1,
     relative: bool = False,
     generator: torch.Generator | None = None,
+    embeddings: bool = False,
 ) -> PruningReport:
     """Compute ``bool`` masks reaching ``target_sparsity`` and zero the pruned weights, in place.
 
@@ -210,7 +169,7 @@ def prune_(
         method: one of :data:`METHODS`, or a ``torch.nn.utils.prune.BasePruningMethod`` subclass
             (local only; its float mask is turned into a bool one). Default: ``"l1_unstructured"``.
         global_: rank weights (or channels, by norm per element) across all targets. Default: ``False``.
-        parameter_names: parameter names to prune in each leaf module. Default: ``("weight",)``.
+        parameter_names: parameter names to prune in each module holding them. Default: ``("weight",)``.
         filter_fn: ``filter_fn(module, fqn) -> bool`` chooses modules. Default: ``None`` (all).
         parameters_to_prune: explicit ``(module, name)`` pairs; overrides the two above. Default: ``None``.
         n, m: keep ``n`` of every ``m`` consecutive weights along the input dim (``"nm"``). Default: 2, 4.
@@ -219,6 +178,8 @@ def prune_(
         relative: ``amount`` applies to the still-unpruned weights (``torch.nn.utils.prune``'s iterative
             meaning, used for ``ModelPruning`` compatibility). Default: ``False``.
         generator: random generator for the random methods. Default: ``None`` (global RNG).
+        embeddings: also prune embedding tables (and the parameters tied to them, e.g. a tied LM head)
+            when targets are searched (``parameters_to_prune`` pairs are always honoured). Default: ``False``.
 
     Returns:
         A :class:`PruningReport`.
@@ -236,47 +197,43 @@ def prune_(
     _validate(method, n, m, dim, norm)
     if method != "nm":
         _check_amount(target_sparsity)
-    targets = collect_prunable(module, parameter_names, filter_fn, parameters_to_prune)
+    targets = collect_prunable(module, parameter_names, filter_fn, parameters_to_prune, embeddings=embeddings)
     if not targets:
         warnings.warn("prune_ matched no parameter: nothing was pruned", NoEffectWarning, stacklevel=2)
         return PruningReport(str(method), 0.0)
-    masks = {}
-    for fqn, sub, pname in targets:
-        weight = getattr(sub, pname)
+    weights = [getattr(sub, pname) for _, sub, pname in targets]
+    masks = []  # one per target, in order (names may repeat for modules outside the model's tree)
+    for (_, sub, pname), weight in zip(targets, weights):
         current = get_mask(sub, pname)
-        masks[(fqn, pname)] = torch.ones_like(weight, dtype=torch.bool) if current is None else current.clone()
+        masks.append(torch.ones_like(weight, dtype=torch.bool) if current is None else current.clone())
     method_name = method if isinstance(method, str) else getattr(method, "__name__", str(method))
     structured = method in ("ln_structured", "random_structured")
     random = method in ("random_unstructured", "random_structured")
+    groups = [list(range(len(targets)))] if global_ else [[i] for i in range(len(targets))]
 
     if not isinstance(method, str):  # a torch BasePruningMethod subclass
         if global_:
             raise ValueError(f"`method`={method_name} (a custom pruning method) only supports local pruning (global_=False)")
-        for fqn, sub, pname in targets:
-            weight, key = getattr(sub, pname), (fqn, pname)
+        for i, weight in enumerate(weights):
             kwargs = {"dim": dim if dim is not None else 0} if getattr(method, "PRUNING_TYPE", "") == "structured" else {}
             pruner = method(target_sparsity, **kwargs)
-            masks[key] &= pruner.compute_mask(weight.detach(), default_mask=masks[key].to(weight.dtype)).bool()
+            masks[i] &= pruner.compute_mask(weight.detach(), default_mask=masks[i].to(weight.dtype)).bool()
     elif method == "nm":
-        for fqn, sub, pname in targets:
-            weight = getattr(sub, pname)
-            nm = _nm_mask(weight, masks[(fqn, pname)], weight_dims(sub, pname)[1] if weight.dim() > 1 else 0, n, m)
+        for i, ((fqn, sub, pname), weight) in enumerate(zip(targets, weights)):
+            nm = _nm_mask(weight, masks[i], weight_dims(sub, pname)[1] if weight.dim() > 1 else 0, n, m)
             if nm is None:
-                message = f"{fqn}.{pname} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
+                message = f"{_key(fqn, pname)} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
                 warnings.warn(message, NoEffectWarning, stacklevel=2)
                 continue
-            masks[(fqn, pname)] = nm
+            masks[i] = nm
     elif structured:
-        scores, sizes = [], []
-        for fqn, sub, pname in targets:
-            weight = getattr(sub, pname)
+        scores = []
+        for i, ((_, sub, pname), weight) in enumerate(zip(targets, weights)):
             d = (dim if dim is not None else weight_dims(sub, pname)[0]) % max(weight.dim(), 1)
-            s = _channel_scores(weight, masks[(fqn, pname)], d, norm, random, generator)
+            s = _channel_scores(weight, masks[i], d, norm, random, generator)
             if global_:  # compare channels of different sizes by norm per element
                 s = s / (weight.numel() // weight.shape[d]) ** (1.0 / norm)
             scores.append((s, d))
-            sizes.append(s.numel())
-        groups = [list(range(len(targets)))] if global_ else [[i] for i in range(len(targets))]
         for group in groups:
             flat = torch.cat([scores[i][0].cpu() for i in group])
             k = _num_to_prune(target_sparsity, flat.numel(), int(torch.isinf(flat).sum()), relative)
@@ -284,166 +241,35 @@ def prune_(
             drop[torch.topk(flat, k, largest=False).indices] = True
             offset = 0
             for i in group:
-                fqn, sub, pname = targets[i]
-                weight, (s, d) = getattr(sub, pname), scores[i]
+                weight, (s, d) = weights[i], scores[i]
                 keep = ~drop[offset : offset + s.numel()].to(weight.device)
                 offset += s.numel()
-                masks[(fqn, pname)] &= _expand_channels(keep, weight.shape, d)
+                masks[i] &= _expand_channels(keep, weight.shape, d)
     else:  # unstructured magnitude / random
-        groups = [list(range(len(targets)))] if global_ else [[i] for i in range(len(targets))]
         for group in groups:
             parts = []
             for i in group:
-                fqn, sub, pname = targets[i]
-                weight, mask = getattr(sub, pname), masks[(fqn, pname)]
+                weight = weights[i]
                 score = torch.rand(weight.shape, generator=generator) if random else weight.detach().abs().float().cpu()
-                parts.append(score.flatten().masked_fill(~mask.flatten().cpu(), float("-inf")))
+                parts.append(score.flatten().masked_fill(~masks[i].flatten().cpu(), float("-inf")))
             flat = torch.cat(parts)
             k = _num_to_prune(target_sparsity, flat.numel(), int(torch.isinf(flat).sum()), relative)
             drop = torch.zeros(flat.numel(), dtype=torch.bool)
             drop[torch.topk(flat, k, largest=False, sorted=False).indices] = True
             offset = 0
             for i, part in zip(group, parts):
-                fqn, sub, pname = targets[i]
-                weight = getattr(sub, pname)
-                masks[(fqn, pname)] &= ~drop[offset : offset + part.numel()].view(weight.shape).to(weight.device)
+                masks[i] &= ~drop[offset : offset + part.numel()].view(weights[i].shape).to(weights[i].device)
                 offset += part.numel()
 
     report = PruningReport(method_name, 0.0)
-    for fqn, sub, pname in targets:
-        mask = masks[(fqn, pname)]
-        _set_mask(sub, pname, mask)
-        getattr(sub, pname).mul_(mask)
+    owners = parameter_owners(module)
+    for (fqn, sub, pname), weight, mask in zip(targets, weights, masks):
+        shared = _set_mask(owners.get(id(weight)) or [(fqn, sub, pname)], mask)
+        weight.mul_(shared)
         pruned = int(mask.numel() - mask.sum())
-        report.per_tensor[f"{fqn}.{pname}" if fqn else pname] = pruned / max(mask.numel(), 1)
+        report.per_tensor[_key(fqn, pname)] = pruned / max(mask.numel(), 1)
         report.num_pruned += pruned
         report.num_prunable += mask.numel()
+        report.mask_bytes += shared.nbytes
     report.sparsity = report.num_pruned / max(report.num_prunable, 1)
     return report
-
-
-def _masked(module: nn.Module) -> Iterable[tuple[str, nn.Module, str, torch.Tensor]]:
-    for fqn, sub in module.named_modules():
-        for bname, buf in list(sub.named_buffers(recurse=False)):
-            if bname.endswith(MASK_SUFFIX) and buf.dtype == torch.bool:
-                pname = bname[: -len(MASK_SUFFIX)]
-                if isinstance(getattr(sub, pname, None), torch.Tensor):
-                    yield fqn, sub, pname, buf
-
-
-@torch.no_grad()
-def apply_masks_(module: nn.Module) -> int:
-    """Zero every pruned weight in place (call after each optimizer step). Returns the number of masked tensors.
-
-    Example::
-
-        >>> model = nn.Linear(4, 4)
-        >>> _ = prune_(model, 0.5)
-        >>> _ = model.weight.data.fill_(1.0)
-        >>> apply_masks_(model), int((model.weight == 0).sum())
-        (1, 8)
-    """
-    count = 0
-    for _, sub, pname, mask in _masked(module):
-        getattr(sub, pname).mul_(mask)
-        count += 1
-    return count
-
-
-@torch.no_grad()
-def remove_pruning_(module: nn.Module) -> int:
-    """Make pruning permanent: zero pruned weights and delete the mask buffers (plain parameters remain).
-
-    Returns:
-        The number of masks removed.
-    """
-    removed = 0
-    for _, sub, pname, mask in list(_masked(module)):
-        getattr(sub, pname).mul_(mask)
-        delattr(sub, pname + MASK_SUFFIX)
-        removed += 1
-    return removed
-
-
-def layer_sparsity(module: nn.Module) -> dict[str, float]:
-    """Fraction of zeros of each masked tensor (or, without masks, of each leaf module's ``weight``)."""
-    result = {
-        f"{fqn}.{pname}" if fqn else pname: float((getattr(sub, pname) == 0).float().mean())
-        for fqn, sub, pname, _ in _masked(module)
-    }
-    if result:
-        return result
-    return {
-        f"{fqn}.weight" if fqn else "weight": float((sub.weight == 0).float().mean())
-        for fqn, sub in module.named_modules()
-        if isinstance(getattr(sub, "weight", None), nn.Parameter) and sub.weight.dim() > 1
-    }
-
-
-def sparsity(module: nn.Module) -> float:
-    """Fraction of zeros over the masked tensors (or, without masks, over every >=2-D ``weight``).
-
-    Example::
-
-        >>> model = nn.Linear(10, 10)
-        >>> _ = prune_(model, 0.3)
-        >>> sparsity(model)
-        0.3
-    """
-    zeros = total = 0
-    found = False
-    for _, sub, pname, _mask in _masked(module):
-        tensor = getattr(sub, pname)
-        zeros, total, found = zeros + int((tensor == 0).sum()), total + tensor.numel(), True
-    if not found:
-        for sub in module.modules():
-            weight = getattr(sub, "weight", None)
-            if isinstance(weight, nn.Parameter) and weight.dim() > 1:
-                zeros, total = zeros + int((weight == 0).sum()), total + weight.numel()
-    return zeros / total if total else 0.0
-
-
-_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-
-
-def to_sparse_state_dict(state_dict: dict[str, torch.Tensor], min_sparsity: float = 0.5) -> dict[str, Any]:
-    """Pack tensors with at least ``min_sparsity`` zeros as bitmask + non-zero values (loads with ``weights_only=True``).
-
-    Each packed entry becomes ``{"shape": [...], "bitmask": uint8 (numel/8 bytes), "values": 1-D tensor}``.
-
-    Example::
-
-        >>> sd = {"w": torch.tensor([[0.0, 2.0], [0.0, 0.0]])}
-        >>> torch.equal(from_sparse_state_dict(to_sparse_state_dict(sd))["w"], sd["w"])
-        True
-    """
-    packed: dict[str, Any] = {}
-    for key, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() < 8:
-            packed[key] = tensor
-            continue
-        nonzero = (tensor != 0).flatten().cpu()
-        if 1.0 - float(nonzero.float().mean()) < min_sparsity:
-            packed[key] = tensor
-            continue
-        bits = torch.nn.functional.pad(nonzero.to(torch.uint8), (0, (-nonzero.numel()) % 8)).view(-1, 8)
-        bitmask = (bits * _BIT_WEIGHTS).sum(dim=1).to(torch.uint8)  # (ceil(numel/8),)
-        packed[key] = {"shape": list(tensor.shape), "bitmask": bitmask, "values": tensor.flatten().cpu()[nonzero].clone()}
-    return packed
-
-
-def from_sparse_state_dict(packed: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`to_sparse_state_dict`."""
-    state_dict: dict[str, torch.Tensor] = {}
-    for key, value in packed.items():
-        if isinstance(value, dict) and {"shape", "bitmask", "values"} <= value.keys():
-            numel = 1
-            for size in value["shape"]:
-                numel *= size
-            bits = (value["bitmask"].unsqueeze(1) & _BIT_WEIGHTS).ne(0).flatten()[:numel]
-            dense = torch.zeros(numel, dtype=value["values"].dtype)
-            dense[bits] = value["values"]
-            state_dict[key] = dense.view(value["shape"])
-        else:
-            state_dict[key] = value
-    return state_dict

@@ -1,13 +1,24 @@
-"""Post-training and quantization-aware quantization of ``nn.Linear`` (and ``nn.Embedding``) layers on torchao.
+"""Post-training quantization of ``nn.Linear``, ``transformers``' ``Conv1D`` and ``nn.Embedding`` layers on torchao.
 
 Every mode is a torchao config applied with ``torchao.quantization.quantize_`` (weights are swapped
 in place for torchao tensor subclasses); static int8 goes through ``torchao.quantization.pt2e`` and
-lives in :mod:`lightning_lowmem.functional.quantization_static`. Nothing here imports Lightning.
+lives in :mod:`lightning_lowmem.functional.quantization_static`, quantization-aware training in
+:mod:`lightning_lowmem.functional.quantization_qat`. Nothing here imports Lightning.
+
+Models as users bring them (:mod:`lightning_lowmem.functional.quantization_layers`):
+
+- GPT-2's ``Conv1D`` layers are replaced by exact ``nn.Linear`` layers (a transposed view of the same
+  weight: bit-identical outputs) and quantized as such.
+- Weights tied between layers (GPT-2 / BERT / T5's output head and token table) are quantized **once**,
+  weight-only, in the embedding format (:func:`embedding_config`: int8 per row, or int4 values in groups),
+  and the one quantized tensor is shared again: the tie holds, the table is stored once, the lookup and
+  the head both read it. So in ``int8_dynamic`` a tied head runs weight-only int8 (float activations);
+  an untied head (Llama) gets the mode's own format. A tied group is quantized whole or not at all
+  (``skip_modules`` / ``filter_fn`` / ``embeddings=False`` naming one member keep the whole group float).
 
 Embedding tables (``nn.Embedding``) take indices, not activations, so every in-place mode quantizes
-them weight-only with torchao's ``IntxWeightOnlyConfig`` (see :func:`embedding_config`): int8 per row
-for the int8 modes, int4 values in groups of ``group_size`` for the int4 modes. They are included by
-default (``embeddings=None``); ``int8_static`` leaves them float. QAT covers ``nn.Linear`` only.
+them weight-only with torchao's ``IntxWeightOnlyConfig`` (see :func:`embedding_config`). They are
+included by default (``embeddings=None``); ``int8_static`` leaves them float.
 
 Modes (see :func:`available_modes` for what runs on a device):
 
@@ -21,6 +32,7 @@ Modes (see :func:`available_modes` for what runs on a device):
   new exported module (``report.module``), the input module is left untouched.
 """
 
+
 from __future__ import annotations
 
 import copy
@@ -31,42 +43,52 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.quantization_layers import (
+    check_patterns,
+    convert_conv1d_,
+    is_conv1d,
+    matches_any,
+    tied_groups,
+)
+from lightning_lowmem.functional.quantization_modes import (  # re-exported: part of this module's API
+    MODES,
+    _check_mode,
+    _include_embeddings,
+    _needs_group,
+    _unsupported_reason,
+    apply_config,
+    available_modes,
+    drop_zero_point,
+    drop_zero_points_,
+    embedding_config,
+    torchao_config,
+)
 from lightning_lowmem.functional.quantization_search import (  # re-exported: part of this module's API
     ToleranceSearchResult,
     measure_latency,
     search_float_fallback,
 )
 from lightning_lowmem.memory.measure import state_bytes
-from lightning_lowmem.warnings import NoEffectWarning
+from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
 __all__ = [
     "MODES",
-    "QAT_MODES",
     "QuantizationReport",
     "ToleranceSearchResult",
     "available_modes",
-    "convert_qat_",
     "dequantize_",
     "drop_zero_point",
     "drop_zero_points_",
     "embedding_config",
     "measure_latency",
-    "prepare_qat_",
     "quantizable_layers",
     "quantize_",
     "search_float_fallback",
-    "set_fake_quant_enabled",
 ]
 
-MODES: dict[str, str] = {
-    "int8_dynamic": "int8 weights + int8 dynamic activations (torchao Int8DynamicActivationInt8WeightConfig)",
-    "int8_weight_only": "int8 weights, float activations (torchao Int8WeightOnlyConfig)",
-    "int4_weight_only": "packed int4 weights, bf16 activations (torchao Int4WeightOnlyConfig; CUDA only)",
-    "intx4_weight_only": "int4 values stored in int8 bytes (torchao IntxWeightOnlyConfig; any device)",
-    "int8_static": "int8 weights + calibrated static int8 activations (torchao pt2e, X86InductorQuantizer)",
-}
-#: modes QAT can train for (torchao QATConfig infers the fake quantizers from these base configs).
-QAT_MODES: tuple[str, ...] = ("int8_weight_only", "int4_weight_only", "intx4_weight_only")
+#: below this share of the parameter bytes converted, quantize_ warns (the model stays mostly float).
+MIN_CONVERTED_SHARE = 0.5
 
 
 @dataclass
@@ -77,9 +99,13 @@ class QuantizationReport:
         mode: the mode applied.
         bytes_before: parameter + buffer bytes of the module before.
         bytes_after: the same after (torchao tensors counted by their inner int data and scales).
-        converted: fully-qualified names of the layers (Linear and Embedding) that were quantized.
+        converted: fully-qualified names of the layers (Linear, Conv1D, Embedding) that were quantized.
         module: the quantized module (the same object for in-place modes; a new exported module
             for ``"int8_static"``).
+        conv1d: the ``converted`` layers that were ``transformers`` ``Conv1D`` and are now ``nn.Linear``.
+        tied: groups of ``converted`` layers sharing one weight, quantized once and still sharing it.
+        converted_bytes: float bytes of the weights that were quantized (each tied weight once).
+        notes: anything else the call decided (e.g. a reduced activation range for the CPU).
     """
 
     mode: str
@@ -87,119 +113,50 @@ class QuantizationReport:
     bytes_after: int
     converted: list[str] = field(default_factory=list)
     module: nn.Module | None = field(default=None, repr=False)
+    conv1d: list[str] = field(default_factory=list)
+    tied: list[list[str]] = field(default_factory=list)
+    converted_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def size_ratio(self) -> float:
         """``bytes_before / bytes_after`` (``1.0`` when nothing changed)."""
         return self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
 
+    @property
+    def converted_share(self) -> float:
+        """Share of the parameter bytes (before) that belonged to quantized weights."""
+        return self.converted_bytes / self.bytes_before if self.bytes_before else 0.0
 
-def _check_mode(mode: str, allowed: Iterable[str] = MODES) -> None:
-    allowed = tuple(allowed)
-    if not isinstance(mode, str) or mode not in allowed:
-        raise ValueError(f"`mode`={mode!r} is not a known quantization mode; choose one of {list(allowed)}.")
-
-
-def _unsupported_reason(mode: str, device: str) -> str | None:
-    """Why ``mode`` cannot run on ``device`` with the installed torchao, or ``None`` if it can."""
-    if mode == "int4_weight_only" and device != "cuda":
-        return (
-            "torchao 0.18's Int4WeightOnlyConfig has no CPU kernel: its 'plain'/'preshuffled' packing "
-            "formats need the `mslk` package, 'plain_int32' rejects CPU tensors and 'tile_packed_to_4d' "
-            "needs CUDA + bf16. Use mode='intx4_weight_only' on CPU (int4 values, int8 storage)."
+    def summary(self) -> str:
+        """One line: what was converted and the size change."""
+        parts = [f"{self.mode}: {len(self.converted)} layers quantized"]
+        if self.conv1d:
+            parts.append(f"{len(self.conv1d)} Conv1D -> nn.Linear")
+        if self.tied:
+            parts.append("tied, stored once: " + "; ".join(" = ".join(group) for group in self.tied))
+        parts.append(
+            f"{format_bytes(self.bytes_before)} -> {format_bytes(self.bytes_after)} ({self.size_ratio:.2f}x smaller, "
+            f"{100 * self.converted_share:.0f}% of the bytes converted)"
         )
-    if mode == "int4_weight_only" and not torch.cuda.is_available():
-        return "mode='int4_weight_only' needs a CUDA device and none is available."
-    if mode == "int8_static":
-        try:
-            from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer  # noqa: F401
-        except ImportError as error:  # pragma: no cover - depends on the torchao build
-            return f"torchao.quantization.pt2e is not importable ({error})."
-    return None
+        return ", ".join(parts + self.notes)
 
 
-def available_modes(device: str = "cpu") -> list[str]:
-    """Quantization modes that run on ``device`` with the installed torch / torchao.
-
-    Args:
-        device: ``"cpu"`` or ``"cuda"``. Default: ``"cpu"``.
-
-    Returns:
-        The mode names, a subset of :data:`MODES`.
-
-    Example::
-
-        >>> "int8_dynamic" in available_modes("cpu"), "int4_weight_only" in available_modes("cpu")
-        (True, False)
-    """
-    return [mode for mode in MODES if _unsupported_reason(mode, device) is None]
-
-
-def _require_torchao() -> None:
-    try:
-        import torchao  # noqa: F401
-    except ImportError as error:  # pragma: no cover - torchao is a dependency
-        raise ImportError("Quantization needs torchao: `pip install torchao`.") from error
-
-
-def torchao_config(mode: str, *, group_size: int = 32) -> Any:
-    """The torchao config object behind ``mode`` (not for ``"int8_static"``)."""
-    _check_mode(mode, [m for m in MODES if m != "int8_static"])
-    _require_torchao()
-    import torchao.quantization as tq
-    from torchao.quantization.granularity import PerGroup
-
-    if mode == "int8_dynamic":
-        return tq.Int8DynamicActivationInt8WeightConfig()
-    if mode == "int8_weight_only":
-        return tq.Int8WeightOnlyConfig()
-    if mode == "int4_weight_only":
-        from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
-
-        return tq.Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
-    return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
-
-
-def embedding_config(mode: str, *, group_size: int = 32) -> Any:
-    """The torchao config ``mode`` applies to ``nn.Embedding`` tables (weight-only: a lookup has no
-    activations to quantize): int8 per row for the int8 modes, int4 values in groups of ``group_size``
-    (stored one per int8 byte) for the int4 modes. Not for ``"int8_static"``."""
-    _check_mode(mode, [m for m in MODES if m != "int8_static"])
-    _require_torchao()
-    import torchao.quantization as tq
-    from torchao.quantization.granularity import PerAxis, PerGroup
-
-    if _needs_group(mode):
-        return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
-    return tq.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
-
-
-def _include_embeddings(mode: str, embeddings: bool | None) -> bool:
-    """Resolve ``embeddings`` (``None``: every in-place mode yes, ``int8_static`` no)."""
-    if embeddings is not None and not isinstance(embeddings, bool):
-        raise TypeError(f"`embeddings` must be True, False or None (the mode's default), got {embeddings!r}.")
-    if mode == "int8_static":
-        if embeddings:
-            raise ValueError(
-                "`embeddings`=True is not supported with mode='int8_static': pt2e's X86InductorQuantizer leaves "
-                "nn.Embedding float. Use an in-place mode (e.g. 'int8_weight_only') or embeddings=None/False."
-            )
+def _eligible(layer: nn.Module, mode: str, with_embeddings: bool, group_size: int) -> bool:
+    """A layer ``mode`` can quantize: Linear / Conv1D (/ Embedding without ``max_norm``, which renormalizes
+    the table in place) with a plain float weight, whose width fits the int4 group size."""
+    if isinstance(layer, nn.Linear):
+        width = layer.in_features
+    elif is_conv1d(layer):
+        width = layer.weight.shape[0]  # Conv1D weight: (in_features, out_features)
+    elif with_embeddings and isinstance(layer, nn.Embedding) and layer.max_norm is None:
+        width = layer.embedding_dim
+    else:
         return False
-    return embeddings is None or embeddings
-
-
-def _qat_base_config(mode: str, group_size: int) -> Any:
-    """Base config QAT trains for; int8 weight-only QAT goes through torchao's Intx config (QATConfig
-    does not take Int8WeightOnlyConfig)."""
-    if mode == "int8_weight_only":
-        import torchao.quantization as tq
-
-        return tq.IntxWeightOnlyConfig(weight_dtype=torch.int8)
-    return torchao_config(mode, group_size=group_size)
-
-
-def _needs_group(mode: str) -> bool:
-    return mode in ("int4_weight_only", "intx4_weight_only")
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor) or type(weight.data) not in (torch.Tensor, nn.Parameter):
+        return False  # none, or already quantized (a torchao tensor subclass)
+    return weight.is_floating_point() and not (_needs_group(mode) and width % group_size != 0)
 
 
 def quantizable_layers(
@@ -211,38 +168,37 @@ def quantizable_layers(
     group_size: int = 32,
     embeddings: bool | None = None,
 ) -> list[str]:
-    """Fully-qualified names of the ``nn.Linear`` (and ``nn.Embedding``) layers ``mode`` would quantize.
+    """Fully-qualified names of the layers ``mode`` would quantize.
 
-    A layer is chosen when it is an ``nn.Linear`` (or, with ``embeddings``, an ``nn.Embedding`` without
-    ``max_norm``, which renormalizes the table in place) with a float weight, its name is not in
-    ``skip_modules`` (nor below one of them), ``filter_fn(layer, fqn)`` is true, and for grouped int4
-    modes its ``in_features`` / ``embedding_dim`` is a multiple of ``group_size``.
+    A layer is chosen when it is an ``nn.Linear``, a ``transformers`` ``Conv1D`` or (with ``embeddings``)
+    an ``nn.Embedding`` without ``max_norm`` with a float weight, no entry of ``skip_modules`` names it or
+    a parent (qualified name, dotted suffix, glob or class name), ``filter_fn(layer, fqn)`` is true, and for
+    grouped int4 modes its input width is a multiple of ``group_size``. Layers sharing one weight (tied)
+    are chosen together or not at all.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Embedding(10, 32), nn.Linear(32, 32), nn.Linear(32, 10))
+        >>> model[2].weight = model[0].weight  # a tied output head
+        >>> quantizable_layers(model), quantizable_layers(model, embeddings=False)
+        (['0', '1', '2'], ['1'])
     """
     _check_mode(mode)
     if isinstance(skip_modules, str):
         raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
     with_embeddings = _include_embeddings(mode, embeddings)
-    skip = tuple(skip_modules)
-    names = []
-    for fqn, layer in module.named_modules():
-        if isinstance(layer, nn.Linear):
-            width = layer.in_features
-        elif with_embeddings and isinstance(layer, nn.Embedding) and layer.max_norm is None:
-            width = layer.embedding_dim
-        else:
-            continue
-        if not isinstance(getattr(layer, "weight", None), torch.Tensor):
-            continue
-        if type(layer.weight.data) not in (torch.Tensor, nn.Parameter) or not layer.weight.is_floating_point():
-            continue  # already quantized (a torchao tensor subclass)
-        if any(fqn == s or fqn.startswith(s + ".") for s in skip):
-            continue
-        if filter_fn is not None and not filter_fn(layer, fqn):
-            continue
-        if _needs_group(mode) and width % group_size != 0:
-            continue
-        names.append(fqn)
-    return names
+    names = [
+        fqn
+        for fqn, layer in module.named_modules()
+        if _eligible(layer, mode, with_embeddings, group_size)
+        and not matches_any(fqn, layer, skip_modules)
+        and (filter_fn is None or filter_fn(layer, fqn))
+    ]
+    chosen = set(names)
+    for group in tied_groups(module):  # all members or none: the tie must survive
+        if not set(group) <= chosen or any(is_conv1d(module.get_submodule(name)) for name in group):
+            chosen -= set(group)
+    return [name for name in names if name in chosen]
 
 
 def quantize_(
@@ -256,16 +212,18 @@ def quantize_(
     group_size: int = 32,
     embeddings: bool | None = None,
 ) -> QuantizationReport:
-    """Quantize the ``nn.Linear`` and ``nn.Embedding`` layers of ``module`` in place (static mode: its
-    Linear/Conv layers, into a new module).
+    """Quantize the ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` layers of ``module`` in place (static
+    mode: its Linear/Conv layers, into a new module).
 
     Args:
         module: the model.
         mode: one of :data:`MODES`.
         filter_fn: ``filter_fn(layer, fqn) -> bool`` chooses layers. Default: ``None`` (every candidate).
-        skip_modules: names of submodules kept in float (their children too). Default: ``()``.
-        calibration_data: ``"int8_static"`` only: an iterable of input tuples (or single tensors)
-            run through the prepared model to calibrate activation ranges. Default: ``None``.
+        skip_modules: submodules kept in float (their children too): qualified names, dotted suffixes
+            (``"lm_head"``), fnmatch globs (``"*.attn.*"``) or class names. Default: ``()``.
+        calibration_data: ``"int8_static"`` only: an iterable of input tuples, keyword dicts
+            (``model(**batch)``, e.g. Hugging Face batches) or single tensors, run through the prepared
+            model to calibrate activation ranges. Default: ``None``.
         example_inputs: ``"int8_static"`` only: inputs used to export the model. Default: the first
             calibration batch.
         group_size: group length of the int4 modes. Default: ``32``.
@@ -274,16 +232,21 @@ def quantize_(
             raises).
 
     Returns:
-        A :class:`QuantizationReport`; ``report.module`` is the quantized model (a new exported
-        ``GraphModule`` for ``"int8_static"``, ``module`` itself otherwise).
+        A :class:`QuantizationReport` (``report.summary()`` says what was converted); ``report.module``
+        is the quantized model (for ``"int8_static"`` a new exported ``GraphModule``, or a
+        ``StaticInt8Module`` around it for models exported with ``use_cache=False``; ``module`` itself
+        otherwise).
 
     Raises:
-        ValueError: unknown ``mode``, a mode the device cannot run, bad ``group_size``, missing
-            calibration data for static mode or ``embeddings=True`` with it.
+        ValueError: unknown ``mode``, a mode the device cannot run, bad ``group_size``, a ``skip_modules``
+            entry naming nothing (the message lists the model's layers), missing calibration data for
+            static mode or ``embeddings=True`` with it.
         TypeError: ``embeddings`` not a bool or ``None``.
 
     Warns:
         NoEffectWarning: no layer matched; the module is returned unchanged.
+        LowMemWarning: less than half of the parameter bytes were quantized (the message says which
+            layer classes hold the rest).
 
     Example::
 
@@ -303,180 +266,124 @@ def quantize_(
 
         if calibration_data is None:
             raise ValueError("mode='int8_static' needs `calibration_data` (an iterable of input batches).")
+        check_patterns(module, skip_modules, "skip_modules")
         batches = list(calibration_data)
-        return quantize_static(
-            module, example_inputs or _as_args(batches[0]), batches, filter_fn=filter_fn, skip_modules=skip_modules
+        report = quantize_static(
+            module, example_inputs or batches[0], batches, filter_fn=filter_fn, skip_modules=skip_modules
         )
+        warn_if_mostly_float(module, report, stacklevel=3)
+        return report
     device = next((p.device.type for p in module.parameters()), "cpu")
     reason = _unsupported_reason(mode, device)
     if reason is not None:
         raise ValueError(f"`mode`={mode!r} cannot run on device {device!r}: {reason}")
+    check_patterns(module, skip_modules, "skip_modules", quantizable_layers(module, mode, group_size=group_size))
     bytes_before = state_bytes(module)["parameters"]
     names = quantizable_layers(
         module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size, embeddings=embeddings
     )
     if not names:
         warnings.warn(
-            f"quantize_(mode={mode!r}) found no quantizable nn.Linear / nn.Embedding layer in {type(module).__name__} "
-            "(after filter_fn / skip_modules): nothing was quantized.",
+            f"quantize_(mode={mode!r}) found no quantizable nn.Linear / Conv1D / nn.Embedding layer in "
+            f"{type(module).__name__} (after filter_fn / skip_modules): nothing was quantized.",
             NoEffectWarning,
             stacklevel=2,
         )
         return QuantizationReport(mode, bytes_before, bytes_before, [], module)
-    _quantize_layers(module, mode, names, group_size=group_size)
-    return QuantizationReport(mode, bytes_before, state_bytes(module)["parameters"], names, module)
+    if mode == "int4_weight_only":  # torchao's int4 (tinygemm) packs bf16 weights only; it asserts otherwise
+        dtypes = sorted({str(module.get_submodule(name).weight.dtype) for name in names} - {"torch.bfloat16"})
+        if dtypes:
+            raise ValueError(
+                f"`mode`='int4_weight_only' quantizes bfloat16 weights; {type(module).__name__} has {dtypes} weights. "
+                "Convert first (model.to(torch.bfloat16), or train with precision='bf16-true'), or use "
+                "mode='intx4_weight_only'."
+            )
+    converted_bytes = _weight_bytes(module, names)
+    conv1d, tied = _quantize_layers(module, mode, names, group_size=group_size)
+    report = QuantizationReport(
+        mode, bytes_before, state_bytes(module)["parameters"], names, module, conv1d, tied, converted_bytes
+    )
+    warn_if_mostly_float(module, report, stacklevel=3)
+    return report
 
 
-def _apply_config(module: nn.Module, config: Any, names: Sequence[str], layer_type: type = nn.Linear) -> None:
-    from torchao.quantization import quantize_ as torchao_quantize_
-
-    chosen = set(names)
-    torchao_quantize_(module, config, filter_fn=lambda layer, fqn: fqn in chosen and isinstance(layer, layer_type))
-    drop_zero_points_(module, names)
+def _weight_bytes(module: nn.Module, names: Sequence[str]) -> int:
+    weights = {id(w): w for w in (module.get_submodule(name).weight for name in names)}
+    return sum(w.numel() * w.element_size() for w in weights.values())
 
 
-def drop_zero_points_(module: nn.Module, names: Sequence[str] | None = None) -> int:
-    """Drop the all-zero zero points torchao stores beside symmetric int8 weights, in place.
+def warn_if_mostly_float(module: nn.Module, report: QuantizationReport, stacklevel: int = 2) -> None:
+    """Warn (``LowMemWarning``) when less than :data:`MIN_CONVERTED_SHARE` of the parameter bytes were
+    quantized, naming the layer classes that hold the float rest."""
+    if not report.converted or report.converted_share >= MIN_CONVERTED_SHARE:
+        return
+    by_class: dict[str, int] = {}
+    seen: set[int] = set()
+    for layer in module.modules():
+        for tensor in layer.parameters(recurse=False):
+            if id(tensor) not in seen and type(tensor.data) in (torch.Tensor, nn.Parameter):
+                seen.add(id(tensor))
+                by_class[type(layer).__name__] = by_class.get(type(layer).__name__, 0) + tensor.numel() * tensor.element_size()
+    biggest = sorted(by_class.items(), key=lambda item: -item[1])[:4]
+    listed = ", ".join(f"{name} {format_bytes(size)}" for name, size in biggest)
+    warnings.warn(
+        f"quantize_(mode={report.mode!r}) converted {len(report.converted)} layers holding only "
+        f"{100 * report.converted_share:.0f}% of {type(module).__name__}'s parameter bytes "
+        f"({report.size_ratio:.2f}x smaller); float parameters remain in: {listed}. Only nn.Linear, transformers' "
+        "Conv1D and nn.Embedding are quantized; check `skip_modules` / `filter_fn` / `embeddings`.",
+        LowMemWarning,
+        stacklevel=stacklevel,
+    )
 
-    torchao's ``Int8Tensor`` (``int8_dynamic`` / ``int8_weight_only``) keeps an int8 zero point per row
-    even for symmetric quantization, where every one is 0; its own kernels never read it and its
-    ``dequantize`` treats ``None`` as 0, so dropping it changes no output and saves one byte per row
-    (1/128 of an int8 layer at width 128). Only weights whose zero points are all 0 are touched; torchao
-    tensors whose zero point is not optional (``IntxUnpackedToInt8Tensor``) are left alone.
 
-    Args:
-        module: the quantized model.
-        names: layers to look at. Default: ``None`` (every submodule).
+def _quantize_layers(
+    module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32
+) -> tuple[list[str], list[list[str]]]:
+    """Quantize exactly ``names`` with ``mode`` (plus the rest of any tied group one of them is in).
 
-    Returns:
-        Bytes freed.
-
-    Example::
-
-        >>> model = nn.Sequential(nn.Linear(128, 64))
-        >>> from torchao.quantization import Int8WeightOnlyConfig, quantize_ as torchao_quantize_
-        >>> torchao_quantize_(model, Int8WeightOnlyConfig())
-        >>> drop_zero_points_(model)
-        64
+    ``Conv1D`` layers are first replaced by exact ``nn.Linear`` layers; each tied group is quantized once
+    with :func:`embedding_config` (a format both a lookup and a linear layer read) and the quantized
+    weight is shared by its members again; other Linear layers get :func:`torchao_config`, Embedding
+    tables :func:`embedding_config`. Returns ``(Conv1D names converted, tied groups quantized)``.
     """
-    layers = module.named_modules() if names is None else ((name, module.get_submodule(name)) for name in names)
-    return sum(drop_zero_point(getattr(layer, "weight", None)) for _, layer in layers)
-
-
-def drop_zero_point(tensor: Any) -> int:
-    """:func:`drop_zero_points_` for one tensor (anything else passes untouched). Returns bytes freed.
-
-    Also used on incoming state dicts, so a checkpoint written with torchao's zero points loads into a
-    model quantized here. Fake and meta tensors (memory estimates) have no values to check: their zero
-    points are dropped, as a real run's from the same symmetric config would be."""
-    zero_point = getattr(tensor, "zero_point", None)
-    if zero_point is None or "zero_point" not in getattr(type(tensor), "optional_tensor_data_names", ()):
-        return 0
-    if not _values_unknown(zero_point) and bool(zero_point.any()):
-        return 0
-    tensor.zero_point = None
-    return zero_point.untyped_storage().nbytes()
-
-
-def _values_unknown(tensor: torch.Tensor) -> bool:
-    """A fake or meta tensor (a memory estimate): its zero points come from the same symmetric
-    config as a real run's, which are all 0."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return tensor.device.type == "meta" or is_fake(tensor)
-
-
-def _quantize_layers(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32) -> None:
-    """Quantize exactly ``names`` with ``mode``: Linear layers with :func:`torchao_config`, Embedding
-    tables with :func:`embedding_config`."""
-    embeddings = [name for name in names if isinstance(module.get_submodule(name), nn.Embedding)]
-    linears = [name for name in names if name not in embeddings]
+    chosen = set(names)
+    conv1d = [name for name in names if is_conv1d(module.get_submodule(name))]
+    if conv1d:
+        convert_conv1d_(module, conv1d)
+    groups = [group for group in tied_groups(module) if chosen & set(group)]
+    in_groups = {name for group in groups for name in group}
+    for group in groups:
+        leader = module.get_submodule(group[0])
+        apply_config(module, embedding_config(mode, group_size=group_size), group[:1], type(leader))
+        for name in group[1:]:
+            module.get_submodule(name).weight = leader.weight
+    embeddings = [n for n in names if n not in in_groups and isinstance(module.get_submodule(n), nn.Embedding)]
+    linears = [n for n in names if n not in in_groups and n not in embeddings]
     if linears:
-        _apply_config(module, torchao_config(mode, group_size=group_size), linears)
+        apply_config(module, torchao_config(mode, group_size=group_size), linears)
     if embeddings:
-        _apply_config(module, embedding_config(mode, group_size=group_size), embeddings, nn.Embedding)
-
-
-def _as_args(batch: Any) -> tuple[Any, ...]:
-    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        apply_config(module, embedding_config(mode, group_size=group_size), embeddings, nn.Embedding)
+    return conv1d, groups
 
 
 def dequantize_(module: nn.Module) -> list[str]:
     """Replace every torchao-quantized ``nn.Linear`` / ``nn.Embedding`` weight by its float
-    dequantization, in place.
+    dequantization, in place. Layers that shared a quantized weight share the float one.
 
     Returns:
         Names of the layers restored to float.
     """
-    restored = []
+    restored, floats = [], {}
     for fqn, layer in module.named_modules():
         weight = getattr(layer, "weight", None)
         if isinstance(layer, (nn.Linear, nn.Embedding)) and weight is not None and type(weight.data) is not torch.Tensor:
             if hasattr(weight, "dequantize"):
-                layer.weight = nn.Parameter(weight.dequantize().to(torch.float32), requires_grad=True)
+                if id(weight) not in floats:
+                    floats[id(weight)] = nn.Parameter(weight.dequantize().to(torch.float32), requires_grad=True)
+                layer.weight = floats[id(weight)]
                 layer.__dict__.pop("extra_repr", None)  # torchao patches the instance's extra_repr
                 restored.append(fqn)
     return restored
-
-
-# --- quantization-aware training -------------------------------------------------------------------
-
-
-def prepare_qat_(
-    module: nn.Module,
-    mode: str,
-    *,
-    filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    skip_modules: Sequence[str] = (),
-    group_size: int = 32,
-) -> list[str]:
-    """Swap the chosen ``nn.Linear`` layers for torchao fake-quantized ones (``QATConfig`` prepare).
-
-    Weights stay the same ``nn.Parameter`` objects, so an optimizer created before still updates
-    them. Returns the names of the layers prepared.
-    """
-    _check_mode(mode, QAT_MODES)
-    device = next((p.device.type for p in module.parameters()), "cpu")
-    reason = _unsupported_reason(mode, device)
-    if reason is not None:
-        raise ValueError(f"`mode`={mode!r} cannot run on device {device!r}: {reason}")
-    from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
-
-    names = [
-        fqn
-        for fqn in quantizable_layers(
-            module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size, embeddings=False
-        )
-        if not isinstance(module.get_submodule(fqn), FakeQuantizedLinear)
-    ]
-    if names:
-        _apply_config(module, QATConfig(_qat_base_config(mode, group_size), step="prepare"), names)
-    return names
-
-
-def set_fake_quant_enabled(module: nn.Module, enabled: bool) -> int:
-    """Turn torchao fake quantizers on/off (a disabled one returns its input). Returns how many."""
-    from torchao.quantization.qat import FakeQuantizerBase
-
-    count = 0
-    for child in module.modules():
-        if isinstance(child, FakeQuantizerBase):
-            child.enabled = enabled
-            count += 1
-    return count
-
-
-def convert_qat_(module: nn.Module, mode: str, *, group_size: int = 32) -> QuantizationReport:
-    """Swap fake-quantized layers back to ``nn.Linear`` and quantize them for real (``QATConfig``
-    convert). Returns a :class:`QuantizationReport` of the converted layers."""
-    _check_mode(mode, QAT_MODES)
-    from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
-
-    names = [fqn for fqn, layer in module.named_modules() if isinstance(layer, FakeQuantizedLinear)]
-    bytes_before = state_bytes(module)["parameters"]
-    if names:
-        _apply_config(module, QATConfig(_qat_base_config(mode, group_size), step="convert"), names)
-    return QuantizationReport(mode, bytes_before, state_bytes(module)["parameters"], names, module)
 
 
 def quantized_copy(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32) -> nn.Module:

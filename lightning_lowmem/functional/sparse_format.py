@@ -17,11 +17,14 @@ import torch
 
 __all__ = [
     "SPARSE_MARKER",
+    "from_sparse_state_dict",
     "is_packed_sparse",
     "pack_sparse",
     "pack_sparse_tree",
     "packed_nbytes",
     "should_pack",
+    "tensor_key",
+    "to_sparse_state_dict",
     "unpack_sparse",
     "unpack_sparse_tree",
 ]
@@ -43,6 +46,18 @@ def _unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     """(ceil(N / 8),) uint8 -> (N,) bool."""
     expanded = bits.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(bits.device)) != 0  # (N/8, 8)
     return expanded.reshape(-1)[:numel]
+
+
+def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Identity of a tensor's data: the same for every view object of one storage region (a ``state_dict()`` of a
+    model with tied weights holds one detached tensor object per key, all of them views of the same storage)."""
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake / meta / subclass tensors without a real storage
+        return ("id", id(tensor))
+    if pointer == 0:
+        return ("id", id(tensor))
+    return (pointer, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
 
 
 def should_pack(tensor: Any, min_sparsity: float = 0.3, min_numel: int = 1024) -> bool:
@@ -131,25 +146,26 @@ def packed_nbytes(packed: dict[str, Any]) -> int:
 def pack_sparse_tree(obj: Any, min_sparsity: float = 0.3, min_numel: int = 1024) -> tuple[Any, int]:
     """Replace every tensor in a nested dict / list / tuple that :func:`should_pack` accepts.
 
-    The same tensor object met twice (tied weights) is packed once and shared, so ``torch.save`` stores
-    it once. Everything else is returned as it is (not copied).
+    The same tensor data met twice (tied weights, also as two detached views in a ``state_dict()``) is packed
+    once and shared, so ``torch.save`` stores it once. Everything else is returned as it is (not copied).
 
     Returns:
         ``(new_obj, num_packed)``.
     """
-    memo: dict[int, Any] = {}
+    memo: dict[tuple[Any, ...], Any] = {}
     count = 0
 
     def visit(value: Any) -> Any:
         nonlocal count
         if isinstance(value, torch.Tensor):
-            if id(value) in memo:
-                return memo[id(value)]
+            key = tensor_key(value)
+            if key in memo:
+                return memo[key]
             result = value
             if should_pack(value, min_sparsity, min_numel):
                 result = pack_sparse(value)
                 count += 1
-            memo[id(value)] = result
+            memo[key] = result
             return result
         if isinstance(value, dict) and not is_packed_sparse(value):
             return _rebuild_mapping(value, visit)
@@ -191,3 +207,50 @@ def unpack_sparse_tree(obj: Any) -> Any:
         return value
 
     return visit(obj)
+
+
+def to_sparse_state_dict(state_dict: dict[str, torch.Tensor], min_sparsity: float = 0.5) -> dict[str, Any]:
+    """Pack tensors with at least ``min_sparsity`` zeros as bitmask + non-zero values (loads with ``weights_only=True``).
+
+    Each packed entry becomes ``{"shape": [...], "bitmask": uint8 (numel/8 bytes), "values": 1-D tensor}``. A
+    tensor under several keys (tied weights) is packed once: the keys share one entry, which ``torch.save``
+    stores once and :func:`from_sparse_state_dict` turns back into one shared tensor.
+
+    Example::
+
+        >>> sd = {"w": torch.tensor([[0.0, 2.0], [0.0, 0.0]])}
+        >>> torch.equal(from_sparse_state_dict(to_sparse_state_dict(sd))["w"], sd["w"])
+        True
+    """
+    packed: dict[str, Any] = {}
+    memo: dict[tuple[Any, ...], Any] = {}
+    for key, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() < 8:
+            packed[key] = tensor
+            continue
+        data = tensor_key(tensor)
+        if data not in memo:
+            nonzero = (tensor != 0).flatten().cpu()
+            dense = 1.0 - float(nonzero.float().mean()) < min_sparsity
+            memo[data] = tensor if dense else {
+                "shape": list(tensor.shape), "bitmask": _pack_bits(nonzero), "values": tensor.flatten().cpu()[nonzero].clone()
+            }  # fmt: skip
+        packed[key] = memo[data]
+    return packed
+
+
+def from_sparse_state_dict(packed: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_sparse_state_dict` (keys that shared one packed entry share one tensor again)."""
+    state_dict: dict[str, torch.Tensor] = {}
+    memo: dict[int, torch.Tensor] = {}
+    for key, value in packed.items():
+        if isinstance(value, dict) and {"shape", "bitmask", "values"} <= value.keys():
+            if id(value) not in memo:
+                shape = torch.Size(value["shape"])
+                dense = torch.zeros(shape.numel(), dtype=value["values"].dtype)
+                dense[_unpack_bits(value["bitmask"], shape.numel())] = value["values"]
+                memo[id(value)] = dense.view(shape)
+            state_dict[key] = memo[id(value)]
+        else:
+            state_dict[key] = value
+    return state_dict

@@ -10,6 +10,7 @@ training continues where it was instead of silently updating the old, detached t
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -17,13 +18,14 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_lowmem.model_io import output_logits
 from lightning_lowmem.warnings import NoEffectWarning
 
 __all__ = ["StructuralPruningReport", "pruned_shapes", "prune_structural_", "restore_shapes_"]
 
 # residual-stream layers: removing their channels would cut the width every block shares
 _RESIDUAL_TYPES = (nn.Embedding, nn.LayerNorm)
-_HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads")
+_HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "head_dim")  # head_dim: HF Llama-style attention
 
 
 @dataclass
@@ -50,21 +52,74 @@ def _import_torch_pruning() -> Any:
     return torch_pruning
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")  # GPT-2: weight (in, out)
+
+
+def _hf_conv1d_pruner(tp: Any) -> Any:
+    """A Torch-Pruning pruner for Hugging Face ``Conv1D`` (Torch-Pruning only knows ``nn.Linear``)."""
+
+    class Conv1DPruner(tp.pruner.function.BasePruningFunc):
+        def prune_out_channels(self, layer: nn.Module, idxs: Sequence[int]) -> nn.Module:
+            keep = sorted(set(range(layer.nf)) - set(idxs))
+            layer.nf = len(keep)
+            layer.weight = self._prune_parameter_and_grad(layer.weight, keep, 1)
+            if layer.bias is not None:
+                layer.bias = self._prune_parameter_and_grad(layer.bias, keep, 0)
+            return layer
+
+        def prune_in_channels(self, layer: nn.Module, idxs: Sequence[int]) -> nn.Module:
+            keep = sorted(set(range(layer.weight.shape[0])) - set(idxs))
+            layer.weight = self._prune_parameter_and_grad(layer.weight, keep, 0)
+            return layer
+
+        def get_out_channels(self, layer: nn.Module) -> int:
+            return layer.nf
+
+        def get_in_channels(self, layer: nn.Module) -> int:
+            return layer.weight.shape[0]
+
+    return Conv1DPruner()
+
+
+def _trace_inputs(model: nn.Module, example_inputs: Any) -> Any:
+    """Example inputs for tracing: a Hugging Face model gets ``use_cache=False`` (its KV cache concatenations
+    carry no channel sizes Torch-Pruning can follow, and the cache plays no part in the channel dependencies)."""
+    if not isinstance(example_inputs, dict) or "use_cache" in example_inputs:
+        return example_inputs
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return example_inputs
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    hf_inside = any(hasattr(getattr(m, "config", None), "use_cache") for m in model.modules())
+    if "use_cache" in parameters or (takes_kwargs and hf_inside):
+        return {**example_inputs, "use_cache": False}
+    return example_inputs
+
+
 def _default_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Conv / Linear layers except the last one (the output) and attention projections (head-shaped)."""
+    """Conv / Linear (and HF ``Conv1D``) layers except the last one (the output) and attention projections."""
     layers: list[tuple[str, nn.Module]] = []
     attention_children: set[int] = set()
     for _, sub in model.named_modules():
         if any(isinstance(getattr(sub, a, None), int) for a in _HEAD_ATTRS):
             attention_children.update(id(c) for c in sub.children())
     for fqn, sub in model.named_modules():
-        if isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) and id(sub) not in attention_children:
+        prunable = isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) or _is_hf_conv1d(sub)
+        if prunable and id(sub) not in attention_children:
             layers.append((fqn, sub))
     return layers[:-1]
 
 
 def _out_dim(module: nn.Module) -> int:
-    return module.weight.shape[0]
+    return module.weight.shape[1] if _is_hf_conv1d(module) else module.weight.shape[0]
+
+
+def _output_rows(module: nn.Module) -> torch.Tensor:
+    """The weight as ``(out, rest)``: one row per output channel."""
+    weight = module.weight.detach()
+    return (weight.t() if _is_hf_conv1d(module) else weight).flatten(1).float()
 
 
 def prune_structural_(
@@ -87,7 +142,8 @@ def prune_structural_(
     Args:
         model: the model; changed in place.
         ratio: fraction of output channels to remove per layer, in [0, 1).
-        example_inputs: an input ``model(example_inputs)`` accepts (used to trace the graph).
+        example_inputs: an input ``model(example_inputs)`` accepts (used to trace the graph); a dict is passed
+            as keywords (``model(**example_inputs)``, Hugging Face batches).
         optimizer: optimizer(s) rebound to the new parameters, their state sliced. Default: ``None``.
         filter_fn: ``filter_fn(module, fqn)`` chooses root layers. Default: ``None`` = every Conv/Linear
             except the last layer and attention projections.
@@ -117,13 +173,23 @@ def prune_structural_(
         candidates = _default_candidates(model)
     else:
         layer_types = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-        candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, layer_types) and filter_fn(m, n)]
+        candidates = [
+            (n, m) for n, m in model.named_modules() if (isinstance(m, layer_types) or _is_hf_conv1d(m)) and filter_fn(m, n)
+        ]
     was_training = model.training
     model.eval()
     with torch.enable_grad():  # Torch-Pruning traces the graph through autograd
-        graph = tp.DependencyGraph().build_dependency(model, example_inputs=example_inputs)
+        # a Hugging Face ModelOutput also holds the KV cache (tuples without grad_fn): trace the logits only
+        conv1d = {type(m) for m in model.modules() if _is_hf_conv1d(m)}
+        graph = tp.DependencyGraph().build_dependency(
+            model, example_inputs=_trace_inputs(model, example_inputs), output_transform=output_logits,
+            customized_pruners={kind: _hf_conv1d_pruner(tp) for kind in conv1d},
+        )  # fmt: skip
     plans = []
+    cut: set[int] = set()  # layers whose output channels an earlier plan already removes (coupled: Llama gate / up)
     for fqn, layer in candidates:
+        if id(layer) in cut:
+            continue
         channels = _out_dim(layer)
         n_remove = int(round(ratio * channels))
         if n_remove == 0 or n_remove >= channels:
@@ -131,13 +197,17 @@ def prune_structural_(
         if importance is not None:
             scores = importance(layer)
         else:
-            scores = torch.linalg.vector_norm(layer.weight.detach().flatten(1).float(), ord=norm, dim=1)  # (out,)
+            scores = torch.linalg.vector_norm(_output_rows(layer), ord=norm, dim=1)  # (out,)
         idxs = torch.topk(scores.cpu(), n_remove, largest=False).indices.sort().values.tolist()
         group = graph.get_pruning_group(layer, graph.get_pruner_of_module(layer).prune_out_channels, idxs=idxs)
         if any(isinstance(dep.target.module, _RESIDUAL_TYPES) for dep, _ in group):
             continue
         if graph.check_pruning_group(group):
             plans.append((fqn, group, n_remove))
+            for dep, _ in group:
+                pruner = graph.get_pruner_of_module(dep.target.module)
+                if pruner is not None and dep.handler == pruner.prune_out_channels:
+                    cut.add(id(dep.target.module))
 
     names_before = dict(model.named_parameters())
     with torch.no_grad():
@@ -251,6 +321,8 @@ def restore_shapes_(model: nn.Module, shapes: dict[str, Sequence[int]]) -> nn.Mo
             shape = shapes.get(prefix + bname)
             if buf is not None and shape is not None and list(buf.shape) != list(shape):
                 setattr(sub, bname, torch.zeros(shape, dtype=buf.dtype, device=buf.device))
+        if _is_hf_conv1d(sub):
+            sub.nf = sub.weight.shape[1]
         for attr, pname, dim in _SIZE_ATTRS.get(type(sub), ()):
             tensor = getattr(sub, pname, None)
             if tensor is not None:

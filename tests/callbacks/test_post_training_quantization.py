@@ -173,7 +173,10 @@ def test_load_from_checkpoint_with_quantize_like_checkpoint(tiny_trainer_kwargs,
         loaded = LoadsQuantized.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
         assert type(loaded.fc2.weight).__name__ == "Int8Tensor"
         assert torch.equal(loaded(inputs), module(inputs))
-        assert quantize_like_checkpoint(loaded, torch.load(ckpt_path, weights_only=True)) == []  # already quantized
+        again = torch.load(ckpt_path, weights_only=True)
+        assert quantize_like_checkpoint(loaded, again) == ["fc1", "fc2"]  # quantized layers take the checkpoint's tensors
+        loaded.load_state_dict(again["state_dict"])
+        assert torch.equal(loaded(inputs), module(inputs))
     float_checkpoint = {"state_dict": ErrorModule().state_dict()}
     assert quantize_like_checkpoint(ErrorModule(), float_checkpoint) == []
 
@@ -291,3 +294,26 @@ def test_embeddings_argument_errors_and_yaml():
     parser.add_class_arguments(PostTrainingQuantization, "ptq")
     config = parser.parse_string("ptq: {mode: int8_weight_only, embeddings: false}")
     assert parser.instantiate(config).ptq.embeddings is False
+
+
+def test_table_says_when_quantized_is_slower():
+    """Issue 20: eager int8_dynamic measured 14.7x slower than float with nothing said."""
+    table = PostTrainingQuantization("int8_dynamic")._table(
+        {"bytes": 4000, "latency_s": 0.22e-3}, {"bytes": 1000, "latency_s": 3.2e-3}, []
+    )
+    assert "14.5x SLOWER than float" in table and "int8_static" in table and "compile=True" in table
+    faster = PostTrainingQuantization("int8_dynamic")._table({"bytes": 4000, "latency_s": 2e-3}, {"bytes": 1000, "latency_s": 1e-3}, [])
+    assert "SLOWER" not in faster
+
+
+def test_checkpoint_records_its_writer(tiny_trainer_kwargs, tmp_path):
+    trainer, _ = fit(PostTrainingQuantization("int8_weight_only", latency_batches=0), tiny_trainer_kwargs)
+    path = str(tmp_path / "quantized.ckpt")
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["lowmem_quantization"]["writer"] == "PostTrainingQuantization(mode='int8_weight_only')"
+    assert checkpoint["lowmem_quantization"]["quantized"] == ["fc1", "fc2"]
+    instruction = [key for key in checkpoint["state_dict"] if key.startswith("lowmem_quantization:")]
+    assert len(instruction) == 1 and "add it to the Trainer's callbacks" in instruction[0]
+    with pytest.raises(RuntimeError, match="Unexpected key.*written by lightning_lowmem PostTrainingQuantization"):
+        ErrorModule().load_state_dict(checkpoint["state_dict"])  # a plain load: stops before using anything

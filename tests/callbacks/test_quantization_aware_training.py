@@ -99,7 +99,7 @@ def test_test_with_ckpt_path_of_converted_model(tiny_trainer_kwargs, tmp_path):
 
 def test_works_with_scheduled_pruning(tiny_trainer_kwargs):  # Lightning #11047
     scheduled_pruning = pytest.importorskip("lightning_lowmem.callbacks.scheduled_pruning")
-    from lightning_lowmem.functional.quantization import prepare_qat_
+    from lightning_lowmem.functional.quantization_qat import prepare_qat_
 
     module = TinyClassifier()
     # ScheduledPruning's automatic target search only looks at leaf modules and FakeQuantizedLinear has a
@@ -129,3 +129,50 @@ def test_bad_arguments():
         QuantizationAwareTraining(start_step=-1)
     with pytest.raises(ValueError, match="`freeze_bn_step` must be None or an int >= 0"):
         QuantizationAwareTraining(freeze_bn_step=-2)
+
+
+class CrashAt(L.Callback):
+    """Raise (like a killed process) when training reaches ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+class OneBatchRepeated(TinyClassifier):
+    """Four copies of one batch per epoch: Lightning restarts an interrupted epoch's loader from the top, so
+    only identical batches make "the same steps" independent of where the run was cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inputs, targets = self.data.tensors
+        self.data = TensorDataset(inputs[:16].repeat(4, 1), targets[:16].repeat(4))
+
+
+def test_resume_past_start_step_keeps_fake_quantization_bit_identical(tiny_trainer_kwargs, tmp_path):
+    """Issue 20: setup() decided before Lightning restored the step, and re-enabling waited for step == start_step:
+    a run resumed past start_step trained in float from the crash on."""
+
+    def trainer(callbacks, **kwargs):
+        return L.Trainer(callbacks=callbacks, max_steps=12, num_sanity_val_steps=0, limit_val_batches=0, **{**tiny_trainer_kwargs, **kwargs})
+
+    def weights(module):
+        return {name: p.detach().clone() for name, p in module.net.named_parameters()}
+
+    uninterrupted = OneBatchRepeated()
+    trainer([QuantizationAwareTraining("int8_weight_only", start_step=2, convert_on_fit_end=False)]).fit(uninterrupted)
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)  # 4 batches per epoch: step 4, 8
+    crashed = OneBatchRepeated()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        callbacks = [QuantizationAwareTraining("int8_weight_only", start_step=2, convert_on_fit_end=False), checkpoint, CrashAt(10)]
+        trainer(callbacks, enable_checkpointing=True).fit(crashed)
+    resumed = OneBatchRepeated()
+    callback = QuantizationAwareTraining("int8_weight_only", start_step=2, convert_on_fit_end=False)
+    trainer([callback]).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))  # resumes at step 8 > start_step
+    expected, got = weights(uninterrupted), weights(resumed)
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert callback._fake_quant_on is True

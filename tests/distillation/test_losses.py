@@ -148,3 +148,29 @@ def test_registered_custom_loss_and_unknown_name():
         get_loss("nope")
     with pytest.raises(TypeError, match="`fn` must be callable"):
         register_loss("bad", 3)
+
+
+def test_kd_loss_mask_selects_positions_in_both_terms():
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 5, 7, generator=generator), torch.randn(2, 5, 7, generator=generator)
+    targets = torch.randint(0, 7, (2, 5), generator=generator)
+    mask = torch.tensor([[True, True, True, False, False], [True, False, True, True, False]])
+    masked = kd_loss(student, teacher, targets, temperature=2.0, alpha=0.5, mask=mask)
+    kept = kd_loss(student[mask], teacher[mask], targets[mask], temperature=2.0, alpha=0.5)  # (N, V) of kept rows
+    torch.testing.assert_close(masked, kept)
+    student[~mask] = 1e4  # anything at the positions left out
+    torch.testing.assert_close(kd_loss(student, teacher, targets, temperature=2.0, alpha=0.5, mask=mask), kept)
+    hard = torch.tensor(3.0)
+    soft = kd_loss(student, teacher, targets, alpha=1.0, mask=mask)
+    torch.testing.assert_close(kd_loss(student, teacher, None, alpha=0.25, mask=mask, hard_loss=hard), 0.25 * soft + 0.75 * hard)
+    with pytest.raises(ValueError, match=r"`mask` shape \(2, 4\) does not match the positions \(2, 5\)"):
+        kd_loss(student, teacher, targets, mask=mask[:, :4])
+
+
+@pytest.mark.parametrize("module_name", ["lightning_lowmem.distillation.losses", "lightning_lowmem.distillation.batches"])
+def test_docstring_examples_run(module_name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module_name), extraglobs={"torch": torch, "nn": nn})
+    assert result.attempted > 0 and result.failed == 0

@@ -176,7 +176,8 @@ def test_bad_input(tiny_mlp, kwargs, error, match):
 
 @pytest.mark.parametrize(
     "module_name",
-    ["lightning_lowmem.functional.pruning", "lightning_lowmem.functional.structural_pruning", "lightning_lowmem.schedules",
+    ["lightning_lowmem.functional.pruning", "lightning_lowmem.functional.pruning_masks",
+     "lightning_lowmem.functional.structural_pruning", "lightning_lowmem.schedules",
      "lightning_lowmem.callbacks.scheduled_pruning"],
 )
 def test_docstring_examples_run(module_name):
@@ -186,3 +187,56 @@ def test_docstring_examples_run(module_name):
     module = importlib.import_module(module_name)
     result = doctest.testmod(module, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def _tied_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    table, head = nn.Embedding(50, 16), nn.Linear(16, 50, bias=False)
+    head.weight = table.weight  # a tied LM head, as GPT-2's
+    return nn.Sequential(table, nn.Linear(16, 16), head)
+
+
+def test_embeddings_and_tied_heads_left_alone_unless_asked():
+    model = _tied_model()
+    report = prune_(model, 0.5, global_=True)
+    assert set(report.per_tensor) == {"1.weight"} and get_mask(model[0]) is None and get_mask(model[2]) is None
+    report = prune_(model, 0.5, global_=True, embeddings=True)
+    assert set(report.per_tensor) == {"0.weight", "1.weight"}  # the tied table is one target, under its first name
+    assert report.num_prunable == 50 * 16 + 16 * 16 and report.num_pruned == round(0.5 * report.num_prunable)
+    assert get_mask(model[2]) is get_mask(model[0])  # one mask, shared by both owners
+    assert report.mask_bytes == sum(b.nbytes for n, b in model.named_buffers() if n.endswith("_mask")) == 50 * 16 + 256
+    assert sparsity(model) == pytest.approx(0.5)
+    assert remove_pruning_(model) == 2 and get_mask(model[2]) is None and get_mask(model[0]) is None
+
+
+def test_tied_weight_packed_once_in_the_sparse_state_dict():
+    model = _tied_model()
+    prune_(model, 0.8, embeddings=True)
+    packed = to_sparse_state_dict(model.state_dict())
+    assert packed["0.weight"] is packed["2.weight"]  # one entry: torch.save stores its bytes once
+    untied = {**packed, "2.weight": copy.deepcopy(packed["2.weight"])}
+    sizes = []
+    for state in (packed, untied):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        sizes.append(buffer.getbuffer().nbytes)
+    assert sizes[1] - sizes[0] >= packed["0.weight"]["values"].nbytes  # the shared values are not stored twice
+    restored = from_sparse_state_dict(packed)
+    assert restored["0.weight"] is restored["2.weight"] and torch.equal(restored["0.weight"], model[0].weight)
+
+
+def test_parameters_held_by_a_module_with_children_are_found():
+    class Wrapped(nn.Module):  # like torchao's FakeQuantizedLinear: owns `weight`, has a child module
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8))
+            self.observer = nn.Identity()
+
+    model = nn.Sequential(Wrapped(), nn.Linear(8, 8))
+    assert set(prune_(model, 0.5).per_tensor) == {"0.weight", "1.weight"}
+
+
+def test_pair_outside_the_model_is_refused_with_the_real_names(tiny_mlp):
+    with pytest.raises(ValueError, match=r"entry \(Linear, 'weight'\) is not a parameter of the TinyMLP being pruned; "
+                                         r"pass modules of that model \(its 'weight' parameters: \['fc1.weight'"):
+        prune_(tiny_mlp, 0.5, parameters_to_prune=[(nn.Linear(2, 2), "weight")])

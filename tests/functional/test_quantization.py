@@ -12,16 +12,15 @@ from torch import nn
 
 from lightning_lowmem.functional.quantization import (
     available_modes,
-    convert_qat_,
     dequantize_,
     drop_zero_point,
     drop_zero_points_,
-    prepare_qat_,
     quantize_,
     quantized_copy,
     search_float_fallback,
     torchao_config,
 )
+from lightning_lowmem.functional.quantization_qat import convert_qat_, prepare_qat_
 from lightning_lowmem.functional.quantization_static import quantize_static
 from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.warnings import NoEffectWarning
@@ -299,7 +298,87 @@ def test_embedding_save_load_and_dequantize(mode):
 def test_docstring_examples_run():
     import doctest
 
-    import lightning_lowmem.functional.quantization as module
+    import lightning_lowmem.functional.quantization as quantization
+    import lightning_lowmem.functional.quantization_layers as layers
+    import lightning_lowmem.functional.quantization_modes as modes
+    import lightning_lowmem.functional.quantization_qat as qat
+    import lightning_lowmem.functional.quantization_serialization as serialization
+    import lightning_lowmem.functional.quantization_static as static
 
-    result = doctest.testmod(module, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 4 and result.failed == 0
+    attempted = 0
+    for module in (quantization, layers, modes, qat, serialization, static):
+        result = doctest.testmod(module, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__
+        attempted += result.attempted
+    assert attempted >= 20
+
+
+# --- int8_static on CPUs without VNNI ---------------------------------------------------------------------
+
+
+def quant_max_of(graph_module) -> set[int]:
+    """The quant_max of every activation quantize node of a converted pt2e graph."""
+    target = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    return {int(node.args[4]) for node in graph_module.graph.nodes if node.target == target}
+
+
+@pytest.mark.parametrize(("vnni", "quant_max", "noted"), [(False, 127, True), (True, 255, False)])
+def test_static_reduces_activation_range_only_without_vnni(monkeypatch, vnni, quant_max, noted):
+    """Issue 20: compiled int8_static lost accuracy (0.145 relative error) on AVX2 CPUs without VNNI."""
+    import lightning_lowmem.functional.quantization_static as static
+
+    monkeypatch.setattr(static, "cpu_has_vnni", lambda: vnni)
+    batches = [torch.randn(8, 256) for _ in range(2)]
+    report = quantize_(wide_mlp(), "int8_static", calibration_data=batches)
+    assert quant_max_of(report.module) == {quant_max}
+    assert any("reduce_range" in note for note in report.notes) is noted
+
+
+def test_cpu_has_vnni_reads_cpu_capabilities(monkeypatch):
+    from lightning_lowmem.functional.quantization_static import cpu_has_vnni
+
+    for capabilities, expected in [
+        ({"architecture": "x86_64", "avx2": True}, False),  # AVX2 only (this project's CI machine)
+        ({"architecture": "x86_64", "avx512_f": True}, False),  # Skylake-SP: AVX-512, no VNNI
+        ({"architecture": "x86_64", "avx512_vnni": True}, True),
+        ({"architecture": "x86_64", "amx_int8": True}, True),
+        ({"architecture": "aarch64"}, True),  # nothing to avoid off x86
+    ]:
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda caps=capabilities: caps)
+        assert cpu_has_vnni() is expected, capabilities
+
+
+# --- checkpoints: portable torchao tensors -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["int8_dynamic", "int8_weight_only", "intx4_weight_only"])
+def test_portable_tensors_load_with_a_callable_map_location_and_weights_only(mode):
+    """Lightning loads with map_location=lambda storage, loc: storage, which torchao's own pickling refuses."""
+    from lightning_lowmem.functional.quantization_serialization import make_portable
+
+    model = embedding_model()
+    quantize_(model, mode)
+    state = model.state_dict()
+    lightning_map = lambda storage, loc: storage  # noqa: E731
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    with pytest.raises(Exception, match="map_location"):
+        torch.load(buffer, map_location=lightning_map, weights_only=True)  # what a plain Trainer ran into
+    assert [make_portable(value) for value in state.values()] == [True, True, False]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location=lightning_map, weights_only=True)
+    restored = embedding_model()
+    quantize_(restored, mode)
+    restored.load_state_dict(loaded)
+    tokens = torch.randint(0, 256, (2, 8))
+    assert torch.equal(restored(tokens), model(tokens))
+
+
+def test_rebuild_refuses_classes_outside_torchao():
+    from lightning_lowmem.functional.quantization_serialization import rebuild_quantized_tensor
+
+    with pytest.raises(ValueError, match="refusing to rebuild 'os:system': only torchao"):
+        rebuild_quantized_tensor("os:system", {}, None, [], [])

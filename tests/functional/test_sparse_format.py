@@ -88,3 +88,17 @@ def test_corrupt_pack_raises():
 
 def test_docstring_examples_run():
     assert doctest.testmod(sparse_format, extraglobs={"torch": torch}).failed == 0
+
+
+def test_tree_packs_a_tied_weight_once_from_a_real_state_dict():
+    table = torch.nn.Embedding(64, 32)
+    head = torch.nn.Linear(32, 64, bias=False)
+    head.weight = table.weight
+    with torch.no_grad():
+        table.weight.mul_(torch.rand(64, 32) > 0.9)
+    state = torch.nn.Sequential(table, head).state_dict()  # one detached tensor object per key
+    assert state["0.weight"] is not state["1.weight"]
+    packed, count = pack_sparse_tree(state)
+    assert count == 1 and packed["0.weight"] is packed["1.weight"]
+    restored = unpack_sparse_tree(packed)
+    assert restored["0.weight"] is restored["1.weight"] and torch.equal(restored["1.weight"], table.weight)

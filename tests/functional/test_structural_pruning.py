@@ -80,3 +80,41 @@ def test_pruned_model_reloads_with_weights_only(tiny_convnet):
 def test_bad_ratio(tiny_mlp):
     with pytest.raises(ValueError, match=r"`ratio`=1.0 must be a float in \[0, 1\)"):
         prune_structural_(tiny_mlp, 1.0, torch.randn(1, 16))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_hf_ffn_units_halved_along_the_right_dim_and_reloaded(family):
+    pytest.importorskip("transformers")
+    from tests.hf_zoo import hf_batch, hf_module
+
+    model = hf_module(family, **({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if family == "gpt2" else {})).model
+    model.eval()
+    batch = hf_batch(family, seq_len=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**batch).loss.backward()
+    opt.step()
+    mlp = model.transformer.h[0].mlp if family == "gpt2" else model.model.layers[0].mlp
+    first = mlp.c_fc if family == "gpt2" else mlp.gate_proj
+    rows = first.weight.detach().t() if family == "gpt2" else first.weight.detach()  # (out, in) either way
+    kept = torch.linalg.vector_norm(rows, dim=1).topk(rows.shape[0] // 2).indices.sort().values
+    before = _num_params(model)
+
+    report = prune_structural_(model, 0.5, batch, optimizer=opt)  # a dict batch: traced as model(**batch)
+
+    per_block = 2 * 64 * 128 + 128 if family == "gpt2" else 3 * 64 * 64  # c_fc (+bias) + c_proj / gate, up, down
+    assert before - _num_params(model) == 2 * per_block
+    if family == "gpt2":  # Conv1D weight is (in, out): output units are columns
+        assert mlp.c_fc.nf == 128 and mlp.c_fc.weight.shape == (64, 128) and mlp.c_proj.weight.shape == (128, 64)
+        assert torch.equal(mlp.c_fc.weight.detach(), rows.t()[:, kept])
+        assert model.transformer.h[0].attn.c_attn.weight.shape == (64, 192)  # attention untouched
+    else:  # gate and up are one coupled group, cut once
+        assert set(report.removed_channels) == {"model.layers.0.mlp.gate_proj", "model.layers.1.mlp.gate_proj"}
+        assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (64, 64) and mlp.down_proj.weight.shape == (64, 64)
+        assert torch.equal(mlp.gate_proj.weight.detach(), rows[kept])
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()  # training continues on the smaller model
+    fresh = hf_module(family).model.eval()
+    restore_shapes_(fresh, pruned_shapes(model)).load_state_dict(model.state_dict())
+    assert torch.equal(fresh(**batch).logits, model(**batch).logits)

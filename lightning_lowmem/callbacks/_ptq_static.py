@@ -1,0 +1,110 @@
+"""``PostTrainingQuantization(mode="int8_static")``: the child module it replaces by a calibrated int8 graph.
+
+A LightningModule cannot replace itself, so static int8 exports one submodule, ``module_name`` (e.g. the
+``model`` its ``forward`` calls). These helpers choose that child's layers, record the calls (positional
+and keyword inputs) it receives while the package runs the model on validation batches, and build the
+int8 graph of a copy of it. The callback decides when; nothing here holds state.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from lightning.fabric.utilities import move_data_to_device
+from torch import nn
+
+from lightning_lowmem.functional.quantization import QuantizationReport
+from lightning_lowmem.functional.quantization_layers import is_conv1d, matches_any, tied_groups
+from lightning_lowmem.model_io import BatchCallError, forward_batch
+from lightning_lowmem.warnings import NoEffectWarning
+
+STATIC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where ``module`` lives (an exported int8 graph may hold its weights as buffers only)."""
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def static_candidates(
+    pl_module: nn.Module, module_name: str, skip_modules: Sequence[str], filter_fn: Callable[[nn.Module, str], bool] | None
+) -> list[str]:
+    """The child's Linear / Conv / Conv1D layers (qualified from ``pl_module``), except tied ones (they stay
+    float with their embedding table: one stored copy) and those ``skip_modules`` / ``filter_fn`` leave out."""
+    child = pl_module.get_submodule(module_name)
+    tied = {f"{module_name}.{name}" for group in tied_groups(child) for name in group}
+    names = []
+    for fqn, layer in child.named_modules(prefix=module_name):
+        if not (isinstance(layer, STATIC_TYPES) or is_conv1d(layer)) or fqn in tied:
+            continue
+        if matches_any(fqn, layer, skip_modules) or (filter_fn is not None and not filter_fn(layer, fqn)):
+            continue
+        names.append(fqn)
+    return names
+
+
+def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[Any], batches: int) -> list[Any]:
+    """The calls (positional and keyword inputs) the child ``module_name`` receives on the first ``batches``
+    batches of ``loader``, the model being run as the package always runs it
+    (:func:`~lightning_lowmem.model_io.forward_batch`).
+
+    Raises:
+        BatchCallError: the model cannot be called on these batches (names the override point).
+        ValueError: the child was never called.
+    """
+    from lightning_lowmem.functional.quantization_static import ModelCall
+
+    captured: list[ModelCall] = []
+
+    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        detach = lambda value: value.detach() if isinstance(value, torch.Tensor) else value  # noqa: E731
+        captured.append(ModelCall(tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}))
+
+    handle = pl_module.get_submodule(module_name).register_forward_pre_hook(record, with_kwargs=True)
+    device = device_of(pl_module)
+    was_training = pl_module.training
+    pl_module.eval()
+    try:
+        with torch.no_grad():
+            for index, batch in enumerate(loader):
+                if index >= batches:
+                    break
+                try:
+                    forward_batch(pl_module, move_data_to_device(batch, device))
+                except BatchCallError as err:
+                    raise BatchCallError(f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}") from None
+    finally:
+        handle.remove()
+        pl_module.train(was_training)
+    if not captured:
+        raise ValueError(
+            f"`module_name`={module_name!r} was never called while the model ran on {batches} validation batches; "
+            "name the submodule your forward / forward_batch actually calls."
+        )
+    return captured
+
+
+def quantize_child(
+    pl_module: nn.Module, module_name: str, names: Sequence[str], calibration: list[Any], *, compile: bool = False
+) -> QuantizationReport:
+    """Static int8 of a copy of the child with exactly ``names`` quantized (``report.module``: to install)."""
+    from lightning_lowmem.functional.quantization_compile import compile_inference
+    from lightning_lowmem.functional.quantization_static import quantize_static
+
+    prefix = f"{module_name}."
+    chosen = {name.removeprefix(prefix) for name in names}
+    child = copy.deepcopy(pl_module.get_submodule(module_name))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoEffectWarning)  # evaluating "none quantized" is expected
+        report = quantize_static(child, calibration[0], calibration, filter_fn=lambda _, fqn: fqn in chosen)
+    report.converted = [prefix + name for name in report.converted]
+    report.conv1d = [prefix + name for name in report.conv1d]
+    if compile:
+        report.module = compile_inference(report.module)
+    return report

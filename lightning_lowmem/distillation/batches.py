@@ -1,0 +1,100 @@
+"""How a distillation step reads a batch: which positions count, which labels, the teacher's dtype.
+
+Pure functions (no Lightning), used by :class:`~lightning_lowmem.distillation.DistillationModule` and its
+cache. Two batch conventions are understood:
+
+* ``(inputs, targets, ...)`` tuples / lists: every position whose target is not ``ignore_index`` counts;
+* dict batches (Hugging Face): ``labels`` (when present, of the logits' position shape) and the attention
+  mask select the positions: a position counts when its label is not ``ignore_index`` (-100) **and** its
+  ``attention_mask`` is 1. For encoder-decoder outputs (``encoder_last_hidden_state`` present) the logits
+  are decoder positions, so ``decoder_attention_mask`` is used instead of the encoder's ``attention_mask``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_lowmem.model_io import has_forward_batch, tensor_leaves
+
+__all__ = ["cast_floating", "first_tensor", "position_mask", "takes_labels"]
+
+
+def first_tensor(batch: Any) -> torch.Tensor | None:
+    """The first tensor inside ``batch`` (to find its device), or ``None``."""
+    leaves = tensor_leaves(batch)
+    return leaves[0] if leaves else None
+
+
+def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
+    """``batch`` with every floating-point tensor cast to ``dtype`` (token ids, masks and labels untouched)."""
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)  # BatchEncoding & co.
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return tree_map(cast, batch)
+
+
+def takes_labels(model: nn.Module) -> bool:
+    """Whether ``model.forward`` accepts a ``labels`` keyword (by name or ``**kwargs``): Hugging Face models do,
+    and then return their own ``.loss`` (shifted for causal LMs)."""
+    if has_forward_batch(model):
+        return True  # the model's own override gets the whole batch
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _is_encoder_decoder(output: Any) -> bool:
+    return isinstance(output, Mapping) and output.get("encoder_last_hidden_state") is not None
+
+
+def position_mask(
+    batch: Any, logits: torch.Tensor, output: Any = None, ignore_index: int = -100
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The hard-label targets of ``batch`` and the positions of ``logits`` that count in the losses.
+
+    Args:
+        batch: a ``(inputs, targets, ...)`` tuple / list, a dict batch, or a bare tensor.
+        logits: the student's logits ``(B, C)`` or ``(B, T, V)``; positions are ``logits.shape[:-1]``.
+        output: the model output the logits came from (tells encoder-decoder outputs apart). Default: ``None``.
+        ignore_index: label value of positions that do not count. Default: -100.
+
+    Returns:
+        ``(targets, mask)``: targets of the positions' shape (or ``None``) and a ``bool`` mask of the positions'
+        shape (or ``None`` when nothing tells positions apart: all count).
+
+    Example::
+
+        >>> ids = torch.tensor([[5, 6, 7, 0]])
+        >>> batch = {"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 0]]),
+        ...          "labels": torch.tensor([[5, 6, -100, -100]])}
+        >>> position_mask(batch, torch.zeros(1, 4, 10))[1]
+        tensor([[ True,  True, False, False]])
+    """
+    positions = logits.shape[:-1]
+    if isinstance(batch, (tuple, list)):
+        targets = batch[1] if len(batch) > 1 and isinstance(batch[1], torch.Tensor) else None
+        return targets, None if targets is None else targets != ignore_index
+    if not isinstance(batch, Mapping):
+        return None, None
+    mask = None
+    labels = batch.get("labels")
+    targets = labels if isinstance(labels, torch.Tensor) and labels.shape == positions else None
+    if targets is not None:
+        mask = targets != ignore_index
+    key = "decoder_attention_mask" if _is_encoder_decoder(output) else "attention_mask"
+    attention = batch.get(key)
+    if isinstance(attention, torch.Tensor) and attention.shape == positions:
+        attended = attention.to(torch.bool)
+        mask = attended if mask is None else mask & attended
+    return targets, mask
