@@ -113,12 +113,12 @@ def _row_chunks(rows: int, width: int) -> range:
 
 
 def _chunk_starts(chunks: range, tensor: torch.Tensor) -> Any:
-    """The chunks to run. On fake tensors (``estimate_memory``) every full chunk allocates and frees the
-    same temporaries and writes into storage that already exists: the first chunk shows the loop's peak
-    and the last is the only other size, so the ones between are skipped (a 7B model's estimate runs
-    thousands of chunks otherwise)."""
-    if len(chunks) > 2 and _compat.is_fake(tensor):
-        return (chunks[0], chunks[-1])
+    """The chunks to run. On fake tensors (``estimate_memory``) every chunk allocates and frees
+    temporaries no larger than the first chunk's (the last may be smaller) and writes into storage that
+    already exists: the first chunk shows the loop's peak, so only it runs (a 7B model's estimate runs
+    thousands of chunks otherwise, and the planner runs this for every int8 candidate)."""
+    if len(chunks) > 1 and _compat.is_fake(tensor):
+        return (chunks[0],)
     return chunks
 
 
@@ -137,6 +137,7 @@ def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block_scale = block.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # (chunk, 1)
         scale[start : start + chunks.step] = block_scale
         quantized[start : start + chunks.step] = block.div_(block_scale).round_()  # |values| <= 127
+        del block, block_scale  # freed before the next chunk's copy exists: every chunk peaks alike
     return quantized, scale
 
 

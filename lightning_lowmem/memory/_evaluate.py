@@ -61,6 +61,10 @@ class CandidateEvaluator:
         self._probes: dict[tuple, ModelProbe] = {}
         self._profiles: dict[tuple, OptimizerProfile] = {}
         self._full: dict[TrainingConfig, MemoryReport] = {}
+        self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
+        self.reserve_optimizers: list[str] = []
+        """Optimizers whose state a limited model-side run reserves: the run stops once the model side
+        plus the smallest state among them passes the limit (no candidate with that model side fits)."""
         self.full_estimates = 0
         self.probes = 0
         self.profiles = 0
@@ -69,25 +73,25 @@ class CandidateEvaluator:
         """The per-axis prediction of ``config`` (a full estimate for an optimizer-in-backward, or if one
         was already made).
 
-        With ``limit_bytes``, the model-side run stops once more than that is alive: the report's peak is
-        then a lower bound above the limit (``report.meta["method"] == "lower bound"``).
+        With ``limit_bytes``, the model-side run stops once more than that, less the smallest state of
+        :attr:`reserve_optimizers`, is alive: the report's peak is then a lower bound above the limit
+        (``report.meta["method"] == "lower bound"``).
         """
         if config in self._full or config.optimizer.endswith("_in_backward"):
             return self.full(config)
-        probe = self._probe(config, limit_bytes)
-        if probe.stopped_at is not None or (limit_bytes is not None and probe.peak_bytes > limit_bytes):
-            # the model side alone is over the limit: no optimizer can make it fit (its state only adds)
-            return self._report(probe.peak_bytes, dict(probe.peak_breakdown), config, "lower bound")
+        probe, limit = self._probe(config, limit_bytes)
         profile = self._profile(config.optimizer, probe.trainable)
         peak, breakdown = combine(probe, profile)
-        return self._report(peak, breakdown, config, "per-axis")
+        # a stopped run: its model side plus the smallest optimizer state passed the limit, so no optimizer
+        # fits; the figure is a lower bound (what was alive when it stopped, plus this optimizer's state)
+        return self._report(peak, breakdown, config, "per-axis" if probe.stopped_at is None else "lower bound")
 
     def model_side_fits(self, config: TrainingConfig, limit_bytes: int) -> bool:
         """Whether ``config``'s model side alone (no optimizer state) stays within ``limit_bytes``."""
         if config.optimizer.endswith("_in_backward"):
             return self.predict(config).peak_bytes <= limit_bytes
-        probe = self._probe(config, limit_bytes)
-        return probe.stopped_at is None and probe.peak_bytes <= limit_bytes
+        probe, limit = self._probe(config, limit_bytes)
+        return probe.stopped_at is None and limit is not None and probe.peak_bytes <= limit
 
     def full(self, config: TrainingConfig) -> MemoryReport:
         """The full :func:`estimate_memory` of ``config`` (cached)."""
@@ -107,19 +111,32 @@ class CandidateEvaluator:
         return self._full[config]
 
     # ------------------------------------------------------------------ the per-axis parts
-    def _probe(self, config: TrainingConfig, limit_bytes: int | None) -> ModelProbe:
+    def _probe(self, config: TrainingConfig, limit_bytes: int | None) -> tuple[ModelProbe, int | None]:
+        """The model-side run of ``config`` and the limit its model side alone must stay within: ``limit_bytes``
+        less the smallest state of :attr:`reserve_optimizers` (known once its precision / LoRA ran once)."""
         key = (config.precision, config.activation_checkpointing, config.activation_compression,
                config.micro_batch_size, config.lora)  # fmt: skip
+        limit = None if limit_bytes is None else limit_bytes - self._reserve(config)
         cached = self._probes.get(key)
-        if cached is not None and (cached.stopped_at is None or (limit_bytes is not None and limit_bytes <= cached.stopped_at)):
-            return cached  # complete, or already proven above this limit
+        if cached is not None and (cached.stopped_at is None or (limit is not None and limit <= cached.stopped_at)):
+            return cached, limit  # complete, or already proven above this limit
         self.probes += 1
         with data_dependent_errors_explained(self.module, config, steps=2):
-            self._probes[key] = probe_model(
+            probe = probe_model(
                 self.module, self.batch, config, loss_fn=self.loss_fn, device=self.device, loop=self.loop,
-                limit_bytes=limit_bytes,
+                limit_bytes=limit,
             )  # fmt: skip
-        return self._probes[key]
+        self._probes[key] = probe
+        self._trainable[(config.precision, config.lora)] = probe.trainable
+        return probe, limit
+
+    def _reserve(self, config: TrainingConfig) -> int:
+        """The smallest optimizer state a candidate with ``config``'s model side keeps through its step."""
+        trainable = self._trainable.get((config.precision, config.lora))
+        names = [name for name in self.reserve_optimizers if not name.endswith("_in_backward")]
+        if trainable is None or not names:
+            return 0
+        return min(self._profile(name, trainable).state_bytes for name in names)
 
     def _profile(self, name: str, trainable: Any) -> OptimizerProfile:
         key = (name, trainable)

@@ -278,6 +278,7 @@ def plan_memory(
         return {key: value for key, value in (optimizer_kwargs or {}).items() if key in accepted}
 
     evaluator = CandidateEvaluator(module, batch, loss_fn=loss_fn, device=device, loop=loop, optimizer_kwargs=kwargs_for)
+    evaluator.reserve_optimizers = sorted({config.optimizer for stage in stages for config in stage})
     evaluated: dict[TrainingConfig, Candidate] = {}
     tried: list[Candidate] = []
 
