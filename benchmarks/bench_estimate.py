@@ -14,12 +14,14 @@ import gc
 import json
 import subprocess
 import sys
+import time
 import warnings
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from benchmarks._plan_timing import run_timings, timing_targets
 from benchmarks.common import CudaPeak, clear_cuda_workspaces, mib, smoke
 from lightning_lowmem.demo import CharLM, DigitsClassifier
 from lightning_lowmem.functional.optimizers import available_optimizers, build_optimizer
@@ -60,8 +62,9 @@ PLAN_7B = [
 
 def _plan_7b() -> dict[str, Any]:
     """`lowmem estimate` on a 7B-shaped decoder (32 x 4096, built on meta): the fine-tuning plan for 24 GiB."""
+    started = time.perf_counter()
     out = subprocess.run(PLAN_7B, capture_output=True, text=True, check=True).stdout
-    return json.loads(out[out.index("{") :])
+    return {**json.loads(out[out.index("{") :]), "wall_seconds": time.perf_counter() - started}
 
 
 # workload sizes: CPU (the memory core measures exactly, small is enough), CUDA (large enough that fixed
@@ -251,6 +254,8 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     shape = SMOKE_SCALE_SHAPE if smoke() else SCALE_SHAPE
     scale = json.loads(subprocess.run([sys.executable, "-c", SCALE_SCRIPT, *shape], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
     plan = _plan_7b() if not quick else None
+    timing_rows, timings = run_timings(device) if device == "cpu" else ([], None)
+    rows += timing_rows
     limit = 0.05 if device == "cpu" else 0.10
     cpu_target = "estimate within 5% of the measured peak on every configuration"
     targets = [
@@ -304,4 +309,10 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             f"full fine-tune [{plan['baseline']['label']}] predicted {plan['baseline']['predicted_peak_bytes'] / 2**30:.2f} GiB",
             "met": bool(plan["chosen"]["fits"]),
         })  # fmt: skip
+    if timings is not None:
+        targets += timing_targets(timings, plan)
+        notes += (
+            " plan_memory rows: wall time of the search on this machine (2 shared cores; the load average is in "
+            "the targets), the chosen plan's full estimate ('estimated MiB') and its per-axis prediction."
+        )
     return {"title": f"estimate_memory vs measured peak ({device})", "rows": rows, "targets": targets, "notes": notes}

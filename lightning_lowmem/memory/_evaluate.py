@@ -63,8 +63,8 @@ class CandidateEvaluator:
         self._full: dict[TrainingConfig, MemoryReport] = {}
         self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
         self.reserve_optimizers: list[str] = []
-        """Optimizers whose state a limited model-side run reserves: the run stops once the model side
-        plus the smallest state among them passes the limit (no candidate with that model side fits)."""
+        """Optimizers whose state a limited model-side run reserves, once each was profiled: the run stops
+        once the model side plus the smallest state among them passes the limit (no candidate fits then)."""
         self.full_estimates = 0
         self.probes = 0
         self.profiles = 0
@@ -134,9 +134,9 @@ class CandidateEvaluator:
         """The smallest optimizer state a candidate with ``config``'s model side keeps through its step."""
         trainable = self._trainable.get((config.precision, config.lora))
         names = [name for name in self.reserve_optimizers if not name.endswith("_in_backward")]
-        if trainable is None or not names:
-            return 0
-        return min(self._profile(name, trainable).state_bytes for name in names)
+        if trainable is None or not names or any((name, trainable) not in self._profiles for name in names):
+            return 0  # profiled when the search first predicts them (a low-bit one imports torchao: seconds)
+        return min(self._profiles[(name, trainable)].state_bytes for name in names)
 
     def _profile(self, name: str, trainable: Any) -> OptimizerProfile:
         key = (name, trainable)

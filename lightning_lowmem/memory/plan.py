@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any, Callable, Iterable
 
 import torch
@@ -244,6 +245,7 @@ def plan_memory(
     """
     from lightning_lowmem.memory._evaluate import CandidateEvaluator
 
+    started = time.perf_counter()
     budget_bytes = parse_bytes(budget, name="budget")
     if not 0 <= margin < 1:
         raise ValueError(f"`margin` must be in [0, 1), got {margin}")
@@ -370,6 +372,8 @@ def plan_memory(
             f"chosen: full estimate {format_bytes(plan.predicted_peak_bytes)}, per-axis prediction "
             f"{format_bytes(chosen.per_axis_peak_bytes)}."
         )
+    plan.seconds = time.perf_counter() - started
+    log.info("plan_memory: %s chosen in %.1f s (%s)", chosen.config.describe(), plan.seconds, plan.notes[-1])
     return plan
 
 

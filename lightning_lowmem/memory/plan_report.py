@@ -3,14 +3,16 @@ chosen one, everything tried, and a Rich table of it). Built by :func:`~lightnin
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from lightning_lowmem.memory.estimate import TrainingConfig
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes
 
-__all__ = ["Candidate", "Plan", "peak_label"]
+__all__ = ["Candidate", "Plan", "peak_label", "rich_progress"]
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Plan:
         optimizer_kwargs: arguments the chosen optimizer needs beyond the configured ones: ``{"lr": ...}``
             (:data:`DEFAULT_LR`) when the plan changed the optimizer family, else empty.
         notes: facts about the search (estimates run, per-axis vs full figure of the chosen plan).
+        seconds: how long the search took (wall clock).
     """
 
     chosen: Candidate
@@ -83,6 +86,7 @@ class Plan:
     baseline: Candidate | None = None
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
 
     @property
     def config(self) -> TrainingConfig:
@@ -103,6 +107,7 @@ class Plan:
             "optimizer_kwargs": dict(self.optimizer_kwargs),
             "candidates": [c.to_dict() for c in self.candidates],
             "notes": self.notes,
+            "seconds": round(self.seconds, 2),
         }
 
     def to_table(self) -> Any:
@@ -139,3 +144,47 @@ def peak_label(candidate: Candidate) -> str:
     if peak is None:
         return candidate.error or "-"
     return (">= " if candidate.method == "lower bound" else "") + format_bytes(peak)
+
+
+@contextlib.contextmanager
+def rich_progress(console: Any) -> Iterator[Callable[[Candidate, int, int], None]]:
+    """A ``progress`` callback for :func:`~lightning_lowmem.memory.plan.plan_memory` that shows the search.
+
+    On a terminal: a Rich progress bar (candidate, predicted peak, count, elapsed time), removed when the
+    search ends. Elsewhere (a pipe, a CI log): one line per candidate, ``[index/total] label: peak (fits)``.
+
+    Args:
+        console: a ``rich.console.Console`` (e.g. ``Console(stderr=True)``).
+
+    Example::
+
+        >>> from rich.console import Console
+        >>> import io
+        >>> console = Console(file=io.StringIO())
+        >>> with rich_progress(console) as progress:
+        ...     pass
+    """
+    if not console.is_terminal:
+        started = time.perf_counter()
+
+        def line(candidate: Candidate, index: int, total: int) -> None:
+            fits = "-" if candidate.fits is None else ("fits" if candidate.fits else "over")
+            console.print(
+                f"plan [{index}/{total}] {candidate.config.describe()}: {peak_label(candidate)} ({fits}) "
+                f"{time.perf_counter() - started:.1f} s",
+                markup=False, highlight=False,
+            )  # fmt: skip
+
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("planning", total=None)
+
+        def update(candidate: Candidate, index: int, total: int) -> None:
+            bar.update(task, completed=index, total=total,
+                       description=f"{candidate.config.describe()}: {peak_label(candidate)}")  # fmt: skip
+
+        yield update
