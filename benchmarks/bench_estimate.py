@@ -28,6 +28,10 @@ from lightning_lowmem.functional.optimizers import available_optimizers, build_o
 from lightning_lowmem.memory import measure_memory, state_bytes
 from lightning_lowmem.memory.estimate import TrainingConfig, _apply_model_techniques, _train_step, default_loss, estimate_memory
 
+LOOP = "lightning"
+"""The measured step runs in Lightning's order (zero_grad between training_step and backward: the previous
+step's gradients are alive through the forward), as ``estimate_memory`` estimates a LightningModule."""
+
 SCALE_SCRIPT = r"""
 import json, resource, sys, time, warnings
 import torch, torch.nn.functional as F
@@ -113,16 +117,16 @@ def _measure(name: str, batch_size: int, config: TrainingConfig, device: str, si
     _apply_model_techniques(model, config)
     optimizer = build_optimizer(config.optimizer, [p for p in model.parameters() if p.requires_grad])
     if device != "cuda":
-        _train_step(model, batch, default_loss, optimizer, config, autocast_dtype)
-        report = measure_memory(_train_step, model, batch, default_loss, optimizer, config, autocast_dtype, module=model,
+        _train_step(model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP)
+        report = measure_memory(_train_step, model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP, module=model,
                                 device=device)
         return {"peak": report.peak_bytes}
     # _train_step's autocast is CPU autocast (the estimator's stand-in): on CUDA autocast the CUDA ops
     autocast = torch.autocast("cuda", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with autocast:
-        _train_step(model, batch, default_loss, optimizer, config, None)  # creates the optimizer state
+        _train_step(model, batch, default_loss, optimizer, config, None, loop=LOOP)  # creates the optimizer state
     with CudaPeak() as peak, autocast:
-        _train_step(model, batch, default_loss, optimizer, config, None)
+        _train_step(model, batch, default_loss, optimizer, config, None, loop=LOOP)
     # allocated after the step beyond the model, its optimizer state and the batch: cuBLAS workspaces and the like
     tensors = sum(state_bytes(model, [optimizer]).values()) + sum(
         t.untyped_storage().nbytes() for t in tree_leaves(batch) if isinstance(t, torch.Tensor)
@@ -238,9 +242,9 @@ def _moonshot(device: str) -> dict[str, Any]:
     x = torch.randint(0, 256, (batch_size, shape["block_size"]), device="cuda")
     optimizer = build_optimizer(config.optimizer, model.parameters())
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None)
+        _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None, loop=LOOP)
     with CudaPeak() as peak, torch.autocast("cuda", dtype=torch.bfloat16):
-        _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None)
+        _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None, loop=LOOP)
     result["measured"] = peak.peak
     del model, optimizer
     _cuda_release()
