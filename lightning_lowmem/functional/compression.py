@@ -134,7 +134,11 @@ def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     chunks = _row_chunks(*rows.shape)
     for start in _chunk_starts(chunks, tensor):
         block = rows[start : start + chunks.step].to(torch.float32, copy=True)  # (chunk, N)
-        block_scale = block.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # (chunk, 1)
+        block_scale = block.abs().amax(dim=1, keepdim=True)  # (chunk, 1)
+        if _compat.is_fake(tensor):  # estimate_memory: the rest is in place / into slices, allocating nothing
+            del block, block_scale
+            break
+        block_scale.clamp_min_(1e-12).div_(127.0)
         scale[start : start + chunks.step] = block_scale
         quantized[start : start + chunks.step] = block.div_(block_scale).round_()  # |values| <= 127
         del block, block_scale  # freed before the next chunk's copy exists: every chunk peaks alike

@@ -80,11 +80,15 @@ class CandidateEvaluator:
         if config in self._full or config.optimizer.endswith("_in_backward"):
             return self.full(config)
         probe, limit = self._probe(config, limit_bytes)
-        profile = self._profile(config.optimizer, probe.trainable)
-        peak, breakdown = combine(probe, profile)
-        # a stopped run: its model side plus the smallest optimizer state passed the limit, so no optimizer
-        # fits; the figure is a lower bound (what was alive when it stopped, plus this optimizer's state)
-        return self._report(peak, breakdown, config, "per-axis" if probe.stopped_at is None else "lower bound")
+        if probe.stopped_at is not None or (limit is not None and probe.peak_bytes > limit):
+            # the model side plus the smallest optimizer state is over the limit: no optimizer fits, and none
+            # is profiled for it (a low-bit one imports torchao); the figure is a lower bound above the limit
+            reserved = (limit_bytes or 0) - (limit or 0)
+            breakdown = dict(probe.peak_breakdown)
+            breakdown["optimizer_state"] += reserved
+            return self._report(probe.peak_bytes + reserved, breakdown, config, "lower bound")
+        peak, breakdown = combine(probe, self._profile(config.optimizer, probe.trainable))
+        return self._report(peak, breakdown, config, "per-axis")
 
     def model_side_fits(self, config: TrainingConfig, limit_bytes: int) -> bool:
         """Whether ``config``'s model side alone (no optimizer state) stays within ``limit_bytes``."""
