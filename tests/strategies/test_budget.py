@@ -68,6 +68,8 @@ def test_hugging_face_gpt2_fit_peak_stays_within_the_budget(tiny_trainer_kwargs)
 
 
 def test_strategy_plan_memory_and_cli_choose_the_same_plan(tiny_trainer_kwargs, caplog, tmp_path):
+    """The three ways in plan the same mix. About 15 s: one fit, one plan, one `lowmem estimate` process
+    (its imports alone take ~5 s), and the agreement needs all three."""
     plain = estimate_memory(_nano(), nano_batch(8, 64, 96), device="cpu").peak_bytes
     budget = int(0.6 * plain)
     direct = plan_memory(_nano(), nano_batch(8, 64, 96), budget, device="cpu")
