@@ -14,17 +14,23 @@ import gc
 import json
 import subprocess
 import sys
+import time
 import warnings
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from benchmarks._plan_timing import run_timings, timing_targets
 from benchmarks.common import CudaPeak, clear_cuda_workspaces, mib, smoke
 from lightning_lowmem.demo import CharLM, DigitsClassifier
 from lightning_lowmem.functional.optimizers import available_optimizers, build_optimizer
 from lightning_lowmem.memory import measure_memory, state_bytes
 from lightning_lowmem.memory.estimate import TrainingConfig, _apply_model_techniques, _train_step, default_loss, estimate_memory
+
+LOOP = "lightning"
+"""The measured step runs in Lightning's order (zero_grad between training_step and backward: the previous
+step's gradients are alive through the forward), as ``estimate_memory`` estimates a LightningModule."""
 
 SCALE_SCRIPT = r"""
 import json, resource, sys, time, warnings
@@ -60,8 +66,9 @@ PLAN_7B = [
 
 def _plan_7b() -> dict[str, Any]:
     """`lowmem estimate` on a 7B-shaped decoder (32 x 4096, built on meta): the fine-tuning plan for 24 GiB."""
+    started = time.perf_counter()
     out = subprocess.run(PLAN_7B, capture_output=True, text=True, check=True).stdout
-    return json.loads(out[out.index("{") :])
+    return {**json.loads(out[out.index("{") :]), "wall_seconds": time.perf_counter() - started}
 
 
 # workload sizes: CPU (the memory core measures exactly, small is enough), CUDA (large enough that fixed
@@ -110,16 +117,16 @@ def _measure(name: str, batch_size: int, config: TrainingConfig, device: str, si
     _apply_model_techniques(model, config)
     optimizer = build_optimizer(config.optimizer, [p for p in model.parameters() if p.requires_grad])
     if device != "cuda":
-        _train_step(model, batch, default_loss, optimizer, config, autocast_dtype)
-        report = measure_memory(_train_step, model, batch, default_loss, optimizer, config, autocast_dtype, module=model,
+        _train_step(model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP)
+        report = measure_memory(_train_step, model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP, module=model,
                                 device=device)
         return {"peak": report.peak_bytes}
     # _train_step's autocast is CPU autocast (the estimator's stand-in): on CUDA autocast the CUDA ops
     autocast = torch.autocast("cuda", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with autocast:
-        _train_step(model, batch, default_loss, optimizer, config, None)  # creates the optimizer state
+        _train_step(model, batch, default_loss, optimizer, config, None, loop=LOOP)  # creates the optimizer state
     with CudaPeak() as peak, autocast:
-        _train_step(model, batch, default_loss, optimizer, config, None)
+        _train_step(model, batch, default_loss, optimizer, config, None, loop=LOOP)
     # allocated after the step beyond the model, its optimizer state and the batch: cuBLAS workspaces and the like
     tensors = sum(state_bytes(model, [optimizer]).values()) + sum(
         t.untyped_storage().nbytes() for t in tree_leaves(batch) if isinstance(t, torch.Tensor)
@@ -235,9 +242,9 @@ def _moonshot(device: str) -> dict[str, Any]:
     x = torch.randint(0, 256, (batch_size, shape["block_size"]), device="cuda")
     optimizer = build_optimizer(config.optimizer, model.parameters())
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None)
+        _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None, loop=LOOP)
     with CudaPeak() as peak, torch.autocast("cuda", dtype=torch.bfloat16):
-        _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None)
+        _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None, loop=LOOP)
     result["measured"] = peak.peak
     del model, optimizer
     _cuda_release()
@@ -251,6 +258,8 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     shape = SMOKE_SCALE_SHAPE if smoke() else SCALE_SHAPE
     scale = json.loads(subprocess.run([sys.executable, "-c", SCALE_SCRIPT, *shape], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
     plan = _plan_7b() if not quick else None
+    timing_rows, timings = run_timings(device) if device == "cpu" else ([], None)
+    rows += timing_rows
     limit = 0.05 if device == "cpu" else 0.10
     cpu_target = "estimate within 5% of the measured peak on every configuration"
     targets = [
@@ -304,4 +313,10 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             f"full fine-tune [{plan['baseline']['label']}] predicted {plan['baseline']['predicted_peak_bytes'] / 2**30:.2f} GiB",
             "met": bool(plan["chosen"]["fits"]),
         })  # fmt: skip
+    if timings is not None:
+        targets += timing_targets(timings, plan)
+        notes += (
+            " plan_memory rows: wall time of the search on this machine (2 shared cores; the load average is in "
+            "the targets), the chosen plan's full estimate ('estimated MiB') and its per-axis prediction."
+        )
     return {"title": f"estimate_memory vs measured peak ({device})", "rows": rows, "targets": targets, "notes": notes}

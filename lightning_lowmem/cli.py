@@ -66,7 +66,8 @@ precision and the memory callbacks of the config (ActivationCheckpointing, Activ
 MemoryEfficientOptimizer, LowRankAdapters) are what is estimated.
 
 options:
-  --budget SIZE       plan for this memory, e.g. 8GiB or 512MB
+  --budget SIZE       plan for this memory, e.g. 8GiB or 512MB (default: the config's
+                      LowMemoryStrategy memory_budget, if any). The search is shown on stderr.
   --device DEVICE     cuda or cpu (default: cuda when this machine has one, else cpu)
   --batch-shape SPEC  the batch to estimate, instead of taking one from --data. Tensors are
                       comma-separated shapes, integer (int64) unless a dtype is given:
@@ -354,6 +355,8 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
                 value = getattr(item, attribute, None)
                 if isinstance(value, (str, int)) and not isinstance(value, bool):
                     found[option] = value
+            if getattr(item, "memory_budget", None) is not None:
+                found["memory_budget"] = item.memory_budget  # what `lowmem fit` would plan for
     return found
 
 
@@ -425,10 +428,13 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     from lightning_lowmem.memory import format_bytes
     from lightning_lowmem.memory.estimate import TrainingConfig, estimate_memory
     from lightning_lowmem.memory.plan import plan_memory
+    from lightning_lowmem.memory.plan_report import rich_progress
     from lightning_lowmem.model_io import describe_batch
 
     console = Console()
     where = device if device == "cuda" or torch.cuda.is_available() else "cpu (no CUDA device here; --device cuda plans for a GPU)"
+    budget = techniques.pop("memory_budget", None)
+    own.budget = own.budget if own.budget is not None else budget
     if own.budget is None:
         report = estimate_memory(model, batch, device=device, **techniques)
         if own.json:
@@ -445,13 +451,17 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         return 0
     loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
     wanted = {k: v for k, v in techniques.items() if k in ("precision", "optimizer")}
+    # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given
+    fixed = {axis: [techniques[key]] for key, axis in (("activation_checkpointing", "checkpointing"),
+             ("activation_compression", "compressions")) if key in techniques}  # fmt: skip
     # a candidate that cannot run on fake tensors is listed with its error in the plan table; torch
     # also logs the failing op's traceback, which the table already summarises
     fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
     fake_filter = _DropMessages(r"^failed while attempting to run meta for ")
     fake_logger.addFilter(fake_filter)
     try:
-        plan = plan_memory(model, batch, own.budget, device=device, loras=loras, **wanted)
+        with rich_progress(Console(stderr=True)) as progress:
+            plan = plan_memory(model, batch, own.budget, device=device, loras=loras, progress=progress, **wanted, **fixed)
     except ValueError as err:
         if own.json:
             print(json.dumps({"error": str(err)}))
@@ -466,7 +476,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     console.print(plan.to_table())
     console.print(
         f"chosen: [bold]{plan.config.describe()}[/bold] -> predicted peak "
-        f"{format_bytes(plan.predicted_peak_bytes)} (budget {format_bytes(plan.budget_bytes)}, device {where})"
+        f"{format_bytes(plan.predicted_peak_bytes)} (budget {format_bytes(plan.budget_bytes)}, device {where}; "
+        f"planned in {plan.seconds:.1f} s)"
     )
     return 0
 

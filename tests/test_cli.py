@@ -133,10 +133,12 @@ def test_estimate_without_a_model_says_how_to_give_one(capsys):
 
 def test_estimate_json_plan(capsys):
     assert main(["estimate", "--budget", "4GiB", "--device", "cpu", "--json", *CHARLM_ARGS]) == 0
-    out = capsys.readouterr().out
-    plan = json.loads(out[out.index("{"):])
+    captured = capsys.readouterr()
+    plan = json.loads(captured.out[captured.out.index("{"):])
     assert plan["chosen"]["label"] == "32-true + adamw"
     assert plan["chosen"]["fits"] is True and plan["chosen"]["predicted_peak_bytes"] > 0
+    assert "plan [1/" in captured.err and "32-true + adamw: " in captured.err  # the search, shown on stderr
+    assert plan["seconds"] > 0
 
 
 def test_estimate_impossible_budget_fails_cleanly(capsys):

@@ -112,6 +112,16 @@ def _row_chunks(rows: int, width: int) -> range:
     return range(0, rows, max(1, _CHUNK_ELEMENTS // max(width, 1)))
 
 
+def _chunk_starts(chunks: range, tensor: torch.Tensor) -> Any:
+    """The chunks to run. On fake tensors (``estimate_memory``) every chunk allocates and frees
+    temporaries no larger than the first chunk's (the last may be smaller) and writes into storage that
+    already exists: the first chunk shows the loop's peak, so only it runs (a 7B model's estimate runs
+    thousands of chunks otherwise, and the planner runs this for every int8 candidate)."""
+    if len(chunks) > 1 and _compat.is_fake(tensor):
+        return (chunks[0],)
+    return chunks
+
+
 def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8: ``tensor ≈ q * scale``; rows are the last dimension (if it has >= 16).
 
@@ -122,11 +132,16 @@ def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantized = torch.empty(rows.shape, dtype=torch.int8, device=rows.device)  # (R, N)
     scale = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=rows.device)  # (R, 1)
     chunks = _row_chunks(*rows.shape)
-    for start in chunks:
+    for start in _chunk_starts(chunks, tensor):
         block = rows[start : start + chunks.step].to(torch.float32, copy=True)  # (chunk, N)
-        block_scale = block.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # (chunk, 1)
+        block_scale = block.abs().amax(dim=1, keepdim=True)  # (chunk, 1)
+        if _compat.is_fake(tensor):  # estimate_memory: the rest is in place / into slices, allocating nothing
+            del block, block_scale
+            break
+        block_scale.clamp_min_(1e-12).div_(127.0)
         scale[start : start + chunks.step] = block_scale
         quantized[start : start + chunks.step] = block.div_(block_scale).round_()  # |values| <= 127
+        del block, block_scale  # freed before the next chunk's copy exists: every chunk peaks alike
     return quantized, scale
 
 
@@ -134,7 +149,7 @@ def _dequantize_int8(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.
     """Inverse of :func:`_quantize_int8`, written straight into a tensor of ``dtype`` chunk by chunk."""
     out = torch.empty(quantized.shape, dtype=dtype, device=quantized.device)  # (R, N)
     chunks = _row_chunks(*quantized.shape)
-    for start in chunks:
+    for start in _chunk_starts(chunks, quantized):
         out[start : start + chunks.step] = quantized[start : start + chunks.step] * scale[start : start + chunks.step]
     return out.reshape(shape)
 

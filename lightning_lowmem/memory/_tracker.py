@@ -28,9 +28,16 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lightning_lowmem import _compat
+from lightning_lowmem.memory._tensors import (  # noqa: F401 - iter_tensors / optimizer_state_tensors: used from here
+    _is_parameter,
+    _is_plain,
+    _op_tensors,
+    _plain_tensors,
+    iter_tensors,
+    optimizer_state_tensors,
+)
 from lightning_lowmem.memory.report import CATEGORIES, PHASES, MemoryReport
 
 _ACTIVE: list["StorageTracker"] = []
@@ -58,49 +65,8 @@ class _Snapshot:
     breakdown: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Plain tensors inside ``obj`` (pytrees; tensor subclasses are opened via ``__tensor_flatten__``)."""
-    if isinstance(obj, torch.Tensor):
-        yield from _plain_tensors(obj)
-    elif isinstance(obj, (list, tuple)):  # the common containers, walked without pytree's overhead:
-        for item in obj:  # MemoryMonitor calls this every logged step
-            yield from iter_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_tensors(item)
-    elif obj is not None and not isinstance(obj, (int, float, bool, str)):
-        leaves, _ = tree_flatten(obj)
-        if len(leaves) != 1 or leaves[0] is not obj:
-            for leaf in leaves:
-                yield from iter_tensors(leaf)
-
-
-def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    if type(tensor) in (torch.Tensor, nn.Parameter) or _compat.is_fake(tensor) or not hasattr(tensor, "__tensor_flatten__"):
-        yield tensor
-        return
-    names, _ = tensor.__tensor_flatten__()
-    for name in names:
-        inner = getattr(tensor, name)
-        if isinstance(inner, torch.Tensor):
-            yield from _plain_tensors(inner)
-
-
-def optimizer_state_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
-    """Every plain tensor held in an optimizer's ``state`` (ZeRO / Lightning wrappers unwrapped)."""
-    seen: set[int] = set()
-    stack = [optimizer]
-    while stack:
-        opt = stack.pop()
-        if opt is None or id(opt) in seen:
-            continue
-        seen.add(id(opt))
-        state = getattr(opt, "state", None)
-        if isinstance(state, dict):
-            for value in state.values():
-                yield from iter_tensors(value)
-        for inner in ("optim", "_optimizer", "optimizer"):
-            stack.append(getattr(opt, inner, None))
+class MemoryLimitExceeded(RuntimeError):
+    """Raised by a tracker with ``limit_bytes`` as soon as the live bytes pass the limit."""
 
 
 class StorageTracker(TorchDispatchMode):
@@ -146,6 +112,8 @@ class StorageTracker(TorchDispatchMode):
         self._module_names: dict[int, str] = {}
         self._module_stack: list[tuple[str, int]] = []
         self._module_stats: dict[str, dict[str, int]] = {}
+        self.limit_bytes: int | None = None  # raise MemoryLimitExceeded once live bytes pass it
+        self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
         self.report: MemoryReport | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,20 +187,29 @@ class StorageTracker(TorchDispatchMode):
         phase = self._phase_now()
         if phase != self._phase:
             self._enter_phase(phase)
-        for tensor in iter_tensors((args, kwargs)):
+        records = self._records
+        for tensor in _op_tensors(args, kwargs):
             key = self._key(tensor)
             if key is None:
                 continue
-            if key not in self._records:
-                self._see(tensor, "parameters" if isinstance(tensor, nn.Parameter) else "other")
-            elif isinstance(tensor, nn.Parameter) and self._records[key].category == "other":
+            is_param = _is_parameter(tensor)
+            record = records.get(key)
+            if record is None:
+                self._see(tensor, "parameters" if is_param else "other")
+            elif is_param and record.category == "other":
                 self._relabel(key, "parameters")
-            if isinstance(tensor, nn.Parameter):
+            if is_param:
                 self._hook_param(tensor)
         out = func(*args, **kwargs)
-        for tensor in iter_tensors(out):
-            self._allocate(tensor)
+        if isinstance(out, torch.Tensor):
+            self._allocate_all(_plain_tensors(out) if not _is_plain(out) else (out,))
+        else:
+            self._allocate_all(iter_tensors(out))
         return out
+
+    def _allocate_all(self, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._allocate(tensor)
 
     # ------------------------------------------------------------------ public helpers
     def mark(self, tensor: torch.Tensor, category: str) -> None:
@@ -257,6 +234,11 @@ class StorageTracker(TorchDispatchMode):
     @property
     def peak_bytes(self) -> int:
         return self._peak.total
+
+    @property
+    def current_breakdown(self) -> dict[str, int]:
+        """Bytes live right now, per category (labels learnt later are not applied to this copy)."""
+        return dict(self._current)
 
     # ------------------------------------------------------------------ internals
     def _key(self, tensor: torch.Tensor) -> int | None:
@@ -346,6 +328,8 @@ class StorageTracker(TorchDispatchMode):
         self._last_seq = seq
         if self._total > self._peak.total:
             self._peak = _Snapshot(self._total, seq, dict(self._current))
+            if self.limit_bytes is not None and self._total > self.limit_bytes and not self._stopped:
+                raise MemoryLimitExceeded(f"live bytes {self._total} passed the limit {self.limit_bytes}")
         phase_peak = self._phase_peaks.get(self._phase)
         if phase_peak is None or self._total > phase_peak.total:
             self._phase_peaks[self._phase] = _Snapshot(self._total, seq, dict(self._current))

@@ -12,22 +12,33 @@ compression, optimizers, LoRA), so the estimate cannot drift from what training 
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from lightning_lowmem import _compat
-from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
+from lightning_lowmem.memory._fake_step import (
+    LOOPS,
+    AUTOCAST_DTYPES,
+    TRUE_DTYPES,
+    apply_model_techniques,
+    build_lookup_tables,
+    build_optimizer,
+    configured_optimizer,
+    create_state,
+    device_optimizer_kwargs,
+    fake_batch,
+    fake_module,
+    resolve_loop,
+    train_step,
+)
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.sharding import ShardedStep
+from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
 
 __all__ = ["PRECISIONS", "EstimationError", "TrainingConfig", "estimate_memory"]
 
@@ -107,48 +118,9 @@ class TrainingConfig:
         }
 
 
-# ----------------------------------------------------------------------------- fake copies
-def _fake_like(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Inside a FakeTensorMode: an uninitialised fake CPU tensor shaped like ``tensor``."""
-    dtype = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
-    if tensor.is_contiguous():
-        return torch.empty(tensor.shape, dtype=dtype, device="cpu")
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device="cpu")
-
-
-def _fake_module(module: nn.Module, dtype: torch.dtype | None, fake_mode: Any) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are fake; nothing real is copied."""
-    memo: dict[int, Any] = {}
-    with fake_mode:
-        for param in module.parameters():
-            memo[id(param)] = nn.Parameter(_fake_like(param, dtype), requires_grad=param.requires_grad)
-        for buffer in module.buffers():
-            memo[id(buffer)] = _fake_like(buffer, dtype)
-    for value in vars(module).values():  # never copy (or log into) a Trainer the module is attached to
-        if type(value).__name__ == "Trainer":
-            memo[id(value)] = None
-    return copy.deepcopy(module, memo)
-
-
-def _split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
-    sizes = {leaf.shape[0] for leaf in _tensor_leaves(batch) if leaf.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(f"cannot split the batch into micro-batches: tensors disagree on dim 0 sizes {sorted(sizes)}")
-    total = sizes.pop()
-    chunks = math.ceil(total / micro_batch_size)
-    return [
-        tree_map(
-            lambda t: t[i * micro_batch_size : (i + 1) * micro_batch_size] if isinstance(t, torch.Tensor) and t.dim() else t,
-            batch,
-        )
-        for i in range(chunks)
-    ]
-
-
-def _tensor_leaves(batch: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
-    return [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+# the step machinery lives in _fake_step (shared with the planner); tests and benchmarks run these for real
+_apply_model_techniques = apply_model_techniques
+_train_step = train_step
 
 
 def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -176,7 +148,7 @@ def estimate_memory(
     batch: Any,
     *,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     precision: str = "32-true",
     device: str = "cuda",
     steps: int = 2,
@@ -186,6 +158,7 @@ def estimate_memory(
     lora: dict[str, Any] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     config: TrainingConfig | None = None,
+    loop: str = "auto",
     world_size: int = 1,
     sharding: str | None = None,
 ) -> MemoryReport:
@@ -197,18 +170,28 @@ def estimate_memory(
             ``meta``. Only shapes and dtypes are used.
         loss_fn: ``loss_fn(module, batch) -> loss``. Default: :func:`default_loss` (a LightningModule's
             own ``training_step`` under automatic optimization).
-        optimizer: optimizer name (see ``functional.optimizers.available_optimizers()``). Default: ``"adamw"``.
+        optimizer: optimizer name (see ``functional.optimizers.available_optimizers()``), or ``None``: the
+            one the module's ``configure_optimizers`` returns, with its arguments (built on a fake copy),
+            else ``"adamw"``. Default: ``None``.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
             Mixed precision runs CPU autocast as a stand-in for CUDA autocast. Default: ``"32-true"``.
         device: ``"cuda"`` applies the caching allocator's 512-byte block rounding and lists the CUDA
             context and cuBLAS workspace in ``report.overheads``; ``"cpu"`` counts exact bytes.
             Default: ``"cuda"``.
         steps: optimizer steps to run; the last one is reported (the second step is the first with
-            optimizer state). Default: 2.
+            optimizer state). Only the last step runs forward and backward: the first creates the
+            optimizer state with one optimizer step on fake gradients, which is all it leaves behind.
+            Default: 2.
         activation_checkpointing, activation_compression, micro_batch_size, lora: techniques, see
             :class:`TrainingConfig`. Default: off.
         optimizer_kwargs: extra optimizer arguments (``lr`` ...). Default: none.
         config: a :class:`TrainingConfig` that replaces the technique arguments above.
+        loop: the order of a step. ``"lightning"``: Lightning's automatic optimization, which zeroes
+            gradients between ``training_step`` and backward, so the previous step's gradients live
+            through the forward (with micro-batches, ``AutoMicrobatch`` zeroes them first).
+            ``"torch"``: forward, backward, step, ``zero_grad``. ``"auto"``: ``"lightning"`` for a
+            LightningModule under automatic optimization estimated through its own ``training_step``
+            (no ``loss_fn``), else ``"torch"``. Default: ``"auto"``.
         world_size: processes the step runs on; ``batch`` is one process's batch. Default: 1.
         sharding: ``"ddp"``, ``"zero1"`` or ``"fsdp"`` (``lowmem_ddp``, ``lowmem_ddp`` with
             ``zero_optimizer=True``, ``lowmem_fsdp``), or ``None`` (one process; ``"ddp"`` if
@@ -233,6 +216,8 @@ def estimate_memory(
         True
     """
     if config is None:
+        if optimizer is None:
+            optimizer, optimizer_kwargs = as_configured(module, optimizer_kwargs)
         config = TrainingConfig(
             precision=precision,
             activation_checkpointing=activation_checkpointing,
@@ -245,34 +230,58 @@ def estimate_memory(
         raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
-    if not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
+    loop = resolve_loop(module, loss_fn, loop)
     loss_fn = loss_fn or default_loss
     sharded = ShardedStep(sharding, world_size)  # validates world_size / sharding
-    true_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(config.precision)
-    autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(config.precision)
-    autocast_dtype = sharded.autocast_dtype(config.precision, autocast_dtype)
+    true_dtype = TRUE_DTYPES.get(config.precision)
+    autocast_dtype = sharded.autocast_dtype(config.precision, AUTOCAST_DTYPES.get(config.precision))
+    in_backward = config.optimizer.endswith("_in_backward")
     tracker = StorageTracker(device="cpu", round_bytes=cuda_block_bytes if device == "cuda" else None, by_module=False)
 
-    _build_lookup_tables(config.optimizer)
+    build_lookup_tables(config.optimizer)
     fake_mode = _compat.fake_tensor_mode()
-    try:
-        model = _fake_module(module, true_dtype, fake_mode)
+    with data_dependent_errors_explained(module, config, steps):
+        model = fake_module(module, true_dtype, fake_mode)
         with sharded, fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.train()
-            _apply_model_techniques(model, config)
+            apply_model_techniques(model, config)
             sharded.shard(model, config.precision)
-            fake_batch = tree_map(lambda t: _fake_like(t, true_dtype) if isinstance(t, torch.Tensor) else t, batch)
+            batch = fake_batch(batch, true_dtype)
             params = [p for p in model.parameters() if p.requires_grad]
-            opt = _build_optimizer(config.optimizer, params, _optimizer_kwargs(config.optimizer, device, optimizer_kwargs))
+            kwargs = device_optimizer_kwargs(config.optimizer, device, optimizer_kwargs)
+            opt = build_optimizer(config.optimizer, params, kwargs)
             tracker.modules = [model]
             tracker.optimizers = [opt]
-            for step in range(steps):
-                context = tracker if step == steps - 1 else contextlib.nullcontext()
-                # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors
-                with context, _compat.force_eager():
-                    _train_step(model, fake_batch, loss_fn, opt, config, autocast_dtype, fake=True)
+            # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors
+            with _compat.force_eager():
+                if steps > 1:  # the first step's lasting effect, without its forward / backward
+                    create_state(opt, params)
+                    if loop == "torch" or in_backward:
+                        opt.zero_grad(set_to_none=True)
+                for _ in range(steps - 2):
+                    train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
+                with tracker:
+                    train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
+
+    report = tracker.report
+    assert report is not None
+    report.source = "estimated"
+    report.device = device
+    report.meta = {"config": config.to_dict(), "steps": steps, "label": config.describe(), "loop": loop}
+    report = sharded.finish(report, opt)
+    if device == "cuda":
+        report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
+    return report
+
+
+@contextlib.contextmanager
+def data_dependent_errors_explained(module: nn.Module, config: TrainingConfig, steps: int) -> Iterator[None]:
+    """Turn fake-tensor errors about data-dependent control flow into an :class:`EstimationError`."""
+    try:
+        yield
     except _compat.data_dependent_errors() as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise EstimationError(
@@ -283,101 +292,11 @@ def estimate_memory(
             f"with `measure_memory`."
         ) from err
 
-    report = tracker.report
-    assert report is not None
-    report.source = "estimated"
-    report.device = device
-    report.meta = {"config": config.to_dict(), "steps": steps, "label": config.describe()}
-    report = sharded.finish(report, opt)
-    if device == "cuda":
-        report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
-    return report
 
-
-def _optimizer_kwargs(name: str, device: str, user_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """On CUDA, torch's Adam/AdamW/SGD default to the ``foreach`` kernels (with their temporaries);
-    on CPU, and for fake CPU tensors, to the per-tensor loop. Mirror the target device's default."""
-    kwargs = dict(user_kwargs or {})
-    if device == "cuda" and name in ("adamw", "adam", "sgd"):
-        kwargs.setdefault("foreach", True)
-    return kwargs
-
-
-def _build_lookup_tables(name: str) -> None:
-    """torchao's low-bit optimizers build their quantization maps lazily (``lru_cache``) with ``.tolist()``,
-    which has no value on fake tensors: build them here, for real, before entering the fake mode."""
-    if "8bit" in name or "4bit" in name:
-        from torchao.optim import subclass_4bit, subclass_8bit
-
-        for table in (subclass_8bit, subclass_4bit):
-            table.get_qmap_signed()
-            table.get_qmap_unsigned()
-
-
-def _build_optimizer(name: str, params: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
-    from lightning_lowmem.functional.optimizers import build_optimizer
-
-    return build_optimizer(name, params, **kwargs)
-
-
-def _apply_model_techniques(model: nn.Module, config: TrainingConfig) -> None:
-    if config.activation_checkpointing is not None or config.activation_compression:
-        # as the callbacks do (model_io.disable_kv_cache_), on this throwaway copy: a Hugging Face model's
-        # training-time KV cache would keep what checkpointing / compression free
-        for sub in model.modules():
-            config_ = getattr(sub, "config", None)
-            if isinstance(getattr(config_, "use_cache", None), bool):
-                config_.use_cache = False
-    if config.lora:
-        from lightning_lowmem.functional.lora import apply_lora_
-
-        apply_lora_(model, **dict(config.lora))
-    if config.activation_checkpointing is not None:
-        from lightning_lowmem.functional.checkpointing import checkpoint_
-
-        checkpoint_(model, config.activation_checkpointing)
-
-
-class _OptimizerScalars(TorchDispatchMode):
-    """Answer ``.item()`` with 1 inside an optimizer step on fake tensors.
-
-    Optimizers read scalars for their *values* only (Adafactor's step count and update norms; torch's
-    ``capturable=False`` paths): the result never decides a tensor's shape, so the memory of the step
-    does not depend on it. The model's forward and loss are not wrapped: a data-dependent ``.item()``
-    there can change shapes and must stay an :class:`EstimationError`.
-    """
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            tensor = args[0]
-            if tensor.dtype == torch.bool:
-                return True
-            return 1.0 if tensor.is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
-
-
-def _train_step(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    optimizer: Any,
-    config: TrainingConfig,
-    autocast_dtype: torch.dtype | None,
-    fake: bool = False,
-) -> None:
-    micro_batches = _split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
-    for micro_batch in micro_batches:
-        with contextlib.ExitStack() as stack:
-            if config.activation_compression:
-                from lightning_lowmem.functional.compression import compress_activations
-
-                stack.enter_context(compress_activations(config.activation_compression))
-            with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
-                loss = loss_fn(model, micro_batch)
-            in_backward = config.optimizer.endswith("_in_backward")  # its steps run inside backward
-            with _OptimizerScalars() if in_backward and fake else contextlib.nullcontext():
-                (loss / len(micro_batches) if len(micro_batches) > 1 else loss).backward()  # as Lightning does
-        del loss
-    with _OptimizerScalars() if fake else contextlib.nullcontext():
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def as_configured(module: nn.Module, optimizer_kwargs: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The optimizer ``module.configure_optimizers()`` returns (name, arguments; ``optimizer_kwargs`` win),
+    or AdamW when it has none the estimator knows."""
+    found = configured_optimizer(module)
+    if found is None:
+        return "adamw", dict(optimizer_kwargs or {})
+    return found[0], {**found[1], **(optimizer_kwargs or {})}

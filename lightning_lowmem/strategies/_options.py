@@ -219,6 +219,8 @@ class _LowMemoryOptions:
             rank_zero_info(f"LowMemoryStrategy: prefetch=True is a no-op on {device_type} (it overlaps host-to-GPU copies).")
 
     def _plan(self, trainer: Any, module: Any, device_type: str) -> None:
+        import time
+
         from lightning_lowmem.strategies.budget import plan_for_budget
 
         batch = self._first_training_batch(trainer)
@@ -226,17 +228,33 @@ class _LowMemoryOptions:
             rank_zero_info("LowMemoryStrategy: no training batches, so `memory_budget` is not planned.")
             return
         configured = self.precision_plugin.precision  # type: ignore[attr-defined]
-        baseline_optimizer = self.optimizer_name or "adamw"
+        rank_zero_info(
+            f"LowMemoryStrategy: planning memory_budget={format_bytes(self.memory_budget_bytes or 0)} on the first "
+            "training batch..."
+        )
+
+        def progress(candidate: Any, index: int, total: int) -> None:
+            peak = candidate.predicted_peak_bytes
+            outcome = candidate.error if peak is None else (
+                f"{'>= ' if candidate.method == 'lower bound' else ''}{format_bytes(peak)}, "
+                f"{'fits' if candidate.fits else 'over'}"
+            )  # fmt: skip
+            rank_zero_info(f"LowMemoryStrategy: [{index}/{total}] {candidate.config.describe()}: {outcome}")
+
+        started = time.perf_counter()
         plan = plan_for_budget(
             module,
             batch,
             self.memory_budget,  # type: ignore[arg-type]
             device="cuda" if device_type == "cuda" else "cpu",
             precision=configured,
-            optimizer=baseline_optimizer,
+            optimizer=self.optimizer_name,  # None: configure_optimizers' own
             fixed=self._explicit,
+            optimizer_kwargs=self.optimizer_kwargs,
+            progress=progress,
         )
         config = plan.config
+        baseline_optimizer = plan.baseline.config.optimizer if plan.baseline is not None else config.optimizer
         if config.precision != configured:
             self.precision_preset = config.precision
             self.precision_plugin = precision_plugin(config.precision, device_type)
@@ -244,6 +262,7 @@ class _LowMemoryOptions:
         self.activation_compression = config.activation_compression
         if config.optimizer != baseline_optimizer:
             self.optimizer_name = config.optimizer
+            self.optimizer_kwargs = {**plan.optimizer_kwargs, **self.optimizer_kwargs}  # a new family's lr
         if config.micro_batch_size is not None:  # whole batches cannot fit: run them in micro-batches
             from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch
 
@@ -257,6 +276,9 @@ class _LowMemoryOptions:
             f"LowMemoryStrategy: memory_budget={format_bytes(plan.budget_bytes)} -> [{config.describe()}], predicted "
             f"peak {format_bytes(plan.predicted_peak_bytes)}"
             + (f" (as configured: {format_bytes(baseline)})" if baseline is not None else "")
+            + (f", optimizer arguments {plan.optimizer_kwargs}" if plan.optimizer_kwargs else "")
+            + f"; planned in {time.perf_counter() - started:.1f} s"
+            + "".join(f" {note}" for note in plan.notes if note.startswith("configure_optimizers"))
         )
 
     @staticmethod

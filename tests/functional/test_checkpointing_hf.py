@@ -89,10 +89,13 @@ def test_estimate_matches_the_measured_hugging_face_step(hf_family, policy):
             checkpoint_(model, policy)
     optimizer = torch.optim.AdamW(model.parameters())
 
-    def step() -> None:
-        model.training_step(batch, 0).backward()  # what the estimate runs (the LightningModule's own step)
-        optimizer.step()
+    def step() -> None:  # what the estimate runs: the LightningModule's own step, in Lightning's order
+        loss = model.training_step(batch, 0) / 1  # Lightning's closure: loss / normalize, a detached copy,
+        logged = loss.detach().clone()  # then zero_grad (the previous step's gradients lived until here)
         optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        del logged
 
     model.train()
     step()  # the second step is the first with optimizer state, as the estimate reports
