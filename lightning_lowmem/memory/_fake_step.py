@@ -303,7 +303,9 @@ def _copy_state(state: dict[str, Any], shared: set[int]) -> dict[str, Any] | Non
     return copied
 
 
-def _copy_tensor(tensor: torch.Tensor, shared: set[int]) -> torch.Tensor | None:
+def _copy_tensor(tensor: Any, shared: set[int]) -> torch.Tensor | None:
+    if not isinstance(tensor, torch.Tensor) or _is_dtensor(tensor):  # e.g. FSDP2's sharded state: stepped instead
+        return None
     if id(tensor.untyped_storage()) in shared:
         return tensor
     flatten = getattr(tensor, "__tensor_flatten__", None)
@@ -320,6 +322,10 @@ def _copy_tensor(tensor: torch.Tensor, shared: set[int]) -> torch.Tensor | None:
         return type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())
     except Exception:  # noqa: BLE001 - a subclass that cannot be rebuilt this way: the caller steps it
         return None
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"
 
 
 def _plain(tensor: torch.Tensor) -> list[torch.Tensor]:
