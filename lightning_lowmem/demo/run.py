@@ -87,9 +87,9 @@ def settings_for(quick: bool, bf16: str = "auto") -> DemoSettings:
     else:
         short, reason = bf16 == "short", f"--bf16 {bf16}"
     if quick:  # a smaller charlm (4 layers, batch 16): the same story in a third of the compute
-        return DemoSettings(quick=True, charlm_steps=30, digits_epochs=3, bf16_short=short, bf16_reason=reason,
+        return DemoSettings(quick=True, charlm_steps=20, digits_epochs=2, bf16_short=short, bf16_reason=reason,
                             charlm_model=dict(n_layer=4, n_head=4, n_embd=128, block_size=64), charlm_batch_size=16,
-                            charlm_chars=400_000, val_batches=10)
+                            charlm_chars=300_000, val_batches=8)
     return DemoSettings(quick=False, charlm_steps=200, digits_epochs=12, bf16_short=short, bf16_reason=reason)
 
 
