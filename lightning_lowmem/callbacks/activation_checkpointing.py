@@ -104,6 +104,11 @@ class ActivationCheckpointing(L.Callback):
             )
 
     @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Lightning skips callbacks' `teardown` when fit raises: hand the model back as it came (use_cache too)
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._module is not None:
             uncheckpoint_(self._module, self.wrapped)

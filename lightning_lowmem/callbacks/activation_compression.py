@@ -123,7 +123,7 @@ class ActivationCompression(L.Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._close()
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls no `teardown` when fit raises
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

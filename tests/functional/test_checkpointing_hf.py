@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_lowmem import ActivationCheckpointing, ActivationCompression, estimate_memory
-from lightning_lowmem.functional.checkpointing import checkpoint_, uncheckpoint_
+from lightning_lowmem.functional.checkpointing import checkpoint_, checkpointed_modules, uncheckpoint_
 from lightning_lowmem.memory import measure_memory
 from lightning_lowmem.warnings import LowMemWarning
 
@@ -68,6 +68,22 @@ def test_callbacks_switch_the_cache_off_while_fitting_and_restore_it(callback, t
         trainer.fit(module, hf_zoo.hf_data("gpt2"))
     assert seen == [False, False]
     assert module.model.config.use_cache is True
+
+
+@pytest.mark.parametrize("callback", [lambda: ActivationCheckpointing("auto"), lambda: ActivationCompression("int8")])
+def test_a_fit_that_raises_hands_the_model_back_as_it_came(callback, tiny_trainer_kwargs):
+    """Lightning calls no callback `teardown` when fit raises: `on_exception` restores the cache (and the blocks)."""
+    module = hf_zoo.hf_module("gpt2")
+
+    class Boom(L.Callback):
+        def on_train_batch_end(self, *args):
+            raise RuntimeError("boom")
+
+    trainer = L.Trainer(max_steps=2, limit_val_batches=0, callbacks=[callback(), Boom()], **tiny_trainer_kwargs)
+    with pytest.warns(LowMemWarning, match="use_cache"), pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(module, hf_zoo.hf_data("gpt2"))
+    assert module.model.config.use_cache is True
+    assert checkpointed_modules(module) == []
 
 
 def test_checkpointing_a_model_that_checkpoints_itself_warns(tiny_trainer_kwargs):
