@@ -126,14 +126,11 @@ class LoraLinear(nn.Linear):
         self.merged = False
         self.lora_dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        # new_empty / new_zeros follow the weight: real, meta or fake tensors alike (a torchao-quantized base,
-        # e.g. a model quantized after training, has no new_empty: plain tensors on its device)
-        if is_quantized(weight):
-            self.lora_A = nn.Parameter(torch.empty((r, self.in_features), dtype=dtype, device=weight.device))
-            self.lora_B = nn.Parameter(torch.zeros((self.out_features, r), dtype=dtype, device=weight.device))
-        else:
-            self.lora_A = nn.Parameter(weight.new_empty((r, self.in_features), dtype=dtype))  # (r, in)
-            self.lora_B = nn.Parameter(weight.new_zeros((self.out_features, r), dtype=dtype))  # (out, r)
+        # new_empty / new_zeros follow the weight: real, meta or fake tensors alike (a torchao-quantized base has
+        # no new_empty: a plain tensor on its device stands in)
+        like = torch.empty(0, device=weight.device) if is_quantized(weight) else weight
+        self.lora_A = nn.Parameter(like.new_empty((r, self.in_features), dtype=dtype))  # (r, in)
+        self.lora_B = nn.Parameter(like.new_zeros((self.out_features, r), dtype=dtype))  # (out, r)
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear; B = 0 keeps step 0 exact
 
     @classmethod
