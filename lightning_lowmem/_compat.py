@@ -202,6 +202,47 @@ def on_fsdp_storage_resize(listener: Any) -> None:
         _fsdp_param_group.alloc_storage = alloc
 
 
+_COLLECTIVE_CONTEXTS: list[Any] = []
+
+
+def around_fsdp_collectives(context: Any) -> None:
+    """Run every ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` inside ``context(kind,
+    output, input)`` (a context-manager factory; ``kind`` is ``"all_gather"`` or ``"reduce_scatter"``).
+
+    Why private: these two are what FSDP2's default communication (``_fsdp_collectives.DefaultAllGather``
+    / ``DefaultReduceScatter``) calls, looked up on ``torch.distributed`` at each call; wrapping them is
+    how the memory core learns that a backend may allocate in its own thread during the call (gloo's
+    reduce-scatter reduces a copy of its input). Idempotent per context.
+    """
+    if context in _COLLECTIVE_CONTEXTS:
+        return
+    _COLLECTIVE_CONTEXTS.append(context)
+    import contextlib
+    import inspect
+
+    import torch.distributed as dist
+
+    def wrap(kind: str, original: Any) -> Any:
+        if getattr(original, "_lowmem_wrapped", False):
+            return original
+
+        signature = inspect.signature(original)
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            output, input = list(signature.bind(*args, **kwargs).arguments.values())[:2]
+            with contextlib.ExitStack() as stack:
+                for factory in _COLLECTIVE_CONTEXTS:
+                    stack.enter_context(factory(kind, output, input))
+                return original(*args, **kwargs)
+
+        collective._lowmem_wrapped = True  # type: ignore[attr-defined]
+        collective.__wrapped__ = original  # type: ignore[attr-defined]
+        return collective
+
+    dist.all_gather_single = wrap("all_gather", dist.all_gather_single)
+    dist.reduce_scatter_single = wrap("reduce_scatter", dist.reduce_scatter_single)
+
+
 def lightning_model_parallel_setup_steps() -> tuple[Any, Any]:
     """Lightning's ``_materialize_distributed_module`` and ``_optimizers_to_device``.
 

@@ -19,6 +19,7 @@ little high; state, gradients and parameters are exact.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ class StorageTracker(TorchDispatchMode):
         self._module_stats: dict[str, dict[str, int]] = {}
         self.limit_bytes: int | None = None  # raise MemoryLimitExceeded once live bytes pass it
         self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
+        self._backend_depth = 0  # > 0 inside a collective: storages first seen then were made by the backend
         self.report: MemoryReport | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -227,6 +229,22 @@ class StorageTracker(TorchDispatchMode):
         """Count a storage resized in place (no tensor op a dispatch mode sees), e.g. by FSDP2."""
         self._allocate(tensor)
 
+    @contextlib.contextmanager
+    def backend_allocations(self) -> Iterator[None]:
+        """Inside: a storage first seen was allocated just now by a communication backend, not before tracking.
+
+        A collective's backend may allocate in its own thread, where this (thread-local) dispatch mode sees
+        nothing; gloo's reduce-scatter, for one, reduces a copy of its input and reads it back in the caller's
+        thread when the work is waited on. Seen there for the first time, such a storage would otherwise count
+        as alive since tracking began (the rule for storages made before tracking), once for every
+        collective of the step, all at the same snapshot.
+        """
+        self._backend_depth += 1
+        try:
+            yield
+        finally:
+            self._backend_depth -= 1
+
     @property
     def current_bytes(self) -> int:
         return self._total
@@ -294,6 +312,10 @@ class StorageTracker(TorchDispatchMode):
         if key is None or key in self._records:
             if key is not None:
                 self._relabel(key, category)
+            return
+        if self._backend_depth and not self._stopped:  # made during a collective, not before tracking
+            self._allocate(tensor)
+            self._relabel(key, category)
             return
         nbytes = self._storage_bytes(tensor)
         self._records[key] = _Record(nbytes, category, 0, "forward")

@@ -234,7 +234,7 @@ def estimate_memory(
         raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
     loop = resolve_loop(module, loss_fn, loop)
     loss_fn = loss_fn or default_loss
-    sharded = ShardedStep(sharding, world_size)  # validates world_size / sharding
+    sharded = ShardedStep(sharding, world_size, device=device)  # validates world_size / sharding
     true_dtype = TRUE_DTYPES.get(config.precision)
     autocast_dtype = sharded.autocast_dtype(config.precision, AUTOCAST_DTYPES.get(config.precision))
     in_backward = config.optimizer.endswith("_in_backward")

@@ -22,8 +22,9 @@ core see them, for estimates and measurements alike.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -44,11 +45,38 @@ def _notify_tracker(tensor: torch.Tensor) -> None:
         tracker.resized(tensor)
 
 
+_GLOO_COPIES: list[bool] = [False]  # set while an estimate simulates a gloo (CPU) run
+
+
+@contextlib.contextmanager
+def _collective(kind: str, output: torch.Tensor, input: torch.Tensor) -> Iterator[None]:
+    """Around each FSDP collective: backend allocations count from now; in a simulated gloo run, its copy.
+
+    Gloo's reduce-scatter (``ProcessGroupGloo``, CPU) reduces a copy of the whole input (the unit's
+    unsharded gradients) in its worker thread and copies this rank's chunk out of it on ``wait``; the copy
+    lives for the call (FSDP2 waits at once on CPU). The fake process group communicates nothing, so the
+    estimate allocates the same copy for the same time. NCCL reduces in place: no copy on GPU.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from lightning_lowmem.memory._tracker import active_tracker
+
+    tracker = active_tracker()
+    copy = None
+    if kind == "reduce_scatter" and _GLOO_COPIES[0] and isinstance(input, FakeTensor):
+        copy = torch.empty_like(input)  # noqa: F841 - held for the call, as gloo holds its copy
+    with tracker.backend_allocations() if tracker is not None else contextlib.nullcontext():
+        yield
+    del copy
+
+
 def count_fsdp_resizes() -> None:
-    """Make the memory core see FSDP2 allocate and free gathered parameters (in-place storage resizes)."""
+    """Make the memory core see what FSDP2 allocates outside tensor ops: gathered parameters (in-place
+    storage resizes) and the communication backend's buffers (see ``StorageTracker.backend_allocations``)."""
     from lightning_lowmem import _compat
 
     _compat.on_fsdp_storage_resize(_notify_tracker)
+    _compat.around_fsdp_collectives(_collective)
 
 
 def check_sharding(world_size: Any, sharding: Any) -> str | None:
@@ -95,11 +123,14 @@ class ShardedStep:
         world_size: number of processes. Default: 1.
         wrap_policy: FSDP units, as ``LowMemoryFSDPStrategy(wrap_policy=...)``. Default: ``"auto"``.
         reshard_after_forward: as the strategy's. Default: ``True``.
+        device: the device type the ranks run on: ``"cpu"`` simulates gloo (its reduce-scatter copies its
+            input), ``"cuda"`` NCCL. Default: ``"cuda"``.
     """
 
     def __init__(self, sharding: str | None, world_size: int = 1, wrap_policy: Any = "auto",
-                 reshard_after_forward: bool = True) -> None:  # fmt: skip
+                 reshard_after_forward: bool = True, device: str = "cuda") -> None:  # fmt: skip
         self.sharding = check_sharding(world_size, sharding)
+        self.device = device
         self.world_size = world_size
         self.wrap_policy = wrap_policy
         self.reshard_after_forward = reshard_after_forward
@@ -130,6 +161,7 @@ class ShardedStep:
         self._owns_group = True
         self._mesh = init_device_mesh("cpu", (self.world_size,))  # outside FakeTensorMode: real rank tensors
         count_fsdp_resizes()
+        _GLOO_COPIES[0] = self.device == "cpu" and self.world_size > 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -137,6 +169,7 @@ class ShardedStep:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+            _GLOO_COPIES[0] = False
             self._owns_group = False
             self._mesh = None
 

@@ -86,6 +86,28 @@ def test_frees_are_counted():
     del b
 
 
+def test_a_buffer_a_backend_thread_made_counts_from_when_it_is_first_seen():
+    """gloo's reduce-scatter copies its input in a worker thread (invisible to the dispatch mode) and reads it back
+    on wait: seen then for the first time, it must not count as alive since tracking began, once per collective."""
+    import threading
+
+    from lightning_lowmem.memory._tracker import active_tracker
+
+    made: list[torch.Tensor] = []
+    with track_memory(device="cpu") as tracking:
+        early = torch.empty(1000)  # 4000 bytes: the peak before the collectives
+        del early
+        for _ in range(3):  # three collectives, each with its own backend copy (2000 bytes), freed after
+            worker = threading.Thread(target=lambda: made.append(torch.empty(500)))
+            worker.start()
+            worker.join()
+            with active_tracker().backend_allocations():
+                made[-1].sum()  # the caller's thread reads the copy: its first sight of it
+            made.pop()
+    assert tracking.report.peak_bytes == 4000  # not 4000 + 3 x 2000 (every copy alive at the first peak)
+    assert tracking.report.end_bytes == 0
+
+
 def test_optimizer_found_without_being_passed():
     model = nn.Linear(64, 64)
     optimizer = torch.optim.Adam(model.parameters())

@@ -81,3 +81,18 @@ def test_fsdp_estimate_inside_a_process_group_says_where_to_run_it(tmp_path, no_
             estimate_memory(model, batch, device="cpu", world_size=2, sharding="fsdp")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("device", "copies"), [("cpu", 1), ("cuda", 0)])
+def test_a_simulated_gloo_reduce_scatter_holds_a_copy_of_its_input(no_process_group, device, copies):
+    """gloo (CPU) reduces a copy of the reduce-scatter input for the call; NCCL (GPU) reduces in place."""
+    from lightning_lowmem import _compat
+    from lightning_lowmem.memory._tracker import StorageTracker
+    from lightning_lowmem.memory.sharding import ShardedStep
+
+    with ShardedStep("fsdp", world_size=2, device=device), _compat.fake_tensor_mode():
+        gradients, shard = torch.empty(1024), torch.empty(512)  # made before tracking
+        with StorageTracker(device="cpu") as tracker:
+            dist.reduce_scatter_single(shard, gradients)
+    assert tracker.report.peak_bytes == 4096 + 2048 + copies * 4096
+    assert tracker.report.end_bytes == 4096 + 2048  # the copy is gone after the call
