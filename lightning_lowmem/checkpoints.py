@@ -163,6 +163,7 @@ def check_trainer(trainer: Any, checkpoint: Mapping[str, Any]) -> None:
 def guard_module_loading(trainer: Any, module: Any) -> None:
     """Run :func:`check_trainer` first in ``module.on_load_checkpoint`` (idempotent; undo with
     :func:`unguard_module_loading`). Lightning calls that hook before it applies anything of a checkpoint."""
+    _reject_unreadable_folder(trainer)
     installed = module.__dict__.get("on_load_checkpoint")
     if getattr(installed, "_lowmem_guard", False):
         installed._lowmem_trainer = trainer  # type: ignore[union-attr]  # the Trainer of this run
@@ -176,6 +177,29 @@ def guard_module_loading(trainer: Any, module: Any) -> None:
     on_load_checkpoint._lowmem_guard = True  # type: ignore[attr-defined]
     on_load_checkpoint._lowmem_trainer = trainer  # type: ignore[attr-defined]
     module.on_load_checkpoint = on_load_checkpoint
+
+
+def _reject_unreadable_folder(trainer: Any) -> None:
+    """Before a strategy that reads single files loads ``ckpt_path``: a sharded FSDP folder is an error saying
+    how to consolidate (Lightning's own strategies would fail in ``torch.load`` with ``IsADirectoryError``).
+    The path is known only when the strategy loads, so its ``load_checkpoint`` is wrapped (idempotent)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):  # these read folders
+        return
+    load = strategy.load_checkpoint
+    if getattr(load, "_lowmem_folder_check", False):
+        return
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        from lightning_lowmem.strategies.fsdp_checkpoint import reject_sharded_checkpoint
+
+        reject_sharded_checkpoint(checkpoint_path, f"strategy {type(strategy).__name__}")
+        return load(checkpoint_path, *args, **kwargs)
+
+    load_checkpoint._lowmem_folder_check = True  # type: ignore[attr-defined]
+    strategy.load_checkpoint = load_checkpoint
 
 
 def unguard_module_loading(module: Any) -> None:

@@ -252,7 +252,18 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        from pathlib import Path
+
+        from lightning_lowmem.strategies.fsdp_checkpoint import is_sharded_checkpoint, load_sharded_checkpoint
+
+        path = Path(self.broadcast(checkpoint_path))  # every rank reads the folder rank 0 names
+        if is_sharded_checkpoint(path):  # Lightning's loader: no strict=False, no low-bit state
+            assert self.lightning_module is not None
+            checkpoint = load_sharded_checkpoint(
+                path, self.model, self.optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+            )
+        else:
+            checkpoint = super().load_checkpoint(path, weights_only)
         for optimizer in self.optimizers:
             _compat.requantize_low_bit_state(optimizer)
         return checkpoint

@@ -12,7 +12,7 @@ import lightning_lowmem  # noqa: F401  (registers "lowmem_fsdp")
 from lightning_lowmem.callbacks import ActivationCheckpointing, LowRankAdapters
 from lightning_lowmem.demo.charlm import CharLM
 from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
-from lightning_lowmem.strategies.fsdp_checkpoint import is_sharded_checkpoint
+from lightning_lowmem.strategies.fsdp_checkpoint import consolidate_checkpoint, is_sharded_checkpoint
 
 GLOBAL_BATCH = 8
 
@@ -41,6 +41,8 @@ class _Record(L.Callback):
 
     def on_train_start(self, trainer, pl_module):  # after a resumed checkpoint was loaded
         self.start = {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()}
+        state = trainer.strategy.optimizer_state(trainer.optimizers[0])  # full, dequantized, on rank 0
+        self.start_optimizer = torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state)
 
     def on_train_end(self, trainer, pl_module):
         from torch.distributed.tensor import DTensor
@@ -54,6 +56,7 @@ class _Record(L.Callback):
             {
                 "weights": {k: v.clone() for k, v in full.items()},
                 "start_weights": self.start,
+                "start_optimizer": self.start_optimizer,
                 "local_fraction": local / sum(p.numel() for p in params),
                 "optimizer": type(optimizer).__name__,
                 "quantized_state": [type(getattr(s["exp_avg"], "_local_tensor", s["exp_avg"])).__name__ for s in states],
@@ -62,6 +65,22 @@ class _Record(L.Callback):
             },
             f"{self.directory}/rank{trainer.global_rank}.pt",
         )
+
+
+class _SaveSharded(L.Callback):
+    """At the end of epoch 0 (step 2), also save a sharded folder (the strategy's save_distributed_checkpoint=True
+    format) from the same run, beside ModelCheckpoint's consolidated file."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 0:
+            trainer.strategy._save_distributed_checkpoint = True
+            try:
+                trainer.save_checkpoint(self.folder)
+            finally:
+                trainer.strategy._save_distributed_checkpoint = False
 
 
 def _callbacks(directory, save_base_weights: bool = False) -> list:
@@ -96,11 +115,13 @@ def _resume_on_one(tmp_path, ckpt_path, name, save_base_weights: bool = False) -
 @pytest.mark.slow
 def test_two_processes_train_save_consolidated_and_resume_on_one(tmp_path):
     """2 ranks (spawn): checkpointing + LoRA + adamw8bit; the step-2 checkpoint is one full file that
-    resumes on 1 rank to the same weights as the 2-rank run's step 4."""
+    resumes on 1 rank to the same weights as the 2-rank run's step 4; the sharded folder saved at the same
+    step resumes on 1 rank exactly as the file does."""
     torch.manual_seed(0)
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
     strategy = LowMemoryFSDPStrategy(optimizer="adamw8bit", start_method="spawn")
-    trainer = _trainer(tmp_path / "two", 2, strategy, 4, [*_callbacks(tmp_path), checkpoints])
+    sharded = tmp_path / "sharded-step2"
+    trainer = _trainer(tmp_path / "two", 2, strategy, 4, [*_callbacks(tmp_path), _SaveSharded(sharded), checkpoints])
     trainer.fit(_TinyLM())
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
 
@@ -123,6 +144,32 @@ def test_two_processes_train_save_consolidated_and_resume_on_one(tmp_path):
     # load (~1e-3 after two steps at lr=1e-2; a lost optimizer state or a wrong batch differs by ~1e-2)
     _assert_same_weights(resumed["weights"], rank0["weights"], rtol=0.05, atol=2.5e-3)
     assert "OptimState8bit" in resumed["quantized_state"]  # the dequantized moments were quantized again
+
+    # the sharded folder (2 ranks wrote it) resumes on 1 rank: the saved adapters and moments exactly, and the
+    # run then continues exactly as the one resumed from the consolidated file (loops, optimizer, data)
+    assert is_sharded_checkpoint(sharded)
+    folder = consolidate_checkpoint(sharded)
+    from_folder = _resume_on_one(tmp_path, sharded, "one-from-folder")
+    assert folder["state_dict"].keys() == saved["state_dict"].keys()  # adapters only (LowRankAdapters' format)
+    for key, value in folder["state_dict"].items():
+        assert torch.equal(from_folder["start_weights"][key], value), key
+    start, saved_state = from_folder["start_optimizer"], folder["optimizer_states"][0]
+
+    def in_order(state):  # Lightning keys the moments by model-parameter position, the folder by group position
+        return [state["state"][i] for group in state["param_groups"] for i in group["params"]]
+
+    assert len(in_order(start)) == len(in_order(saved_state)) == 4  # lora_A / lora_B of 2 blocks
+    for resumed_moments, saved_moments in zip(in_order(start), in_order(saved_state)):
+        assert torch.equal(resumed_moments["step"], saved_moments["step"])
+        for name in ("exp_avg", "exp_avg_sq"):
+            resumed_value, saved_value = resumed_moments[name], saved_moments[name]
+            if saved_value.numel() < 4096:  # lora_A: too small for 8-bit blocks, fp32 moments: exact
+                assert torch.equal(resumed_value, saved_value), name
+            else:  # 8-bit: saved dequantized, quantized again on load: within one code of the 8-bit map
+                tolerance = 0.02 * saved_value.abs().max().item()
+                torch.testing.assert_close(resumed_value, saved_value, rtol=0, atol=tolerance)
+    for key, value in resumed["weights"].items():
+        assert torch.equal(from_folder["weights"][key], value), key
 
 
 @pytest.mark.slow
@@ -209,5 +256,17 @@ def test_a_sharded_checkpoint_loaded_without_the_strategy_says_how_to_consolidat
     folder = tmp_path / "step=2.ckpt"
     folder.mkdir()
     (folder / ".metadata").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"is a sharded FSDP checkpoint.*strategy='lowmem' cannot read.*consolidate_checkpoint"):
+    with pytest.raises(ValueError, match=r"is a sharded FSDP checkpoint.*strategy='lowmem' cannot read.*consolidate_checkpoint.*dcp_to_torch_save"):
         _trainer(tmp_path, 1, "lowmem", 1, []).fit(_TinyLM(), ckpt_path=folder)
+
+
+def test_a_sharded_checkpoint_under_lightnings_own_strategy_says_how_to_consolidate(tmp_path):
+    """Lightning's single-device strategy would fail in torch.load on a folder; a lowmem callback checks first."""
+    from lightning_lowmem.callbacks import MemoryEfficientOptimizer
+
+    folder = tmp_path / "step=2.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"")
+    callbacks = [MemoryEfficientOptimizer("adamw8bit")]
+    with pytest.raises(ValueError, match=r"sharded FSDP checkpoint.*strategy SingleDeviceStrategy cannot read.*consolidate_checkpoint.*dcp_to_torch_save"):
+        _trainer(tmp_path, 1, "auto", 1, callbacks).fit(_TinyLM(), ckpt_path=folder)
