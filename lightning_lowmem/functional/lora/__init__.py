@@ -1,0 +1,29 @@
+"""Low-rank adapters: ``LoraLinear`` and the transforms that add, merge and save them (``adapters``), and
+the frozen quantized base of QLoRA (``quantized_base``).
+"""
+
+from lightning_lowmem.functional.lora.adapters import (
+    LoraLinear,
+    LoraReport,
+    apply_lora_,
+    load_adapters,
+    lora_config,
+    lora_state_dict,
+    merge_lora_,
+    merged_state_dict,
+    save_adapters,
+    unmerge_lora_,
+)
+
+__all__ = [
+    "LoraLinear",
+    "LoraReport",
+    "apply_lora_",
+    "load_adapters",
+    "lora_config",
+    "lora_state_dict",
+    "merge_lora_",
+    "merged_state_dict",
+    "save_adapters",
+    "unmerge_lora_",
+]
