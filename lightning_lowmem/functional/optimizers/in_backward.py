@@ -17,9 +17,15 @@ every backward is an optimizer step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import torch
+
+from lightning_lowmem.functional.optimizers import plain, stochastic_rounding
+
+_INNER_BUILDERS = {**plain.BUILDERS, **stochastic_rounding.BUILDERS}
+_INNER_ARGUMENTS = {**plain.ARGUMENTS, **stochastic_rounding.ARGUMENTS}
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -46,18 +52,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable[Any], inner: str = "adamw", **kwargs: Any) -> None:
-        from lightning_lowmem.functional.optimizers.registry import (
-            attach_state_hooks,
-            available_optimizers,
-            build_optimizer,
-            check_optimizer_kwargs,
-        )
-
-        if not isinstance(inner, str) or inner.lower() not in available_optimizers() or "in_backward" in inner:
-            allowed = [n for n in available_optimizers() if "in_backward" not in n]
-            raise ValueError(f"`inner`={inner!r} is not a plain optimizer name; choose one of {allowed}")
+        if not isinstance(inner, str) or inner.lower() not in _INNER_BUILDERS:
+            raise ValueError(f"`inner`={inner!r} is not a plain optimizer name; choose one of {sorted(_INNER_BUILDERS)}")
         self.inner_name = inner.lower()
-        check_optimizer_kwargs(self.inner_name, kwargs, owner=f"{self.inner_name}_in_backward")
+        plain.check_arguments(
+            self.inner_name, _INNER_ARGUMENTS[self.inner_name](), kwargs, owner=f"{self.inner_name}_in_backward"
+        )
         self.inner_kwargs = dict(kwargs)
         super().__init__(params, dict(kwargs))
         self.inner_optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {}
@@ -67,7 +67,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             for param in group["params"]:
                 if not param.requires_grad:
                     continue
-                inner_opt = build_optimizer(self.inner_name, [{"params": [param], **options}], **self.inner_kwargs)
+                inner_opt = plain.build_from(
+                    _INNER_BUILDERS, _INNER_ARGUMENTS, self.inner_name, [{"params": [param], **options}], **self.inner_kwargs
+                )
                 if hasattr(inner_opt, "seed_offset"):  # stochastic rounding: one random stream per parameter
                     inner_opt.seed_offset = len(self.inner_optimizers)
                 self.inner_optimizers[param] = inner_opt
@@ -77,7 +79,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 for key, value in inner_opt.param_groups[0].items():  # betas, eps...: a complete saved group
                     if key != "params":
                         group.setdefault(key, float(value) if isinstance(value, torch.Tensor) else value)
-        attach_state_hooks(self, f"{self.inner_name}_in_backward")
+        plain.attach_state_hooks(self, f"{self.inner_name}_in_backward")
 
     def _make_hook(self, group_index: int, inner_opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -137,3 +139,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+BUILDERS: dict[str, plain.Builder] = {
+    f"{inner}_in_backward": functools.partial(OptimizerInBackward, inner=inner)
+    for inner in ("adamw", "adamw8bit", "adamw4bit", "sgd", "adafactor", "adafactor_bf16_sr")
+}
+"""The optimizer-in-backward names, by registry name (each accepts its inner optimizer's arguments)."""
+
+ARGUMENTS: dict[str, Callable[[], Iterable[str]]] = {
+    name: _INNER_ARGUMENTS[name.removesuffix("_in_backward")] for name in BUILDERS
+}

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lightning_lowmem._compat import is_fake
+from lightning_lowmem.functional.optimizers import plain
 
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
@@ -159,12 +160,10 @@ class StochasticRounding(torch.optim.Optimizer):
     _PLAIN = ("adamw", "adam", "sgd", "adafactor")
 
     def __init__(self, params: Iterable[Any], inner: str = "adafactor", **kwargs: Any) -> None:
-        from lightning_lowmem.functional.optimizers.registry import build_optimizer, check_optimizer_kwargs
-
         if not isinstance(inner, str) or inner.lower() not in self._PLAIN:
             raise ValueError(f"`inner`={inner!r} cannot be stochastically rounded; choose one of {list(self._PLAIN)}")
         self.inner_name = inner.lower()
-        check_optimizer_kwargs(self.inner_name, kwargs, owner=f"{self.inner_name}_bf16_sr")
+        plain.check_arguments(self.inner_name, plain.ARGUMENTS[self.inner_name](), kwargs, f"{self.inner_name}_bf16_sr")
         super().__init__(params, dict(kwargs))
         self._proxies: dict[torch.Tensor, torch.nn.Parameter] = {}
         inner_groups = []
@@ -175,7 +174,7 @@ class StochasticRounding(torch.optim.Optimizer):
                 self._proxies[param] = proxy
                 proxies.append(proxy)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": proxies})
-        self.inner = build_optimizer(self.inner_name, inner_groups)
+        self.inner = plain.build_from(plain.BUILDERS, plain.ARGUMENTS, self.inner_name, inner_groups)
         for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             for key, value in inner_group.items():  # the inner defaults (eps, betas, ...) become visible here
                 group.setdefault(key, value)
@@ -183,9 +182,7 @@ class StochasticRounding(torch.optim.Optimizer):
         self.seed_offset = 0  # set per parameter by OptimizerInBackward
         self._steps = 0  # the step count of inner optimizers that keep none
         self._link_state()
-        from lightning_lowmem.functional.optimizers.registry import attach_state_hooks
-
-        attach_state_hooks(self, self.inner_name)  # the inner optimizer's state layout
+        plain.attach_state_hooks(self, self.inner_name)  # the inner optimizer's state layout
 
     @staticmethod
     def _empty(param: torch.Tensor) -> torch.Tensor:
@@ -244,3 +241,22 @@ class StochasticRounding(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # param_groups (lr, ...); its state copy is cast to bf16: replaced
         self.inner.load_state_dict(state_dict)  # same layout, keyed by the float32 proxies: stays float32
         self._link_state()
+
+
+def _adamw_bf16_sr(params: Any, **kw: Any) -> torch.optim.Optimizer:
+    import torchao.optim  # lazy: importing torchao prints warnings on CPU
+
+    # torchao rounds with the global generator, which no checkpoint holds: seed it from the step count
+    return seed_rounding_draws(plain._tensor_lr(torchao.optim._AdamW(params, bf16_stochastic_round=True, **kw)))
+
+
+BUILDERS: dict[str, plain.Builder] = {
+    "adamw_bf16_sr": _adamw_bf16_sr,
+    "adafactor_bf16_sr": lambda params, **kw: StochasticRounding(params, inner="adafactor", **kw),
+}
+"""The stochastically rounded optimizers, by registry name."""
+
+ARGUMENTS: dict[str, Callable[[], Iterable[str]]] = {
+    "adamw_bf16_sr": lambda: [a for a in plain._TORCHAO_ADAMW_ARGUMENTS if a not in ("block_size", "bf16_stochastic_round")],
+    "adafactor_bf16_sr": plain.ARGUMENTS["adafactor"],
+}
