@@ -17,10 +17,10 @@ from lightning_lowmem.functional.lora.adapters import (
     LoraReport,
     _validate,
     apply_lora_,
-    lora_config,
     lora_layers,
     merged_state_dict,
 )
+from lightning_lowmem.functional.lora.files import lora_config
 
 PREFIX = "lowmem/lora"
 WRITER = "LowRankAdapters"

@@ -1,4 +1,4 @@
-"""Low-rank adapters: ``LoraLinear`` and the transforms that add, merge and save them (``adapters``), and
+"""Low-rank adapters: ``LoraLinear`` and the transforms that add and merge them (``adapters``), adapters-only files (``files``) and
 the frozen quantized base of QLoRA (``quantized_base``).
 """
 
@@ -6,14 +6,11 @@ from lightning_lowmem.functional.lora.adapters import (
     LoraLinear,
     LoraReport,
     apply_lora_,
-    load_adapters,
-    lora_config,
-    lora_state_dict,
     merge_lora_,
     merged_state_dict,
-    save_adapters,
     unmerge_lora_,
 )
+from lightning_lowmem.functional.lora.files import load_adapters, lora_config, lora_state_dict, save_adapters
 
 __all__ = [
     "LoraLinear",

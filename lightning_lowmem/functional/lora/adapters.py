@@ -9,7 +9,7 @@ original floating dtype.
 
 The wrapper keeps the base layer's parameter names (``<layer>.weight``, ``<layer>.bias``) and adds
 ``<layer>.lora_A`` / ``<layer>.lora_B``, so a base checkpoint still loads into the wrapped model and
-:func:`lora_state_dict` holds adapter tensors only. Nothing here branches on tensor values, so
+:func:`~lightning_lowmem.functional.lora.files.lora_state_dict` holds adapter tensors only. Nothing here branches on tensor values, so
 :func:`apply_lora_` also runs on FakeTensor / meta parameters (used by ``estimate_memory``).
 """
 
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +37,8 @@ __all__ = [
     "LoraLinear",
     "LoraReport",
     "apply_lora_",
-    "load_adapters",
-    "lora_config",
-    "lora_state_dict",
     "merge_lora_",
     "merged_state_dict",
-    "save_adapters",
     "unmerge_lora_",
 ]
 
@@ -52,7 +47,6 @@ QUANTIZE_CHOICES = (None, "int8", "int4")
 ALL_LINEAR = "all-linear"
 # Output projections left out by ``target="all-linear"`` (vocabulary / class heads, as PEFT does).
 HEAD_NAMES = ("lm_head", "head", "classifier", "score")
-FILE_FORMAT = "lightning_lowmem.lora/1"
 
 
 @dataclass
@@ -323,34 +317,6 @@ def _wrap(
     )  # fmt: skip
 
 
-def lora_config(module: nn.Module) -> dict[str, Any]:
-    """The settings needed to rebuild ``module``'s adapters: layer names, rank, alpha, dropout, quantization.
-
-    Raises:
-        ValueError: ``module`` has no LoRA layers.
-    """
-    layers = lora_layers(module)
-    if not layers:
-        raise ValueError(f"{type(module).__name__} has no LoRA layers: call apply_lora_ first.")
-    first = next(iter(layers.values()))
-    dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
-    quantized = {is_quantized(layer.weight) for layer in layers.values()}
-    quantize_base = None
-    if True in quantized:
-        quantize_base = "int4" if "int4" in type(first.weight).__name__.lower() else "int8"
-    return {"target": list(layers), "r": first.r, "alpha": first.alpha, "dropout": dropout, "quantize_base": quantize_base}
-
-
-def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors (``<layer>.lora_A`` / ``<layer>.lora_B``), detached, keyed as in ``state_dict()``."""
-    return {key: value.detach() for key, value in module.state_dict().items() if key.endswith(ADAPTER_SUFFIXES)}
-
-
-def save_adapters(module: nn.Module, path: str | os.PathLike) -> None:
-    """Write adapter tensors and :func:`lora_config` to ``path`` (read back by :func:`load_adapters`)."""
-    torch.save({"format": FILE_FORMAT, "lora_config": lora_config(module), "state_dict": lora_state_dict(module)}, path)
-
-
 def merge_lora_(module: nn.Module) -> int:
     """Add each adapter's update into its base weight (``W += alpha / r * B @ A``); returns layers merged.
 
@@ -405,102 +371,3 @@ def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
                 weight = weight + layer.delta_weight().to(weight.dtype)
             state[key] = weight.t().contiguous() if layer.fan_in_fan_out else weight.clone()
     return state
-
-
-def _read(source: str | os.PathLike | dict[str, Any], weights_only: bool) -> tuple[dict[str, torch.Tensor], dict | None]:
-    payload = source if isinstance(source, dict) else torch.load(source, map_location="cpu", weights_only=weights_only)
-    config = payload.get("lora_config")
-    state = payload.get("state_dict", payload)
-    for callback_state in (payload.get("callbacks") or {}).values():  # a Lightning checkpoint
-        if isinstance(callback_state, dict) and "lora_config" in callback_state:
-            config = config or callback_state["lora_config"]
-    adapters = {k: v for k, v in state.items() if isinstance(k, str) and k.endswith(ADAPTER_SUFFIXES)}
-    return adapters, config
-
-
-def _layer_name(prefix: str, names: Iterable[str]) -> str | None:
-    """Map a checkpoint's layer prefix to a layer of the module (checkpoints may add leading components)."""
-    names = set(names)
-    parts = prefix.split(".")
-    for start in range(len(parts)):
-        candidate = ".".join(parts[start:])
-        if candidate in names:
-            return candidate
-    return None
-
-
-def load_adapters(
-    module: nn.Module,
-    source: str | os.PathLike | dict[str, Any],
-    *,
-    alpha: float | None = None,
-    quantize_base: str | None = None,
-    weights_only: bool = True,
-) -> LoraReport:
-    """Load adapter weights into ``module``, wrapping its layers first when it has no adapters yet.
-
-    ``source`` is a file from :func:`save_adapters`, a Lightning checkpoint written with the
-    ``LowRankAdapters`` callback, or a state dict (adapter keys are picked out). Keys may carry extra
-    leading components (e.g. ``model.`` of a LightningModule) when ``module`` is the inner model.
-
-    Args:
-        module: a fresh base model (wrapped here, rank taken from the tensors' shapes) or one already
-            wrapped by :func:`apply_lora_`.
-        source: path or loaded dict.
-        alpha: override the stored alpha (needed when ``source`` is a bare state dict). Default: stored
-            value, else ``2 * r``.
-        quantize_base: quantize the base when wrapping here. Default: the stored setting, else ``None``.
-        weights_only: passed to ``torch.load``. Default: ``True``.
-
-    Returns:
-        A :class:`LoraReport` of the module's adapters after loading.
-
-    Raises:
-        ValueError: ``source`` holds no adapter tensors, or its layers / shapes do not fit ``module``.
-    """
-    adapters, config = _read(source, weights_only)
-    if not adapters:
-        raise ValueError("`source` holds no adapter tensors (keys ending in .lora_A / .lora_B).")
-    config = dict(config or {})
-    prefixes = sorted({key.rsplit(".", 1)[0] for key in adapters})
-    if not lora_layers(module):
-        candidates = {name: sub for name, sub in module.named_modules() if _is_candidate(sub)}
-        mapping = {p: _layer_name(p, candidates) for p in prefixes}
-        missing = [p for p, name in mapping.items() if name is None]
-        if missing:
-            raise ValueError(
-                f"adapters for {missing[:4]} fit no nn.Linear / Conv1D layer of {type(module).__name__}; "
-                f"its layers are {sorted(candidates)[:8]}"
-            )
-        r = int(adapters[f"{prefixes[0]}.lora_A"].shape[0])
-        alpha = alpha if alpha is not None else config.get("alpha", 2 * r)
-        _validate(r, alpha, config.get("dropout", 0.0), quantize_base or config.get("quantize_base"))
-        _wrap(
-            module, {mapping[p]: candidates[mapping[p]] for p in prefixes}, r=r, alpha=alpha,
-            dropout=config.get("dropout", 0.0), quantize_base=quantize_base or config.get("quantize_base"), freeze_base=True,
-        )  # fmt: skip
-    layers = lora_layers(module)
-    mapping = {p: _layer_name(p, layers) for p in prefixes}
-    unmatched = sorted(set(layers) - set(mapping.values()))
-    if None in mapping.values() or unmatched:
-        raise ValueError(
-            f"adapter layers do not match: in `source` only {[p for p, n in mapping.items() if n is None][:4]}, "
-            f"in module only {unmatched[:4]}"
-        )
-    with torch.no_grad():
-        for prefix, name in mapping.items():
-            layer = layers[name]
-            for part in ("lora_A", "lora_B"):
-                tensor = adapters[f"{prefix}.{part}"]
-                param = getattr(layer, part)
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"{prefix}.{part} has shape {tuple(tensor.shape)}, layer {name!r} needs {tuple(param.shape)}")
-                param.copy_(tensor)
-            if alpha is not None:
-                layer.alpha, layer.scaling = alpha, alpha / layer.r
-    trainable, total = _count_params(module)
-    cfg = lora_config(module)
-    return LoraReport(
-        wrapped=list(layers), r=cfg["r"], alpha=float(cfg["alpha"]), quantize_base=cfg["quantize_base"],
-        trainable_params=trainable, total_params=total,
-    )  # fmt: skip

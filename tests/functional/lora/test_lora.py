@@ -14,14 +14,12 @@ from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
 from lightning_lowmem.functional.lora.adapters import (
     LoraLinear,
     apply_lora_,
-    load_adapters,
     lora_layers,
-    lora_state_dict,
     merge_lora_,
     merged_state_dict,
-    save_adapters,
     unmerge_lora_,
 )
+from lightning_lowmem.functional.lora.files import load_adapters, lora_state_dict, save_adapters
 from lightning_lowmem.memory import measure_memory, state_bytes
 
 warnings.filterwarnings("ignore", message=".*Enum subclass.*")
