@@ -15,8 +15,8 @@ import torch
 
 from benchmarks.common import mib, smoke
 from lightning_lowmem.demo import CharLM
-from lightning_lowmem.memory.estimate import estimate_memory
-from lightning_lowmem.memory.plan import plan_memory
+from lightning_lowmem.planning.estimate import estimate_memory
+from lightning_lowmem.planning.plan import plan_memory
 
 FRACTIONS = (0.7, 0.5, 0.3)  # budgets, as shares of the plain fp32 + AdamW estimate
 PLAN_SECONDS, ESTIMATE_SECONDS, PREDICTION_ERROR = 10.0, 2.0, 0.02

@@ -24,9 +24,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from benchmarks._plan_timing import run_timings, timing_targets
 from benchmarks.common import CudaPeak, clear_cuda_workspaces, mib, smoke
 from lightning_lowmem.demo import CharLM, DigitsClassifier
-from lightning_lowmem.functional.optimizers import available_optimizers, build_optimizer
+from lightning_lowmem.functional.optimizers.registry import available_optimizers, build_optimizer
 from lightning_lowmem.memory import measure_memory, state_bytes
-from lightning_lowmem.memory.estimate import TrainingConfig, _apply_model_techniques, _train_step, default_loss, estimate_memory
+from lightning_lowmem.planning.estimate import TrainingConfig, _apply_model_techniques, _train_step, default_loss, estimate_memory
 
 LOOP = "lightning"
 """The measured step runs in Lightning's order (zero_grad between training_step and backward: the previous
@@ -36,7 +36,7 @@ SCALE_SCRIPT = r"""
 import json, resource, sys, time, warnings
 import torch, torch.nn.functional as F
 warnings.simplefilter("ignore")
-from lightning_lowmem.memory.estimate import estimate_memory
+from lightning_lowmem.planning.estimate import estimate_memory
 from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
 n_layer, n_embd, block = (int(a) for a in sys.argv[1:4])
 with torch.device("meta"):

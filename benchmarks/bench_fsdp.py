@@ -72,7 +72,7 @@ def _measure_rank(rank: int, world_size: int, port: int, out: str) -> None:
     from lightning_lowmem.functional.checkpointing import checkpoint_
     from lightning_lowmem.functional.fsdp import fully_shard_
     from lightning_lowmem.memory import track_memory
-    from lightning_lowmem.memory.sharding import count_fsdp_resizes
+    from lightning_lowmem.planning.sharding import count_fsdp_resizes
     from lightning_lowmem.model_io import disable_kv_cache_
     from lightning_lowmem.strategies.zero import shard_optimizer
 
@@ -154,7 +154,7 @@ def _measure(world_size: int, directory: Path) -> list[dict[Any, Any]]:
 
 # ----------------------------------------------------------------------------- estimates
 def _estimate(name: str, ckpt: bool, sharding: str, world_size: int) -> Any:
-    from lightning_lowmem.memory.estimate import estimate_memory
+    from lightning_lowmem.planning.estimate import estimate_memory
 
     build, make_batch, loss_fn = _workloads()[name]
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import torch
 from benchmarks.common import StepTimer, mib, quiet_trainer, set_seed, smoke
 from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
 from lightning_lowmem.demo import CharLM, CharLMDataModule
-from lightning_lowmem.functional.lora import apply_lora_
+from lightning_lowmem.functional.lora.adapters import apply_lora_
 from lightning_lowmem.memory import measure_memory, state_bytes
 
 warnings.filterwarnings("ignore", ".*Enum subclass.*")

@@ -13,7 +13,7 @@ import torch
 from benchmarks.common import quiet_trainer
 from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
 from lightning_lowmem.demo import DigitsClassifier, DigitsDataModule
-from lightning_lowmem.functional.pruning import sparsity
+from lightning_lowmem.functional.pruning.unstructured import sparsity
 
 
 def _train(arch: str, hidden: int, epochs: int, callback: L.Callback | None, device: str) -> tuple[DigitsClassifier, float]:
@@ -109,7 +109,7 @@ def _hf_gpt2(device: str, quick: bool) -> tuple[list[dict[str, Any]], dict[str, 
     """A randomly initialised transformers GPT-2 (2 layers, width 64) trained on the stdlib corpus: dense, 50%
     unstructured (cubic, default targets: embeddings and the tied head left alone), 50% of the FFN units removed."""
     from lightning_lowmem.demo.hf import HFLanguageModel, HFTextDataModule
-    from lightning_lowmem.functional.pruning import get_mask
+    from lightning_lowmem.functional.pruning.unstructured import get_mask
 
     steps = 60 if quick else 200
     data = HFTextDataModule("causal", seq_len=32, batch_size=16, max_chars=200_000)

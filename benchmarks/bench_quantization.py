@@ -40,7 +40,7 @@ def _trainer(callbacks: list[Any] = (), **kwargs: Any) -> Any:
 
 def _latencies(candidates: dict[str, Callable[..., Any]], inputs: tuple[Any, ...], repeats: int) -> dict[str, float]:
     """Median seconds per call of each candidate, timed in ``ROUNDS`` interleaved rounds."""
-    from lightning_lowmem.functional.quantization import measure_latency
+    from lightning_lowmem.functional.quantization.ptq import measure_latency
 
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(ROUNDS):
@@ -53,8 +53,8 @@ def _variants(model: nn.Module, calibration: list[tuple[Any, ...]]) -> tuple[dic
     """Every (mode, execution) variant of ``model``: name -> (callable module, bytes), and float bytes.
     The torchao modes quantize nn.Linear and nn.Embedding (their default); int8_static and the anchor
     quantize nn.Linear only."""
-    from lightning_lowmem.functional.quantization import quantize_
-    from lightning_lowmem.functional.quantization_compile import compile_inference
+    from lightning_lowmem.functional.quantization.ptq import quantize_
+    from lightning_lowmem.functional.quantization.compile import compile_inference
     from lightning_lowmem.memory.measure import state_bytes
 
     float_bytes = state_bytes(model)["parameters"]
@@ -77,7 +77,7 @@ def _variants(model: nn.Module, calibration: list[tuple[Any, ...]]) -> tuple[dic
 
 def _linear_only_ratio(model: nn.Module) -> float:
     """Size ratio of int8_dynamic with ``embeddings=False`` (what the table showed before embeddings)."""
-    from lightning_lowmem.functional.quantization import quantize_
+    from lightning_lowmem.functional.quantization.ptq import quantize_
 
     return quantize_(copy.deepcopy(model), "int8_dynamic", embeddings=False).size_ratio
 
@@ -188,7 +188,7 @@ def _qat_vs_ptq(setup: dict[str, Any], group_size: int) -> dict[str, float]:
     import lightning as L
 
     from lightning_lowmem.callbacks.quantization_aware_training import QuantizationAwareTraining
-    from lightning_lowmem.functional.quantization import quantize_
+    from lightning_lowmem.functional.quantization.ptq import quantize_
 
     def fine_tune(callbacks: list[Any]) -> Any:
         module = copy.deepcopy(setup["module"]).train()
@@ -237,7 +237,7 @@ def _hf(quick: bool) -> list[dict[str, Any]]:
     import lightning as L
 
     from lightning_lowmem.demo.hf import FAMILIES, HFLanguageModel, HFTextDataModule
-    from lightning_lowmem.functional.quantization import quantize_
+    from lightning_lowmem.functional.quantization.ptq import quantize_
 
     steps = 20 if quick else 150
     rows = []
@@ -338,7 +338,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
             "target": f"charlm: QAT intx4 (group {size}) ends with a lower val loss than PTQ intx4 (same format, same steps)",
             "measured": f"PTQ {ptq_drop:+.2f}% vs QAT {qat_drop:+.2f}% (vs the float arm)", "met": qat_drop < ptq_drop,
         })  # fmt: skip
-    from lightning_lowmem.functional.quantization_static import cpu_has_vnni
+    from lightning_lowmem.functional.quantization.static import cpu_has_vnni
 
     vnni = cpu_has_vnni()
     ptq_costs = " / ".join(f"{_relative_increase(losses['ptq'], losses['float']):+.2f}% (g{size})" for size, losses in qat.items())

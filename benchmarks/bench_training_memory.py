@@ -33,7 +33,7 @@ from benchmarks.common import CudaPeak, mib, smoke
 from lightning_lowmem.demo.charlm import CharGPT, CharLMDataModule, GPTConfig
 from lightning_lowmem.functional.checkpointing import checkpoint_
 from lightning_lowmem.functional.compression import compress_activations
-from lightning_lowmem.functional.optimizers import build_optimizer
+from lightning_lowmem.functional.optimizers.registry import build_optimizer
 from lightning_lowmem.memory import CATEGORIES, measure_memory, state_bytes
 
 N_LAYER, N_EMBD, N_HEAD, BLOCK_SIZE, BATCH_SIZE, LR = 6, 128, 4, 64, 32, 3e-3
@@ -245,7 +245,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     eager = smoke() or not _can_compile()  # the smoke run checks code paths: no minutes of CPU compilation
     size = SIZES["smoke"] if smoke() else SIZES["cpu"]
     # a quick CUDA run steps the 4-bit stack eagerly: compiling torchao's step once per weight shape takes
-    # longer than the whole benchmark's time budget; tests/functional/test_optimizers_cuda.py and the
+    # longer than the whole benchmark's time budget; tests/functional/optimizers/test_optimizers_cuda.py and the
     # optimizers benchmark cover the compiled step
     eager_names = (FOUR_BIT_STACK,) if quick and device == "cuda" else ()
     try:

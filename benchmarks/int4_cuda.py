@@ -78,7 +78,7 @@ def _latency_ms(model: nn.Module, x: torch.Tensor, device: str) -> float:
 
 def quantization_cuda(device: str, quick: bool) -> dict[str, Any]:
     """charlm 2 x 1024 trained on the GPU, then quantized per mode: size, val loss, output change, latency."""
-    from lightning_lowmem.functional.quantization import quantize_
+    from lightning_lowmem.functional.quantization.ptq import quantize_
 
     warnings.filterwarnings("ignore")
     int4 = "int4_weight_only" if device == "cuda" else "intx4_weight_only"  # tinygemm int4 needs CUDA
@@ -140,7 +140,7 @@ def qlora_int4(device: str, quick: bool) -> tuple[list[dict[str, Any]], list[dic
     """QLoRA with an int4 (tinygemm) base against LoRA and QLoRA int8 on a charlm 2 x 1024: frozen base
     bytes, output change before training (adapters start at zero), training-step peak, val loss after
     fine-tuning. Returns ``(rows, targets, notes)`` for the LoRA table."""
-    from lightning_lowmem.functional.lora import apply_lora_
+    from lightning_lowmem.functional.lora.adapters import apply_lora_
 
     warnings.filterwarnings("ignore")
     int4 = "int4" if device == "cuda" else "int8"  # int4 needs CUDA: the smoke run checks the code path with int8

@@ -22,7 +22,7 @@ import torch
 
 from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
 from lightning_lowmem.demo import CharLM, CharLMDataModule
-from lightning_lowmem.functional.lora import load_adapters
+from lightning_lowmem.functional.lora.files import load_adapters
 from lightning_lowmem.memory import format_bytes, state_bytes
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")

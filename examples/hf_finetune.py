@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"training step peak {format_bytes(report.peak_bytes)} "
           f"(activations {format_bytes(report.breakdown['activations'])}), trainable parameters {trainable:,}")
 
-    from lightning_lowmem.functional.lora import merged_state_dict
-    from lightning_lowmem.functional.quantization import quantize_
+    from lightning_lowmem.functional.lora.adapters import merged_state_dict
+    from lightning_lowmem.functional.quantization.ptq import quantize_
 
     # ship: the adapters folded into the base weights of a plain model, stored in int8
     shipped = HFLanguageModel(args.family, pretrained=args.pretrained, config=config)

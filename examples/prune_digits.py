@@ -20,8 +20,8 @@ import torch
 
 from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
 from lightning_lowmem.demo.digits import DigitsClassifier, DigitsDataModule
-from lightning_lowmem.functional.pruning import from_sparse_state_dict, sparsity, to_sparse_state_dict
-from lightning_lowmem.functional.structural_pruning import pruned_shapes, restore_shapes_
+from lightning_lowmem.functional.pruning.unstructured import from_sparse_state_dict, sparsity, to_sparse_state_dict
+from lightning_lowmem.functional.pruning.structural import pruned_shapes, restore_shapes_
 
 
 def fit(model: L.LightningModule, epochs: int, callback: ScheduledPruning) -> float:

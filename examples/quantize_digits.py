@@ -14,8 +14,8 @@ import torch
 
 from lightning_lowmem.callbacks.post_training_quantization import PostTrainingQuantization
 from lightning_lowmem.demo import DigitsClassifier, DigitsDataModule
-from lightning_lowmem.functional.quantization import measure_latency, quantize_
-from lightning_lowmem.functional.quantization_compile import compile_inference
+from lightning_lowmem.functional.quantization.ptq import measure_latency, quantize_
+from lightning_lowmem.functional.quantization.compile import compile_inference
 
 warnings.filterwarnings("ignore", module="torchao")
 

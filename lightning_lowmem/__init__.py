@@ -6,8 +6,9 @@ Public names are imported lazily, so ``import lightning_lowmem`` stays fast and 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+from lightning_lowmem._lazy import lazy_exports
 
 __version__ = "0.1.0.dev0"
 
@@ -20,10 +21,10 @@ _EXPORTS: dict[str, str] = {
     "measure_memory": "lightning_lowmem.memory",
     "parse_bytes": "lightning_lowmem.memory",
     "track_memory": "lightning_lowmem.memory",
-    "estimate_memory": "lightning_lowmem.memory.estimate",
-    "plan_memory": "lightning_lowmem.memory.plan",
-    "Plan": "lightning_lowmem.memory.plan",
-    "EstimationError": "lightning_lowmem.memory.estimate",
+    "estimate_memory": "lightning_lowmem.planning.estimate",
+    "plan_memory": "lightning_lowmem.planning.plan",
+    "Plan": "lightning_lowmem.planning.plan",
+    "EstimationError": "lightning_lowmem.planning.estimate",
     # callbacks
     "MemoryMonitor": "lightning_lowmem.callbacks.memory_monitor",
     "ScheduledPruning": "lightning_lowmem.callbacks.scheduled_pruning",
@@ -47,20 +48,31 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
-
-
-def __getattr__(name: str) -> Any:
-    module_name = _EXPORTS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'lightning_lowmem' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__, _dir = lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:
     return __all__
 
+
+if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checkers
+    from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_lowmem.callbacks.activation_compression import ActivationCompression
+    from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch
+    from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
+    from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
+    from lightning_lowmem.callbacks.memory_monitor import MemoryMonitor
+    from lightning_lowmem.callbacks.post_training_quantization import PostTrainingQuantization
+    from lightning_lowmem.callbacks.quantization_aware_training import QuantizationAwareTraining
+    from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
+    from lightning_lowmem.distillation.module import DistillationModule
+    from lightning_lowmem.memory import MemoryReport, format_bytes, mark_memory, measure_memory, parse_bytes, track_memory
+    from lightning_lowmem.planning.estimate import EstimationError, estimate_memory
+    from lightning_lowmem.planning.plan import Plan, plan_memory
+    from lightning_lowmem.plugins.compressed_checkpoint_io import CheckpointCorruptError, CompressedCheckpointIO
+    from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
+    from lightning_lowmem.strategies.low_memory import LowMemoryDDPStrategy, LowMemoryStrategy
+    from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
 # Trainer(strategy="lowmem" | "lowmem_ddp" | "lowmem_ddp_spawn") after `import lightning_lowmem`, without
 # importing Lightning here: registered now if Lightning is loaded, else as soon as it is.

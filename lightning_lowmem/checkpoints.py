@@ -24,7 +24,7 @@ callback, the strategy and the CheckpointIO plugin that define ``checkpoint_read
 ``on_load_checkpoint``, which Lightning calls before it loads weights, callback or optimizer states).
 
 What cannot be caught: a ``Trainer`` without any lowmem component runs no check. There, a marked
-optimizer state (:func:`lightning_lowmem.functional.optimizer_state.mark_state_dict`) still fails with a
+optimizer state (:func:`lightning_lowmem.functional.optimizers.state.mark_state_dict`) still fails with a
 readable message, a compressed file fails in ``torch.load`` naming ``CompressedCheckpointIO``, but an
 adapters-only checkpoint fails in Lightning's strict weight loading ("Missing key(s) in state_dict").
 

@@ -323,7 +323,7 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
     """``estimate_memory`` keyword arguments for what the config turns on: the trainer's precision,
     the model's optimizer name and the memory callbacks / strategy options. Unknown callbacks add
     nothing."""
-    from lightning_lowmem.functional.optimizers import available_optimizers
+    from lightning_lowmem.functional.optimizers.registry import available_optimizers
 
     trainer_config = cli.config.get("trainer") or {}
     precision = str(trainer_config.get("precision") or "32-true")
@@ -400,7 +400,7 @@ def estimate_main(argv: list[str]) -> int:
         _print_error(str(err), hint)
         return 2
     if own.devices is not None or own.strategy is not None:
-        from lightning_lowmem.memory.sharding import check_sharding
+        from lightning_lowmem.planning.sharding import check_sharding
 
         strategy = (own.strategy or "ddp").removeprefix("lowmem_")
         try:
@@ -426,9 +426,9 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     from rich.console import Console
 
     from lightning_lowmem.memory import format_bytes
-    from lightning_lowmem.memory.estimate import TrainingConfig, estimate_memory
-    from lightning_lowmem.memory.plan import plan_memory
-    from lightning_lowmem.memory.plan_report import rich_progress
+    from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
+    from lightning_lowmem.planning.plan import plan_memory
+    from lightning_lowmem.planning.plan_report import rich_progress
     from lightning_lowmem.model_io import describe_batch
 
     console = Console()

@@ -32,9 +32,9 @@ def test_record_and_check():
     "module",
     [
         "lightning_lowmem.checkpoints",
-        "lightning_lowmem.functional.optimizer_state",
-        "lightning_lowmem.functional.optimizers",
-        "lightning_lowmem.functional.in_backward",
+        "lightning_lowmem.functional.optimizers.state",
+        "lightning_lowmem.functional.optimizers.registry",
+        "lightning_lowmem.functional.optimizers.in_backward",
         "lightning_lowmem.callbacks.memory_efficient_optimizer",
     ],
 )

@@ -15,7 +15,7 @@ import torch
 
 from lightning_lowmem.cli import main, parse_batch_shape, quiet_startup_logs
 from lightning_lowmem.demo import CharLM
-from lightning_lowmem.memory.estimate import estimate_memory
+from lightning_lowmem.planning.estimate import estimate_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 CHARLM_ARGS = [

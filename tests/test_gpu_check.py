@@ -160,7 +160,7 @@ def test_summary_and_bundle_write_results_logs_and_out(tmp_path):
 
 def test_cuda_test_files_are_exactly_the_files_with_cuda_tests():
     files = gpu_check.cuda_test_files()
-    assert "tests/memory/test_estimate_cuda.py" in files and "tests/callbacks/test_auto_microbatch_cuda.py" in files
+    assert "tests/planning/test_estimate_cuda.py" in files and "tests/callbacks/test_auto_microbatch_cuda.py" in files
     for path in (ROOT / "tests").rglob("test_*_cuda.py"):  # every *_cuda.py file is marked, so CPU runs skip it
         assert "pytestmark = pytest.mark.cuda" in path.read_text(), path
 

@@ -30,7 +30,7 @@ from lightning_lowmem import (
     ScheduledPruning,
 )
 from lightning_lowmem.functional.checkpointing import checkpointed_modules
-from lightning_lowmem.functional.pruning_masks import embedding_parameters
+from lightning_lowmem.functional.pruning.masks import embedding_parameters
 from lightning_lowmem.memory import state_bytes
 
 hf_zoo = pytest.importorskip("tests.hf_zoo")

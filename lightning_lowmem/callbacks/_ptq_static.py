@@ -16,8 +16,8 @@ import torch
 from lightning.fabric.utilities import move_data_to_device
 from torch import nn
 
-from lightning_lowmem.functional.quantization import QuantizationReport
-from lightning_lowmem.functional.quantization_layers import is_conv1d, matches_any, tied_groups
+from lightning_lowmem.functional.quantization.report import QuantizationReport
+from lightning_lowmem.functional.quantization.layers import is_conv1d, matches_any, tied_groups
 from lightning_lowmem.model_io import BatchCallError, forward_batch
 from lightning_lowmem.warnings import NoEffectWarning
 
@@ -58,7 +58,7 @@ def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[A
         BatchCallError: the model cannot be called on these batches (names the override point).
         ValueError: the child was never called.
     """
-    from lightning_lowmem.functional.quantization_static import ModelCall
+    from lightning_lowmem.functional.quantization.static import ModelCall
 
     captured: list[ModelCall] = []
 
@@ -94,8 +94,8 @@ def quantize_child(
     pl_module: nn.Module, module_name: str, names: Sequence[str], calibration: list[Any], *, compile: bool = False
 ) -> QuantizationReport:
     """Static int8 of a copy of the child with exactly ``names`` quantized (``report.module``: to install)."""
-    from lightning_lowmem.functional.quantization_compile import compile_inference
-    from lightning_lowmem.functional.quantization_static import quantize_static
+    from lightning_lowmem.functional.quantization.compile import compile_inference
+    from lightning_lowmem.functional.quantization.static import quantize_static
 
     prefix = f"{module_name}."
     chosen = {name.removeprefix(prefix) for name in names}

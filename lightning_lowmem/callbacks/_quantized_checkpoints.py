@@ -4,7 +4,7 @@ quantized weights of a checkpoint before they load, and a ``CheckpointIO`` swap 
 Writing (:func:`record_checkpoint`, from ``on_save_checkpoint``): every checkpoint the quantization
 callbacks write records what wrote it, ``checkpoint["lowmem_quantization"]`` (writer, mode, layers,
 Conv1D layers turned into ``nn.Linear``, tied groups). Its torchao tensors are made portable
-(:mod:`~lightning_lowmem.functional.quantization_serialization`: they load under any ``map_location``
+(:mod:`~lightning_lowmem.functional.quantization.serialization`: they load under any ``map_location``
 and with ``weights_only=True`` after ``import lightning_lowmem``). When the state dict cannot load into a
 plain float model (quantized weights, or Conv1D weights stored as ``nn.Linear``), it also holds one
 extra entry whose *key is the instruction*: a Trainer without the callback, or ``load_from_checkpoint``
@@ -33,9 +33,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.functional.quantization import drop_zero_point
-from lightning_lowmem.functional.quantization_layers import convert_conv1d_, is_conv1d, set_submodule
-from lightning_lowmem.functional.quantization_serialization import is_quantized_tensor, make_portable
+from lightning_lowmem.functional.quantization.ptq import drop_zero_point
+from lightning_lowmem.functional.quantization.layers import convert_conv1d_, is_conv1d, set_submodule
+from lightning_lowmem.functional.quantization.serialization import is_quantized_tensor, make_portable
 
 __all__ = ["CHECKPOINT_KEY", "load_quantized_checkpoint", "prepare_for_load", "quantize_like_checkpoint"]
 

@@ -11,16 +11,16 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
-from lightning_lowmem.functional.lora import (
+from lightning_lowmem.functional.lora.adapters import (
     ADAPTER_SUFFIXES,
     ALL_LINEAR,
     LoraReport,
     _validate,
     apply_lora_,
-    lora_config,
     lora_layers,
     merged_state_dict,
 )
+from lightning_lowmem.functional.lora.files import lora_config
 
 PREFIX = "lowmem/lora"
 WRITER = "LowRankAdapters"

@@ -10,8 +10,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
-from lightning_lowmem.functional.optimizer_state import mark_state_dict
-from lightning_lowmem.functional.optimizers import (
+from lightning_lowmem.functional.optimizers.state import mark_state_dict
+from lightning_lowmem.functional.optimizers.registry import (
     available_optimizers,
     build_optimizer,
     check_loaded_state,
@@ -81,7 +81,7 @@ class MemoryEfficientOptimizer(L.Callback):
         **kwargs: Any,
     ) -> None:
         if not isinstance(optimizer, str) or optimizer.lower() not in available_optimizers():
-            from lightning_lowmem.functional.optimizers import _check_name
+            from lightning_lowmem.functional.optimizers.registry import _check_name
 
             _check_name(optimizer)  # raises with the list and a did-you-mean
         if optimizer_kwargs is not None and not isinstance(optimizer_kwargs, dict):

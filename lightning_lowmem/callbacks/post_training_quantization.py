@@ -18,7 +18,7 @@ from lightning_lowmem.callbacks._quantized_checkpoints import (  # re-exported: 
     load_quantized_checkpoint,
     quantize_like_checkpoint,
 )
-from lightning_lowmem.functional.quantization import (
+from lightning_lowmem.functional.quantization.ptq import (
     MODES,
     QuantizationReport,
     _include_embeddings,
@@ -29,7 +29,7 @@ from lightning_lowmem.functional.quantization import (
     quantize_,
     search_float_fallback,
 )
-from lightning_lowmem.functional.quantization_layers import check_patterns, set_submodule, tied_groups
+from lightning_lowmem.functional.quantization.layers import check_patterns, set_submodule, tied_groups
 from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.memory.units import format_bytes
 from lightning_lowmem.model_io import BatchCallError, forward_batch, has_forward_batch, model_inputs
@@ -47,7 +47,7 @@ class PostTrainingQuantization(L.Callback):
 
     Hugging Face models work as they are: GPT-2's ``Conv1D`` layers become exact ``nn.Linear`` layers and
     are quantized, tied weights (head = token table) are quantized once and stay tied (see
-    :mod:`lightning_lowmem.functional.quantization`). Where the callback runs the model itself (latency
+    :mod:`lightning_lowmem.functional.quantization.ptq`). Where the callback runs the model itself (latency
     timing, ``int8_static`` calibration) it calls it the way the package always does,
     :func:`lightning_lowmem.model_io.forward_batch`: your module's ``forward_batch(self, batch)`` if you
     define one, else ``module(**batch)`` for a dict batch, ``module(batch[0])`` for a tuple; a batch that
@@ -64,7 +64,7 @@ class PostTrainingQuantization(L.Callback):
     ``mode="int8_static"`` (the fast CPU path) replaces the child module ``module_name`` (e.g. the
     ``model`` a LightningModule's ``forward`` calls) by its pt2e int8 graph, calibrated on the inputs
     that child receives during ``calibration_batches`` validation batches; with ``compile=True`` the
-    graph is wrapped in :class:`~lightning_lowmem.functional.quantization_compile.CompiledInference`
+    graph is wrapped in :class:`~lightning_lowmem.functional.quantization.compile.CompiledInference`
     (oneDNN int8 kernels, inference only). Later ``validate``/``test``/``predict`` use it.
 
     Checkpoints record what wrote them (``checkpoint["lowmem_quantization"]``) and hold the torchao
@@ -139,7 +139,7 @@ class PostTrainingQuantization(L.Callback):
             raise ValueError(
                 f"`module_name`={module_name!r} / `compile`={compile!r} apply to mode='int8_static' only, got "
                 f"mode={mode!r}; to compile a torchao-quantized model use "
-                "lightning_lowmem.functional.quantization_compile.compile_inference(model)."
+                "lightning_lowmem.functional.quantization.compile.compile_inference(model)."
             )
         if not isinstance(calibration_batches, int) or calibration_batches <= 0:
             raise ValueError(f"`calibration_batches` must be an int > 0, got {calibration_batches!r}.")
@@ -403,7 +403,7 @@ class PostTrainingQuantization(L.Callback):
         if evaluated is not None and evaluated[0] == tuple(names):  # the search already built it: no second export
             report = evaluated[1]
             if compile:
-                from lightning_lowmem.functional.quantization_compile import compile_inference
+                from lightning_lowmem.functional.quantization.compile import compile_inference
 
                 report.module = compile_inference(report.module)
             return report

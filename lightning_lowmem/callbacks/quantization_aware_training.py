@@ -11,10 +11,11 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_lowmem.callbacks import _quantized_checkpoints
-from lightning_lowmem.functional.quantization import QuantizationReport, dequantize_, warn_if_mostly_float
-from lightning_lowmem.functional.quantization_layers import is_conv1d, tied_groups
-from lightning_lowmem.functional.quantization_modes import apply_config
-from lightning_lowmem.functional.quantization_qat import (
+from lightning_lowmem.functional.quantization.ptq import dequantize_
+from lightning_lowmem.functional.quantization.report import QuantizationReport, warn_if_mostly_float
+from lightning_lowmem.functional.quantization.layers import is_conv1d, tied_groups
+from lightning_lowmem.functional.quantization.modes import apply_config
+from lightning_lowmem.functional.quantization.qat import (
     QAT_MODES,
     convert_qat_,
     prepare_qat_,
@@ -22,7 +23,7 @@ from lightning_lowmem.functional.quantization_qat import (
     qat_layers,
     set_fake_quant_enabled,
 )
-from lightning_lowmem.functional.quantization_serialization import is_quantized_tensor
+from lightning_lowmem.functional.quantization.serialization import is_quantized_tensor
 
 __all__ = ["QuantizationAwareTraining"]
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import prune as torch_prune
 from typing_extensions import override
 
-from lightning_lowmem.functional.pruning import (
+from lightning_lowmem.functional.pruning.unstructured import (
     METHODS,
     apply_masks_,
     collect_prunable,
@@ -253,7 +253,7 @@ class ScheduledPruning(Callback):
                 pairs.append(tuple(item))
         names = self.parameter_names
         if not pairs and self.structural:  # mask only the channels structural removal can cut
-            from lightning_lowmem.functional.structural_pruning import _default_candidates
+            from lightning_lowmem.functional.pruning.structural import _default_candidates
 
             pairs = [(layer, "weight") for _, layer in _default_candidates(pl_module)]
         if not pairs:  # ModelPruning prunes only the names each module has; error if a name exists nowhere
@@ -402,7 +402,7 @@ class ScheduledPruning(Callback):
                 weight.mul_(mask)
 
     def _remove_structurally(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning_lowmem.functional.structural_pruning import prune_structural_, pruned_shapes
+        from lightning_lowmem.functional.pruning.structural import prune_structural_, pruned_shapes
 
         ratio = self.structural_ratio if self.structural_ratio is not None else float(self.final_sparsity)
         example = self._example_input if self._example_input is not None else pl_module.example_input_array
@@ -459,7 +459,7 @@ class ScheduledPruning(Callback):
     def _shrink_before_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Resuming after the structural removal: give the fresh (unpruned) model the checkpoint's smaller
         shapes, so its weights load (and the optimizer, configured after, holds the pruned parameters)."""
-        from lightning_lowmem.functional.structural_pruning import restore_shapes_
+        from lightning_lowmem.functional.pruning.structural import restore_shapes_
 
         current = {name: list(t.shape) for name, t in [*module.named_parameters(), *module.named_buffers()]}
         shapes = {key[len(prefix):]: list(value.shape) for key, value in state_dict.items()

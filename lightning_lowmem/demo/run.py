@@ -192,7 +192,7 @@ def sparse_model_bytes(module: torch.nn.Module) -> int:
     """Bytes of the state dict saved with pruned tensors as bitmask + non-zero values."""
     import io
 
-    from lightning_lowmem.functional.pruning import to_sparse_state_dict
+    from lightning_lowmem.functional.pruning.unstructured import to_sparse_state_dict
 
     buffer = io.BytesIO()
     torch.save(to_sparse_state_dict(module.state_dict()), buffer)
@@ -229,7 +229,7 @@ def digits_plan(settings: DemoSettings) -> list[tuple[str, str, Callable[..., De
 
     def pruned(s: DemoSettings, context: dict[str, Any], title: str) -> DemoRun:
         from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
-        from lightning_lowmem.functional.pruning import sparsity
+        from lightning_lowmem.functional.pruning.unstructured import sparsity
 
         def pruning() -> list[Any]:
             return [ScheduledPruning("l1_unstructured", parameter_names=["weight"], schedule="cubic",
@@ -248,7 +248,7 @@ def digits_plan(settings: DemoSettings) -> list[tuple[str, str, Callable[..., De
     def distilled(s: DemoSettings, context: dict[str, Any], title: str) -> DemoRun:
         from lightning_lowmem.demo.digits import digits_mlp
         from lightning_lowmem.distillation import DistillationModule
-        from lightning_lowmem.functional.quantization import quantize_
+        from lightning_lowmem.functional.quantization.ptq import quantize_
 
         teacher = context["teacher"]
         teacher.freeze()

@@ -17,12 +17,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_lowmem.model_io import has_forward_batch, tensor_leaves
+from lightning_lowmem.model_io import has_forward_batch, output_loss, tensor_leaves
 
-__all__ = ["cast_floating", "first_tensor", "position_mask", "takes_labels"]
+__all__ = ["cast_floating", "counted", "first_tensor", "hard_label_loss", "position_mask", "takes_labels"]
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:
@@ -98,3 +99,29 @@ def position_mask(
         attended = attention.to(torch.bool)
         mask = attended if mask is None else mask & attended
     return targets, mask
+
+
+def counted(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The entries of ``values`` at the counted positions (``mask``), flattened; all of them without a mask."""
+    return values[mask] if mask is not None else values.reshape(-1)
+
+
+def hard_label_loss(
+    output: Any, logits: torch.Tensor, targets: torch.Tensor | None, mask: torch.Tensor | None, ignore_index: int
+) -> torch.Tensor | None:
+    """The model's own ``.loss`` if its output has one, else the cross-entropy of ``logits`` against ``targets``
+    on the counted positions (``None`` without targets).
+
+    Example::
+
+        >>> logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0]]])
+        >>> round(float(hard_label_loss(None, logits, torch.tensor([[0, 0]]), torch.tensor([[True, False]]), -100)), 4)
+        0.1269
+    """
+    loss = output_loss(output)
+    if loss is not None or targets is None:
+        return loss
+    flat = targets.reshape(-1)
+    if mask is not None:
+        flat = torch.where(mask.reshape(-1), flat, ignore_index)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=ignore_index)

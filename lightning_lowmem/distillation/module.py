@@ -27,7 +27,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.distillation.batches import cast_floating, first_tensor, position_mask, takes_labels
+from lightning_lowmem.distillation.batches import (
+    cast_floating,
+    counted,
+    first_tensor,
+    hard_label_loss,
+    position_mask,
+    takes_labels,
+)
 from lightning_lowmem.distillation.cache import TeacherCache, batch_keys, build_teacher_cache
 from lightning_lowmem.distillation.losses import (
     FeatureRecorder,
@@ -367,16 +374,6 @@ class DistillationModule(L.LightningModule):
         targets, mask = self.batch_targets(batch, logits, output)
         return output, logits, targets, mask
 
-    def _hard_loss(self, output: Any, logits: torch.Tensor, targets: torch.Tensor | None, mask: torch.Tensor | None):
-        """The student's own ``.loss`` if it has one, else cross-entropy on the counted positions (or ``None``)."""
-        loss = output_loss(output)
-        if loss is not None or targets is None:
-            return loss
-        flat = targets.reshape(-1)
-        if mask is not None:
-            flat = torch.where(mask.reshape(-1), flat, self.hparams.ignore_index)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=self.hparams.ignore_index)
-
     def _warn_unshifted_once(self) -> None:
         if not getattr(self, "_warned_unshifted", False):
             self._warned_unshifted = True
@@ -386,10 +383,6 @@ class DistillationModule(L.LightningModule):
                 "LM whose labels are its input ids, return the model's own `.loss` (take `labels` in forward) or "
                 "override `batch_targets` to shift them."
             )
-
-    @staticmethod
-    def _counted(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return values[mask] if mask is not None else values.reshape(-1)
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -412,7 +405,7 @@ class DistillationModule(L.LightningModule):
             mask=mask if dict_batch else None, student_loss=output_loss(output) if dict_batch else None,
         )  # fmt: skip
         agree = student_logits.argmax(-1) == teacher_logits.argmax(-1)
-        self.train_agreement.update(self._counted(agree, mask).float())
+        self.train_agreement.update(counted(agree, mask).float())
         self.log("train_loss", losses["loss"], prog_bar=True)
         for name, value in losses.items():
             if name != "loss":
@@ -425,13 +418,13 @@ class DistillationModule(L.LightningModule):
         output, student_logits, targets, mask = self._student_step(batch)
         dict_batch = isinstance(batch, Mapping)
         if dict_batch:  # Hugging Face: the model's own loss (token accuracy of a causal LM would need the shift)
-            loss = self._hard_loss(output, student_logits, targets, mask)
+            loss = hard_label_loss(output, student_logits, targets, mask, self.hparams.ignore_index)
             if loss is not None:
                 self.log("val_loss", loss, prog_bar=True)
         elif targets is not None:
             flat = student_logits.reshape(-1, student_logits.size(-1)).float()
             self.log("val_loss", F.cross_entropy(flat, targets.reshape(-1), ignore_index=self.hparams.ignore_index), prog_bar=True)
-            self.val_acc.update(self._counted(student_logits.argmax(-1) == targets, mask).float())
+            self.val_acc.update(counted(student_logits.argmax(-1) == targets, mask).float())
             self.log("val_acc", self.val_acc, prog_bar=True)
         if self._use_cache():
             return  # cached mode: no teacher in memory (its accuracy is logged when the cache is built)
@@ -440,16 +433,16 @@ class DistillationModule(L.LightningModule):
         teacher_logits = output_logits(teacher_output).float()
         check_logit_shapes(student_logits, teacher_logits)
         teacher_pred = teacher_logits.argmax(-1)
-        self.val_agreement.update(self._counted(student_logits.argmax(-1) == teacher_pred, mask).float())
+        self.val_agreement.update(counted(student_logits.argmax(-1) == teacher_pred, mask).float())
         self.log("val_agreement", self.val_agreement)
         if self._teacher_scores:
             return  # the teacher's score is measured once (it never changes)
         if dict_batch:
-            teacher_loss = self._hard_loss(teacher_output, teacher_logits, targets, mask)
+            teacher_loss = hard_label_loss(teacher_output, teacher_logits, targets, mask, self.hparams.ignore_index)
             if teacher_loss is not None:
                 self.teacher_val_loss.update(teacher_loss.float())
         elif targets is not None:
-            self.teacher_val_acc.update(self._counted(teacher_pred == targets, mask).float())
+            self.teacher_val_acc.update(counted(teacher_pred == targets, mask).float())
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -469,11 +462,11 @@ class DistillationModule(L.LightningModule):
     def test_step(self, batch: Any, batch_idx: int) -> None:
         output, student_logits, targets, mask = self._student_step(batch)
         if isinstance(batch, Mapping):
-            loss = self._hard_loss(output, student_logits, targets, mask)
+            loss = hard_label_loss(output, student_logits, targets, mask, self.hparams.ignore_index)
             if loss is not None:
                 self.log("test_loss", loss)
         elif targets is not None:
-            self.test_acc.update(self._counted(student_logits.argmax(-1) == targets, mask).float())
+            self.test_acc.update(counted(student_logits.argmax(-1) == targets, mask).float())
             self.log("test_acc", self.test_acc)
 
     @override
@@ -482,7 +475,7 @@ class DistillationModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_lowmem.functional.optimizers import build_optimizer
+        from lightning_lowmem.functional.optimizers.registry import build_optimizer
 
         # self.parameters() is the student and the hint adapters: the teacher is not a registered child
         return build_optimizer(

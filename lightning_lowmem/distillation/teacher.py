@@ -87,7 +87,7 @@ def prepare_teacher(source: TeacherSource, checkpoint: str | None = None, precis
     if precision == "bf16":
         teacher.to(torch.bfloat16)
     elif precision == "int8":
-        from lightning_lowmem.functional.quantization import quantize_
+        from lightning_lowmem.functional.quantization.ptq import quantize_
 
         conv1d_to_linear_(teacher)
         quantize_(teacher, "int8_weight_only")

@@ -1,0 +1,67 @@
+"""Pure ``nn.Module`` transforms, no Lightning import: the techniques the callbacks, the strategies and the
+planner apply. One package per technique that has several files (``quantization``, ``pruning``,
+``optimizers``, ``lora``); one module otherwise (``checkpointing``, ``compression``, ``fsdp``).
+
+The public transforms are re-exported here and imported on first use (torchao and torch-pruning load only
+with the feature that needs them).
+
+Example::
+
+    >>> import torch
+    >>> from lightning_lowmem.functional import prune_, sparsity
+    >>> layer = torch.nn.Linear(8, 8)
+    >>> _ = prune_(layer, 0.5)
+    >>> sparsity(layer)
+    0.5
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_lowmem._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    # checkpointing / compression / sharding
+    "checkpoint_": "lightning_lowmem.functional.checkpointing",
+    "uncheckpoint_": "lightning_lowmem.functional.checkpointing",
+    "compress_activations": "lightning_lowmem.functional.compression",
+    "fully_shard_": "lightning_lowmem.functional.fsdp",
+    # lora
+    "apply_lora_": "lightning_lowmem.functional.lora",
+    "merge_lora_": "lightning_lowmem.functional.lora",
+    "save_adapters": "lightning_lowmem.functional.lora",
+    "load_adapters": "lightning_lowmem.functional.lora",
+    # optimizers
+    "available_optimizers": "lightning_lowmem.functional.optimizers",
+    "build_optimizer": "lightning_lowmem.functional.optimizers",
+    # pruning
+    "prune_": "lightning_lowmem.functional.pruning",
+    "prune_structural_": "lightning_lowmem.functional.pruning",
+    "remove_pruning_": "lightning_lowmem.functional.pruning",
+    "sparsity": "lightning_lowmem.functional.pruning",
+    # quantization
+    "quantize_": "lightning_lowmem.functional.quantization",
+    "quantize_static": "lightning_lowmem.functional.quantization",
+    "prepare_qat_": "lightning_lowmem.functional.quantization",
+    "convert_qat_": "lightning_lowmem.functional.quantization",
+    "compile_inference": "lightning_lowmem.functional.quantization",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checkers
+    from lightning_lowmem.functional.checkpointing import checkpoint_, uncheckpoint_
+    from lightning_lowmem.functional.compression import compress_activations
+    from lightning_lowmem.functional.fsdp import fully_shard_
+    from lightning_lowmem.functional.lora import apply_lora_, load_adapters, merge_lora_, save_adapters
+    from lightning_lowmem.functional.optimizers import available_optimizers, build_optimizer
+    from lightning_lowmem.functional.pruning import prune_, prune_structural_, remove_pruning_, sparsity
+    from lightning_lowmem.functional.quantization import (
+        compile_inference,
+        convert_qat_,
+        prepare_qat_,
+        quantize_,
+        quantize_static,
+    )

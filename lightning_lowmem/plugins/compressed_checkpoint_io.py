@@ -16,7 +16,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
-from lightning_lowmem.functional.sparse_format import pack_sparse_tree, unpack_sparse_tree
+from lightning_lowmem.functional.pruning.sparse_format import pack_sparse_tree, unpack_sparse_tree
 
 __all__ = ["CODECS", "CheckpointCorruptError", "CompressedCheckpointIO", "written_by_CompressedCheckpointIO"]
 
@@ -114,7 +114,7 @@ class CompressedCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that writes smaller checkpoints and never leaves a half-written one.
 
     On save: tensors that are mostly zeros (pruned weights, their optimizer state) are stored as a bitmask
-    plus their non-zero values (:mod:`lightning_lowmem.functional.sparse_format`); the ``torch.save`` bytes
+    plus their non-zero values (:mod:`lightning_lowmem.functional.pruning.sparse_format`); the ``torch.save`` bytes
     are cut in 1 MiB chunks, each compressed with zstd or lz4 where that saves at least ``min_saving`` of it
     (samples decide) and stored raw otherwise, so dense weights (random float mantissas, ~8% gain)
     cost no compression time. When nothing was packed and compression would not shrink the whole file by

@@ -1,8 +1,8 @@
 """``memory_budget=`` for the low-memory strategies: plan a technique mix that fits, before training.
 
-The strategy takes one training batch and calls :func:`~lightning_lowmem.memory.plan.plan_memory` -- the
+The strategy takes one training batch and calls :func:`~lightning_lowmem.planning.plan.plan_memory` -- the
 same function, with the same defaults, as ``plan_memory`` itself and ``lowmem estimate --budget`` -- for
-the cheapest :class:`~lightning_lowmem.memory.estimate.TrainingConfig` whose estimated peak fits, and
+the cheapest :class:`~lightning_lowmem.planning.estimate.TrainingConfig` whose estimated peak fits, and
 applies it with the same transforms as the explicit options. What the user set explicitly
 (``precision``, ``activation_checkpointing``, ``activation_compression``, ``optimizer``) is kept fixed;
 the planner searches the rest. The optimizer ``configure_optimizers`` returns is the baseline: an AdamW /
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from lightning_lowmem.memory.estimate import PRECISIONS
+from lightning_lowmem.planning.estimate import PRECISIONS
 
 __all__ = ["plan_for_budget", "planner_axes"]
 
@@ -55,13 +55,13 @@ def plan_for_budget(
         progress: passed to :func:`plan_memory`. Default: ``None``.
 
     Returns:
-        A :class:`~lightning_lowmem.memory.plan.Plan`; ``config.micro_batch_size`` is ``None`` unless
+        A :class:`~lightning_lowmem.planning.plan.Plan`; ``config.micro_batch_size`` is ``None`` unless
         whole batches cannot fit.
 
     Raises:
         ValueError: no configuration fits; the message names the budget and the smallest estimate.
     """
-    from lightning_lowmem.memory.plan import plan_memory
+    from lightning_lowmem.planning.plan import plan_memory
 
     if precision not in PRECISIONS:
         precision = "32-true"

@@ -185,7 +185,7 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
 
     def _shard(self, module: Any) -> None:
         from lightning_lowmem.functional.fsdp import fully_shard_
-        from lightning_lowmem.memory.sharding import count_fsdp_resizes
+        from lightning_lowmem.planning.sharding import count_fsdp_resizes
 
         count_fsdp_resizes()  # the memory core (MemoryMonitor) then sees FSDP free gathered parameters
         if self.mixed_precision is not None and self.precision_preset != "bf16-mixed":

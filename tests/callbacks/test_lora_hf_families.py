@@ -9,7 +9,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
-from lightning_lowmem.functional.lora import ADAPTER_SUFFIXES, apply_lora_, load_adapters, lora_layers
+from lightning_lowmem.functional.lora.adapters import ADAPTER_SUFFIXES, apply_lora_, lora_layers
+from lightning_lowmem.functional.lora.files import load_adapters
 
 hf_zoo = pytest.importorskip("tests.hf_zoo", reason="needs transformers")
 

@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader
 
 from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
 from lightning_lowmem.demo.charlm import BlockDataset, CharLM
-from lightning_lowmem.functional.lora import load_adapters, lora_layers, lora_state_dict
+from lightning_lowmem.functional.lora.adapters import lora_layers
+from lightning_lowmem.functional.lora.files import load_adapters, lora_state_dict
 
 warnings.filterwarnings("ignore", message=".*Enum subclass.*")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")

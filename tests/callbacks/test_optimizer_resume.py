@@ -20,7 +20,7 @@ from torch import nn
 from lightning_lowmem._compat import force_eager
 from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
 from lightning_lowmem.checkpoints import CheckpointMismatchError, records
-from lightning_lowmem.functional.optimizers import available_optimizers
+from lightning_lowmem.functional.optimizers.registry import available_optimizers
 
 
 class _Net(L.LightningModule):

@@ -217,7 +217,7 @@ def test_int8_static_replaces_child_by_calibrated_int8_graph(tiny_trainer_kwargs
 
 
 def test_int8_static_compile_wraps_graph_and_bad_module_name(tiny_trainer_kwargs):
-    from lightning_lowmem.functional.quantization_compile import CompiledInference
+    from lightning_lowmem.functional.quantization.compile import CompiledInference
 
     callback = PostTrainingQuantization("int8_static", module_name="model", compile=True, latency_batches=0)
     _, module = fit(callback, tiny_trainer_kwargs, module=WrapsModel())

@@ -99,7 +99,7 @@ def test_test_with_ckpt_path_of_converted_model(tiny_trainer_kwargs, tmp_path):
 
 def test_works_with_scheduled_pruning(tiny_trainer_kwargs):  # Lightning #11047
     scheduled_pruning = pytest.importorskip("lightning_lowmem.callbacks.scheduled_pruning")
-    from lightning_lowmem.functional.quantization_qat import prepare_qat_
+    from lightning_lowmem.functional.quantization.qat import prepare_qat_
 
     module = TinyClassifier()
     # ScheduledPruning's automatic target search only looks at leaf modules and FakeQuantizedLinear has a

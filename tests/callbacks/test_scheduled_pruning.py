@@ -14,7 +14,7 @@ from torch.nn.utils import prune as torch_prune
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
-from lightning_lowmem.functional.pruning import get_mask
+from lightning_lowmem.functional.pruning.unstructured import get_mask
 
 
 class TinyModule(L.LightningModule):

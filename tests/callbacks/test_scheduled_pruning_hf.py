@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
-from lightning_lowmem.functional.pruning import get_mask
+from lightning_lowmem.functional.pruning.unstructured import get_mask
 
 warnings.filterwarnings("ignore", module="torchao")
 
@@ -152,7 +152,7 @@ def test_hf_gpt2_tied_head_pruned_once_when_embeddings_asked(tiny_trainer_kwargs
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_hf_structured_prunes_output_channels_along_the_right_dim(family):
-    from lightning_lowmem.functional.pruning import prune_
+    from lightning_lowmem.functional.pruning.unstructured import prune_
 
     model = hf_module(family)
     layer = model.model.transformer.h[0].mlp.c_fc if family == "gpt2" else model.model.model.layers[0].mlp.up_proj

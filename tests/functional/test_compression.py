@@ -192,7 +192,7 @@ def test_bad_input_raises(kwargs, error, match):
 
 def test_estimate_memory_uses_the_same_transforms():
     """The estimator runs checkpoint_ / compress_activations on fake tensors: same cuts as measured."""
-    from lightning_lowmem.memory.estimate import estimate_memory
+    from lightning_lowmem.planning.estimate import estimate_memory
 
     model = _gpt(n_layer=2, n_embd=64, block_size=64)
     idx = torch.randint(0, 256, (16, 64))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_lowmem import LowMemoryStrategy, MemoryMonitor
-from lightning_lowmem.memory.estimate import estimate_memory
-from lightning_lowmem.memory.plan import plan_memory
+from lightning_lowmem.planning.estimate import estimate_memory
+from lightning_lowmem.planning.plan import plan_memory
 from tests.nanogpt import NanoGPT, nano_batch, nano_loader
 
 NANO = dict(vocab_size=96, n_layer=2, n_embd=64, n_head=2, block_size=64)

@@ -269,7 +269,7 @@ class _ActivationHeavy(_Wide):
 
 
 def test_memory_budget_falls_back_to_micro_batches_when_whole_batches_cannot_fit(tiny_trainer_kwargs, caplog):
-    from lightning_lowmem.memory.estimate import estimate_memory
+    from lightning_lowmem.planning.estimate import estimate_memory
 
     torch.manual_seed(0)
     model = _ActivationHeavy()

@@ -1,0 +1,154 @@
+"""Adapters-only files: :func:`save_adapters` writes a LoRA model's adapter tensors with the settings that rebuild
+them (:func:`lora_config`), :func:`load_adapters` reads them (or a Lightning checkpoint's) into a module, wrapping
+its layers first when needed. The base weights never go into these files.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from lightning_lowmem.functional.lora.adapters import (
+    ADAPTER_SUFFIXES,
+    LoraReport,
+    _count_params,
+    _is_candidate,
+    _validate,
+    _wrap,
+    lora_layers,
+)
+from lightning_lowmem.functional.lora.quantized_base import is_quantized
+
+__all__ = ["FILE_FORMAT", "load_adapters", "lora_config", "lora_state_dict", "save_adapters"]
+
+FILE_FORMAT = "lightning_lowmem.lora/1"
+
+
+def lora_config(module: nn.Module) -> dict[str, Any]:
+    """The settings needed to rebuild ``module``'s adapters: layer names, rank, alpha, dropout, quantization.
+
+    Raises:
+        ValueError: ``module`` has no LoRA layers.
+    """
+    layers = lora_layers(module)
+    if not layers:
+        raise ValueError(f"{type(module).__name__} has no LoRA layers: call apply_lora_ first.")
+    first = next(iter(layers.values()))
+    dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
+    quantized = {is_quantized(layer.weight) for layer in layers.values()}
+    quantize_base = None
+    if True in quantized:
+        quantize_base = "int4" if "int4" in type(first.weight).__name__.lower() else "int8"
+    return {"target": list(layers), "r": first.r, "alpha": first.alpha, "dropout": dropout, "quantize_base": quantize_base}
+
+
+def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the adapter tensors (``<layer>.lora_A`` / ``<layer>.lora_B``), detached, keyed as in ``state_dict()``."""
+    return {key: value.detach() for key, value in module.state_dict().items() if key.endswith(ADAPTER_SUFFIXES)}
+
+
+def save_adapters(module: nn.Module, path: str | os.PathLike) -> None:
+    """Write adapter tensors and :func:`lora_config` to ``path`` (read back by :func:`load_adapters`)."""
+    torch.save({"format": FILE_FORMAT, "lora_config": lora_config(module), "state_dict": lora_state_dict(module)}, path)
+
+
+def _read(source: str | os.PathLike | dict[str, Any], weights_only: bool) -> tuple[dict[str, torch.Tensor], dict | None]:
+    payload = source if isinstance(source, dict) else torch.load(source, map_location="cpu", weights_only=weights_only)
+    config = payload.get("lora_config")
+    state = payload.get("state_dict", payload)
+    for callback_state in (payload.get("callbacks") or {}).values():  # a Lightning checkpoint
+        if isinstance(callback_state, dict) and "lora_config" in callback_state:
+            config = config or callback_state["lora_config"]
+    adapters = {k: v for k, v in state.items() if isinstance(k, str) and k.endswith(ADAPTER_SUFFIXES)}
+    return adapters, config
+
+
+def _layer_name(prefix: str, names: Iterable[str]) -> str | None:
+    """Map a checkpoint's layer prefix to a layer of the module (checkpoints may add leading components)."""
+    names = set(names)
+    parts = prefix.split(".")
+    for start in range(len(parts)):
+        candidate = ".".join(parts[start:])
+        if candidate in names:
+            return candidate
+    return None
+
+
+def load_adapters(
+    module: nn.Module,
+    source: str | os.PathLike | dict[str, Any],
+    *,
+    alpha: float | None = None,
+    quantize_base: str | None = None,
+    weights_only: bool = True,
+) -> LoraReport:
+    """Load adapter weights into ``module``, wrapping its layers first when it has no adapters yet.
+
+    ``source`` is a file from :func:`save_adapters`, a Lightning checkpoint written with the
+    ``LowRankAdapters`` callback, or a state dict (adapter keys are picked out). Keys may carry extra
+    leading components (e.g. ``model.`` of a LightningModule) when ``module`` is the inner model.
+
+    Args:
+        module: a fresh base model (wrapped here, rank taken from the tensors' shapes) or one already
+            wrapped by :func:`apply_lora_`.
+        source: path or loaded dict.
+        alpha: override the stored alpha (needed when ``source`` is a bare state dict). Default: stored
+            value, else ``2 * r``.
+        quantize_base: quantize the base when wrapping here. Default: the stored setting, else ``None``.
+        weights_only: passed to ``torch.load``. Default: ``True``.
+
+    Returns:
+        A :class:`LoraReport` of the module's adapters after loading.
+
+    Raises:
+        ValueError: ``source`` holds no adapter tensors, or its layers / shapes do not fit ``module``.
+    """
+    adapters, config = _read(source, weights_only)
+    if not adapters:
+        raise ValueError("`source` holds no adapter tensors (keys ending in .lora_A / .lora_B).")
+    config = dict(config or {})
+    prefixes = sorted({key.rsplit(".", 1)[0] for key in adapters})
+    if not lora_layers(module):
+        candidates = {name: sub for name, sub in module.named_modules() if _is_candidate(sub)}
+        mapping = {p: _layer_name(p, candidates) for p in prefixes}
+        missing = [p for p, name in mapping.items() if name is None]
+        if missing:
+            raise ValueError(
+                f"adapters for {missing[:4]} fit no nn.Linear / Conv1D layer of {type(module).__name__}; "
+                f"its layers are {sorted(candidates)[:8]}"
+            )
+        r = int(adapters[f"{prefixes[0]}.lora_A"].shape[0])
+        alpha = alpha if alpha is not None else config.get("alpha", 2 * r)
+        _validate(r, alpha, config.get("dropout", 0.0), quantize_base or config.get("quantize_base"))
+        _wrap(
+            module, {mapping[p]: candidates[mapping[p]] for p in prefixes}, r=r, alpha=alpha,
+            dropout=config.get("dropout", 0.0), quantize_base=quantize_base or config.get("quantize_base"), freeze_base=True,
+        )  # fmt: skip
+    layers = lora_layers(module)
+    mapping = {p: _layer_name(p, layers) for p in prefixes}
+    unmatched = sorted(set(layers) - set(mapping.values()))
+    if None in mapping.values() or unmatched:
+        raise ValueError(
+            f"adapter layers do not match: in `source` only {[p for p, n in mapping.items() if n is None][:4]}, "
+            f"in module only {unmatched[:4]}"
+        )
+    with torch.no_grad():
+        for prefix, name in mapping.items():
+            layer = layers[name]
+            for part in ("lora_A", "lora_B"):
+                tensor = adapters[f"{prefix}.{part}"]
+                param = getattr(layer, part)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"{prefix}.{part} has shape {tuple(tensor.shape)}, layer {name!r} needs {tuple(param.shape)}")
+                param.copy_(tensor)
+            if alpha is not None:
+                layer.alpha, layer.scaling = alpha, alpha / layer.r
+    trainable, total = _count_params(module)
+    cfg = lora_config(module)
+    return LoraReport(
+        wrapped=list(layers), r=cfg["r"], alpha=float(cfg["alpha"]), quantize_base=cfg["quantize_base"],
+        trainable_params=trainable, total_params=total,
+    )  # fmt: skip

@@ -1,0 +1,152 @@
+"""Optimizer-in-backward: step each parameter as soon as its gradient is ready, then free that gradient.
+
+Every parameter gets its own small inner optimizer, stepped from a
+``Tensor.register_post_accumulate_grad_hook``; the gradient is dropped right after, so at most about one
+parameter's gradient is alive at a time instead of the whole model's.
+
+The wrapper is a regular ``torch.optim.Optimizer`` whose ``step(closure)`` only runs the closure (the
+backward inside it does the real steps). That keeps Lightning's automatic optimization loop, LR
+schedulers (the wrapper's ``param_groups`` are the ones read at each inner step) and checkpointing
+(``state_dict`` / ``load_state_dict`` hold every inner optimizer's state) working unchanged. The wrapper's
+param groups carry the inner optimizer's full hyperparameters (``betas``, ``eps``...), and its saved state
+has the inner optimizer's layout, so a checkpoint resumes bit-identically under the same name.
+
+Limits: gradient accumulation and gradient clipping cannot work (there is never a full gradient);
+every backward is an optimizer step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable
+
+import torch
+
+from lightning_lowmem.functional.optimizers import plain, stochastic_rounding
+
+_INNER_BUILDERS = {**plain.BUILDERS, **stochastic_rounding.BUILDERS}
+_INNER_ARGUMENTS = {**plain.ARGUMENTS, **stochastic_rounding.ARGUMENTS}
+
+
+class OptimizerInBackward(torch.optim.Optimizer):
+    """Run ``inner`` per parameter inside backward.
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim`` optimizer.
+        inner: a name for :func:`~lightning_lowmem.functional.optimizers.build_optimizer` (not an
+            in-backward one). Default: ``"adamw"``.
+        **kwargs: arguments for the inner optimizer (``lr``, ``weight_decay``, ...).
+
+    Raises:
+        ValueError: ``inner`` is itself an in-backward optimizer, or unknown.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = OptimizerInBackward(model.parameters(), inner="adamw", lr=1e-2)
+        >>> before = model.weight.detach().clone()
+        >>> model(torch.randn(3, 4)).sum().backward()   # steps happen here
+        >>> model.weight.grad is None, bool((model.weight != before).any())
+        (True, True)
+        >>> opt.remove_hooks()
+    """
+
+    def __init__(self, params: Iterable[Any], inner: str = "adamw", **kwargs: Any) -> None:
+        if not isinstance(inner, str) or inner.lower() not in _INNER_BUILDERS:
+            raise ValueError(f"`inner`={inner!r} is not a plain optimizer name; choose one of {sorted(_INNER_BUILDERS)}")
+        self.inner_name = inner.lower()
+        plain.check_arguments(
+            self.inner_name, _INNER_ARGUMENTS[self.inner_name](), kwargs, owner=f"{self.inner_name}_in_backward"
+        )
+        self.inner_kwargs = dict(kwargs)
+        super().__init__(params, dict(kwargs))
+        self.inner_optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {}
+        self._handles: list[Any] = []
+        for group_index, group in enumerate(self.param_groups):
+            options = {k: v for k, v in group.items() if k != "params"}
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                inner_opt = plain.build_from(
+                    _INNER_BUILDERS, _INNER_ARGUMENTS, self.inner_name, [{"params": [param], **options}], **self.inner_kwargs
+                )
+                if hasattr(inner_opt, "seed_offset"):  # stochastic rounding: one random stream per parameter
+                    inner_opt.seed_offset = len(self.inner_optimizers)
+                self.inner_optimizers[param] = inner_opt
+                # share the per-parameter state dict so the wrapper's state_dict() sees it
+                self.state[param] = inner_opt.state[param]
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group_index, inner_opt)))
+                for key, value in inner_opt.param_groups[0].items():  # betas, eps...: a complete saved group
+                    if key != "params":
+                        group.setdefault(key, float(value) if isinstance(value, torch.Tensor) else value)
+        plain.attach_state_hooks(self, f"{self.inner_name}_in_backward")
+
+    def _make_hook(self, group_index: int, inner_opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:
+                return
+            group = self.param_groups[group_index]  # looked up each time: load_state_dict replaces groups
+            inner_group = inner_opt.param_groups[0]
+            for key in ("lr", "weight_decay"):  # follow LR schedulers that edit the wrapper's groups
+                if key in group and key in inner_group:
+                    value = group[key]
+                    if isinstance(inner_group[key], torch.Tensor):  # torchao keeps lr as a tensor
+                        inner_group[key].fill_(float(value))
+                    else:
+                        inner_group[key] = value
+            inner_opt.step()
+            param.grad = None
+
+        return hook
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run ``closure`` (forward + backward: the real per-parameter steps happen in its backward)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as any optimizer, then load each parameter's saved state into its inner optimizer.
+
+        The inner optimizer loads from the saved tensors themselves, so state it keeps in a dtype other
+        than the parameter's (e.g. float32 state of bfloat16 weights under stochastic rounding) is not
+        cast on the way.
+        """
+        from lightning_lowmem.functional.optimizers.state import normalize_loaded_state
+
+        state_dict = normalize_loaded_state(state_dict)  # plain-tensor low-bit state -> torchao tensors
+        super().load_state_dict(state_dict)  # groups (checked against this optimizer's layout); ids in saved order
+        for group in self.param_groups:  # a torchao optimizer saves lr as a tensor; schedulers expect a float
+            if isinstance(group.get("lr"), torch.Tensor):
+                group["lr"] = float(group["lr"])
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for saved_id, param in zip(saved_group["params"], group["params"]):
+                inner_opt = self.inner_optimizers.get(param)
+                if inner_opt is None:
+                    continue
+                inner_group = {**{k: v for k, v in inner_opt.param_groups[0].items() if k != "params"}, "params": [0]}
+                for key in inner_group.keys() & group.keys() - {"params", "lr"}:  # saved betas, eps... (lr: hook)
+                    inner_group[key] = group[key]
+                saved_state = state_dict["state"].get(saved_id)
+                inner_opt.load_state_dict({"state": {0: saved_state} if saved_state else {}, "param_groups": [inner_group]})
+                self.state[param] = inner_opt.state[param]
+                # lr / weight_decay reach the inner group in the hook, before every inner step
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks: after this, backward leaves ``.grad`` in place and steps nothing."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+BUILDERS: dict[str, plain.Builder] = {
+    f"{inner}_in_backward": functools.partial(OptimizerInBackward, inner=inner)
+    for inner in ("adamw", "adamw8bit", "adamw4bit", "sgd", "adafactor", "adafactor_bf16_sr")
+}
+"""The optimizer-in-backward names, by registry name (each accepts its inner optimizer's arguments)."""
+
+ARGUMENTS: dict[str, Callable[[], Iterable[str]]] = {
+    name: _INNER_ARGUMENTS[name.removesuffix("_in_backward")] for name in BUILDERS
+}

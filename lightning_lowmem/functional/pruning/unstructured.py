@@ -1,0 +1,275 @@
+"""Mask-based pruning on a plain ``nn.Module``: masks are ``bool`` buffers, weights are zeroed in place.
+
+Unlike ``torch.nn.utils.prune`` there is no ``weight_orig`` copy and no float mask: each pruned
+parameter ``<name>`` gets one non-persistent ``bool`` buffer ``<name>_mask`` (1 byte per weight) on its
+module, and :func:`apply_masks_` multiplies the weight by it in place (call it after every optimizer
+step). Masks only ever grow: a weight pruned once stays pruned. Masks and target selection live in
+:mod:`~lightning_lowmem.functional.pruning.masks` (re-exported here), the sparse export in
+:mod:`~lightning_lowmem.functional.pruning.sparse_format`.
+
+Which parameters: by default every module that directly holds a parameter named in ``parameter_names``
+(an ``nn.Linear``, a Hugging Face ``Conv1D``, a torchao ``FakeQuantizedLinear``...), **except embeddings**:
+the weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` and every parameter tied to one (GPT-2's ``lm_head``,
+BERT's MLM decoder) are left alone unless ``embeddings=True``. A tied parameter is one target: it is ranked
+and counted once, and its single mask buffer is shared by every module that holds it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import torch
+from torch import nn
+
+from lightning_lowmem.functional.pruning.masks import (
+    MASK_SUFFIX,
+    FilterFn,
+    _key,
+    _set_mask,
+    apply_masks_,
+    collect_prunable,
+    embedding_parameters,
+    get_mask,
+    layer_sparsity,
+    load_masks_,
+    mask_state,
+    parameter_owners,
+    remove_pruning_,
+    sparsity,
+    weight_dims,
+)
+from lightning_lowmem.functional.pruning.sparse_format import from_sparse_state_dict, to_sparse_state_dict
+from lightning_lowmem.warnings import NoEffectWarning
+
+__all__ = [
+    "METHODS",
+    "PruningReport",
+    "apply_masks_",
+    "collect_prunable",
+    "embedding_parameters",
+    "from_sparse_state_dict",
+    "get_mask",
+    "layer_sparsity",
+    "load_masks_",
+    "mask_state",
+    "parameter_owners",
+    "prune_",
+    "remove_pruning_",
+    "sparsity",
+    "to_sparse_state_dict",
+    "weight_dims",
+]
+
+METHODS = ("l1_unstructured", "random_unstructured", "ln_structured", "random_structured", "nm")
+Amount = Union[int, float]
+
+
+@dataclass
+class PruningReport:
+    """What :func:`prune_` did: ``sparsity`` over the pruned tensors and per tensor (by ``module.param`` name).
+
+    ``num_prunable`` counts each distinct parameter once (a tied weight once), ``mask_bytes`` each mask buffer once.
+    """
+
+    method: str
+    sparsity: float
+    per_tensor: dict[str, float] = field(default_factory=dict)
+    num_pruned: int = 0
+    num_prunable: int = 0
+    mask_bytes: int = 0
+
+
+def _check_amount(amount: Any) -> None:
+    if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+        raise TypeError(f"`amount`={amount!r} must be a float in [0, 1] or an int >= 0, got {type(amount).__name__}")
+    if isinstance(amount, int) and amount < 0:
+        raise ValueError(f"`amount`={amount} must be >= 0 when an int (an absolute number of weights to prune)")
+    if isinstance(amount, float) and not 0.0 <= amount <= 1.0:
+        raise ValueError(f"`amount`={amount} must be in [0, 1] when a float (a fraction of the weights to prune)")
+
+
+def _num_to_prune(amount: Amount, total: int, already: int, relative: bool) -> int:
+    """How many units are pruned in total after this call (never fewer than ``already``)."""
+    if relative:  # torch.nn.utils.prune semantics: amount applies to what is still unpruned
+        extra = amount if isinstance(amount, int) else round(amount * (total - already))
+        wanted = already + extra
+    else:
+        wanted = amount if isinstance(amount, int) else round(amount * total)
+    if wanted > total:
+        raise ValueError(f"`amount`={amount} asks to prune {wanted} units but only {total} exist")
+    return max(wanted, already)
+
+
+def _channel_scores(weight: torch.Tensor, mask: torch.Tensor, dim: int, norm: float, random: bool, gen) -> torch.Tensor:
+    """One score per slice along ``dim``; fully pruned slices score -inf so they stay pruned."""
+    w = weight.detach().movedim(dim, 0).reshape(weight.shape[dim], -1).float()  # (channels, rest)
+    alive = mask.movedim(dim, 0).reshape(mask.shape[dim], -1).any(dim=1)  # (channels,)
+    scores = torch.rand(w.shape[0], generator=gen) if random else torch.linalg.vector_norm(w, ord=norm, dim=1)
+    return scores.to(w.device).masked_fill(~alive, float("-inf"))
+
+
+def _expand_channels(keep: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
+    view = [1] * len(shape)
+    view[dim] = shape[dim]
+    return keep.view(view).expand(shape).clone()
+
+
+def _nm_mask(weight: torch.Tensor, mask: torch.Tensor, in_dim: int, n: int, m: int) -> torch.Tensor | None:
+    """Keep the ``n`` largest of every ``m`` consecutive weights along the input dim."""
+    w = weight.detach().movedim(in_dim, -1)  # (..., in)
+    if w.shape[-1] % m:
+        return None
+    scores = w.abs().float().masked_fill(~mask.movedim(in_dim, -1), float("-inf"))
+    groups = scores.reshape(-1, m)  # (groups, m)
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(1, groups.topk(n, dim=1).indices, True)
+    keep &= groups > float("-inf")
+    return keep.reshape(w.shape).movedim(-1, in_dim)
+
+
+def _validate(method: Any, n: int, m: int, dim: int | None, norm: float) -> None:
+    if isinstance(method, str) and method not in METHODS:
+        raise ValueError(f"`method`={method!r} is unknown; choose one of {list(METHODS)}")
+    if method == "nm":
+        if not (isinstance(n, int) and isinstance(m, int)) or n < 1 or m < 2 or n >= m:
+            raise ValueError(f"N:M pruning needs ints 1 <= n < m, got n={n!r}, m={m!r} (e.g. n=2, m=4)")
+    if dim is not None and not isinstance(dim, int):
+        raise TypeError(f"`dim`={dim!r} must be an int or None (None: the output-channel dim of each module)")
+    if not isinstance(norm, (int, float)) or norm <= 0:
+        raise ValueError(f"`norm`={norm!r} must be a number > 0 (e.g. 1 or 2; float('inf') allowed)")
+
+
+@torch.no_grad()
+def prune_(
+    module: nn.Module,
+    target_sparsity: Amount,
+    method: str | type = "l1_unstructured",
+    *,
+    global_: bool = False,
+    parameter_names: Sequence[str] = ("weight",),
+    filter_fn: FilterFn | None = None,
+    parameters_to_prune: Sequence[tuple[nn.Module, str]] | None = None,
+    n: int = 2,
+    m: int = 4,
+    dim: int | None = None,
+    norm: float = 1,
+    relative: bool = False,
+    generator: torch.Generator | None = None,
+    embeddings: bool = False,
+) -> PruningReport:
+    """Compute ``bool`` masks reaching ``target_sparsity`` and zero the pruned weights, in place.
+
+    Args:
+        module: the model to prune.
+        target_sparsity: float in [0, 1] = fraction of weights (structured: of channels) pruned after the
+            call; int = that number of weights (channels) per tensor, or in total when ``global_``.
+            Ignored by ``"nm"``, whose sparsity is ``1 - n/m``.
+        method: one of :data:`METHODS`, or a ``torch.nn.utils.prune.BasePruningMethod`` subclass
+            (local only; its float mask is turned into a bool one). Default: ``"l1_unstructured"``.
+        global_: rank weights (or channels, by norm per element) across all targets. Default: ``False``.
+        parameter_names: parameter names to prune in each module holding them. Default: ``("weight",)``.
+        filter_fn: ``filter_fn(module, fqn) -> bool`` chooses modules. Default: ``None`` (all).
+        parameters_to_prune: explicit ``(module, name)`` pairs; overrides the two above. Default: ``None``.
+        n, m: keep ``n`` of every ``m`` consecutive weights along the input dim (``"nm"``). Default: 2, 4.
+        dim: dim whose slices structured methods prune. Default: ``None`` = each module's output dim.
+        norm: the ``p`` of the norm ranking channels in ``ln_structured``. Default: 1.
+        relative: ``amount`` applies to the still-unpruned weights (``torch.nn.utils.prune``'s iterative
+            meaning, used for ``ModelPruning`` compatibility). Default: ``False``.
+        generator: random generator for the random methods. Default: ``None`` (global RNG).
+        embeddings: also prune embedding tables (and the parameters tied to them, e.g. a tied LM head)
+            when targets are searched (``parameters_to_prune`` pairs are always honoured). Default: ``False``.
+
+    Returns:
+        A :class:`PruningReport`.
+
+    Raises:
+        ValueError: unknown method, bad ``amount``, ``n >= m``, a parameter name no module has.
+        TypeError: ``target_sparsity`` / ``dim`` of the wrong type.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> prune_(model, 0.75, global_=True).sparsity
+        0.75
+    """
+    _validate(method, n, m, dim, norm)
+    if method != "nm":
+        _check_amount(target_sparsity)
+    targets = collect_prunable(module, parameter_names, filter_fn, parameters_to_prune, embeddings=embeddings)
+    if not targets:
+        warnings.warn("prune_ matched no parameter: nothing was pruned", NoEffectWarning, stacklevel=2)
+        return PruningReport(str(method), 0.0)
+    weights = [getattr(sub, pname) for _, sub, pname in targets]
+    masks = []  # one per target, in order (names may repeat for modules outside the model's tree)
+    for (_, sub, pname), weight in zip(targets, weights):
+        current = get_mask(sub, pname)
+        masks.append(torch.ones_like(weight, dtype=torch.bool) if current is None else current.clone())
+    method_name = method if isinstance(method, str) else getattr(method, "__name__", str(method))
+    structured = method in ("ln_structured", "random_structured")
+    random = method in ("random_unstructured", "random_structured")
+    groups = [list(range(len(targets)))] if global_ else [[i] for i in range(len(targets))]
+
+    if not isinstance(method, str):  # a torch BasePruningMethod subclass
+        if global_:
+            raise ValueError(f"`method`={method_name} (a custom pruning method) only supports local pruning (global_=False)")
+        for i, weight in enumerate(weights):
+            kwargs = {"dim": dim if dim is not None else 0} if getattr(method, "PRUNING_TYPE", "") == "structured" else {}
+            pruner = method(target_sparsity, **kwargs)
+            masks[i] &= pruner.compute_mask(weight.detach(), default_mask=masks[i].to(weight.dtype)).bool()
+    elif method == "nm":
+        for i, ((fqn, sub, pname), weight) in enumerate(zip(targets, weights)):
+            nm = _nm_mask(weight, masks[i], weight_dims(sub, pname)[1] if weight.dim() > 1 else 0, n, m)
+            if nm is None:
+                message = f"{_key(fqn, pname)} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
+                warnings.warn(message, NoEffectWarning, stacklevel=2)
+                continue
+            masks[i] = nm
+    elif structured:
+        scores = []
+        for i, ((_, sub, pname), weight) in enumerate(zip(targets, weights)):
+            d = (dim if dim is not None else weight_dims(sub, pname)[0]) % max(weight.dim(), 1)
+            s = _channel_scores(weight, masks[i], d, norm, random, generator)
+            if global_:  # compare channels of different sizes by norm per element
+                s = s / (weight.numel() // weight.shape[d]) ** (1.0 / norm)
+            scores.append((s, d))
+        for group in groups:
+            flat = torch.cat([scores[i][0].cpu() for i in group])
+            k = _num_to_prune(target_sparsity, flat.numel(), int(torch.isinf(flat).sum()), relative)
+            drop = torch.zeros(flat.numel(), dtype=torch.bool)
+            drop[torch.topk(flat, k, largest=False).indices] = True
+            offset = 0
+            for i in group:
+                weight, (s, d) = weights[i], scores[i]
+                keep = ~drop[offset : offset + s.numel()].to(weight.device)
+                offset += s.numel()
+                masks[i] &= _expand_channels(keep, weight.shape, d)
+    else:  # unstructured magnitude / random
+        for group in groups:
+            parts = []
+            for i in group:
+                weight = weights[i]
+                score = torch.rand(weight.shape, generator=generator) if random else weight.detach().abs().float().cpu()
+                parts.append(score.flatten().masked_fill(~masks[i].flatten().cpu(), float("-inf")))
+            flat = torch.cat(parts)
+            k = _num_to_prune(target_sparsity, flat.numel(), int(torch.isinf(flat).sum()), relative)
+            drop = torch.zeros(flat.numel(), dtype=torch.bool)
+            drop[torch.topk(flat, k, largest=False, sorted=False).indices] = True
+            offset = 0
+            for i, part in zip(group, parts):
+                masks[i] &= ~drop[offset : offset + part.numel()].view(weights[i].shape).to(weights[i].device)
+                offset += part.numel()
+
+    report = PruningReport(method_name, 0.0)
+    owners = parameter_owners(module)
+    for (fqn, sub, pname), weight, mask in zip(targets, weights, masks):
+        shared = _set_mask(owners.get(id(weight)) or [(fqn, sub, pname)], mask)
+        weight.mul_(shared)
+        pruned = int(mask.numel() - mask.sum())
+        report.per_tensor[_key(fqn, pname)] = pruned / max(mask.numel(), 1)
+        report.num_pruned += pruned
+        report.num_prunable += mask.numel()
+        report.mask_bytes += shared.nbytes
+    report.sparsity = report.num_pruned / max(report.num_prunable, 1)
+    return report

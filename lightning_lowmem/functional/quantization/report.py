@@ -1,0 +1,100 @@
+"""What a quantization call did (:class:`QuantizationReport`), shared by post-training, static and QAT
+quantization, and the warning when a model stays mostly float."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.warnings import LowMemWarning
+
+__all__ = ["MIN_CONVERTED_SHARE", "QuantizationReport", "warn_if_mostly_float", "weight_bytes"]
+
+#: below this share of the parameter bytes converted, quantize_ warns (the model stays mostly float).
+MIN_CONVERTED_SHARE = 0.5
+
+
+@dataclass
+class QuantizationReport:
+    """What a quantization call did.
+
+    Attributes:
+        mode: the mode applied.
+        bytes_before: parameter + buffer bytes of the module before.
+        bytes_after: the same after (torchao tensors counted by their inner int data and scales).
+        converted: fully-qualified names of the layers (Linear, Conv1D, Embedding) that were quantized.
+        module: the quantized module (the same object for in-place modes; a new exported module
+            for ``"int8_static"``).
+        conv1d: the ``converted`` layers that were ``transformers`` ``Conv1D`` and are now ``nn.Linear``.
+        tied: groups of ``converted`` layers sharing one weight, quantized once and still sharing it.
+        converted_bytes: float bytes of the weights that were quantized (each tied weight once).
+        notes: anything else the call decided (e.g. a reduced activation range for the CPU).
+    """
+
+    mode: str
+    bytes_before: int
+    bytes_after: int
+    converted: list[str] = field(default_factory=list)
+    module: nn.Module | None = field(default=None, repr=False)
+    conv1d: list[str] = field(default_factory=list)
+    tied: list[list[str]] = field(default_factory=list)
+    converted_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def size_ratio(self) -> float:
+        """``bytes_before / bytes_after`` (``1.0`` when nothing changed)."""
+        return self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+
+    @property
+    def converted_share(self) -> float:
+        """Share of the parameter bytes (before) that belonged to quantized weights."""
+        return self.converted_bytes / self.bytes_before if self.bytes_before else 0.0
+
+    def summary(self) -> str:
+        """One line: what was converted and the size change."""
+        parts = [f"{self.mode}: {len(self.converted)} layers quantized"]
+        if self.conv1d:
+            parts.append(f"{len(self.conv1d)} Conv1D -> nn.Linear")
+        if self.tied:
+            parts.append("tied, stored once: " + "; ".join(" = ".join(group) for group in self.tied))
+        parts.append(
+            f"{format_bytes(self.bytes_before)} -> {format_bytes(self.bytes_after)} ({self.size_ratio:.2f}x smaller, "
+            f"{100 * self.converted_share:.0f}% of the bytes converted)"
+        )
+        return ", ".join(parts + self.notes)
+
+
+def weight_bytes(module: nn.Module, names: Sequence[str]) -> int:
+    """Bytes of the ``weight`` of the layers ``names`` of ``module``, each tied weight once."""
+    weights = {id(w): w for w in (module.get_submodule(name).weight for name in names)}
+    return sum(w.numel() * w.element_size() for w in weights.values())
+
+
+def warn_if_mostly_float(module: nn.Module, report: QuantizationReport, stacklevel: int = 2) -> None:
+    """Warn (``LowMemWarning``) when less than :data:`MIN_CONVERTED_SHARE` of the parameter bytes were
+    quantized, naming the layer classes that hold the float rest."""
+    if not report.converted or report.converted_share >= MIN_CONVERTED_SHARE:
+        return
+    by_class: dict[str, int] = {}
+    seen: set[int] = set()
+    for layer in module.modules():
+        for tensor in layer.parameters(recurse=False):
+            if id(tensor) not in seen and type(tensor.data) in (torch.Tensor, nn.Parameter):
+                seen.add(id(tensor))
+                by_class[type(layer).__name__] = by_class.get(type(layer).__name__, 0) + tensor.numel() * tensor.element_size()
+    biggest = sorted(by_class.items(), key=lambda item: -item[1])[:4]
+    listed = ", ".join(f"{name} {format_bytes(size)}" for name, size in biggest)
+    warnings.warn(
+        f"quantize_(mode={report.mode!r}) converted {len(report.converted)} layers holding only "
+        f"{100 * report.converted_share:.0f}% of {type(module).__name__}'s parameter bytes "
+        f"({report.size_ratio:.2f}x smaller); float parameters remain in: {listed}. Only nn.Linear, transformers' "
+        "Conv1D and nn.Embedding are quantized; check `skip_modules` / `filter_fn` / `embeddings`.",
+        LowMemWarning,
+        stacklevel=stacklevel,
+    )

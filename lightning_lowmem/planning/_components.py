@@ -1,0 +1,220 @@
+"""The planner's per-axis measurements: measure what differs between candidates once, then combine.
+
+A training step's memory splits along the technique axes:
+
+* the **model side** (precision, checkpointing, compression, micro-batches, LoRA) decides parameters,
+  gradients, activations and what forward / backward allocate. A :class:`ModelProbe` runs that step once
+  on fake tensors with an optimizer that keeps no state and steps nothing, and records its peak and
+  the bytes alive when ``optimizer.step()`` is called;
+* the **optimizer** adds its state for the whole step and, during ``step()``, its temporaries. Both
+  depend only on the parameters it steps (shapes, strides, dtypes), not on the model's activations: an
+  :class:`OptimizerProfile` measures them on bare fake parameters of those shapes, without the model.
+
+A candidate's peak is then ``max(probe peak + state, bytes at step + state + step temporaries)``
+(:func:`combine`): one model-side run serves every optimizer, and one optimizer profile serves every
+model-side configuration with the same trainable parameters. Optimizers that step inside backward
+interleave both sides and are estimated whole. The planner re-estimates the chosen candidate with the
+full :func:`~lightning_lowmem.planning.estimate.estimate_memory` and reports both figures.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_lowmem import _compat
+from lightning_lowmem.planning._fake_step import (
+    AUTOCAST_DTYPES,
+    TRUE_DTYPES,
+    OptimizerScalars,
+    apply_model_techniques,
+    build_lookup_tables,
+    build_optimizer,
+    create_state,
+    fake_batch,
+    fake_gradients,
+    fake_module,
+    train_step,
+)
+from lightning_lowmem.memory._tracker import MemoryLimitExceeded, StorageTracker, cuda_block_bytes, iter_tensors
+from lightning_lowmem.memory.report import CATEGORIES
+
+Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
+"""Shape, stride and dtype of every parameter an optimizer steps, in order."""
+
+
+@dataclass(frozen=True)
+class ModelProbe:
+    """The model side of a step: its peak without optimizer state, and what is alive at ``step()``.
+
+    ``stopped_at`` is set when the run was stopped as soon as its live bytes passed that limit: then
+    ``peak_bytes`` is only a lower bound and the step figures are unknown (0).
+    """
+
+    peak_bytes: int
+    peak_breakdown: dict[str, int]
+    step_bytes: int
+    step_breakdown: dict[str, int]
+    trainable: Signature
+    stopped_at: int | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """What an optimizer adds: its state, and its temporaries above parameters + gradients + state."""
+
+    state_bytes: int
+    step_extra_bytes: int
+
+
+class _StatelessOptimizer(torch.optim.Optimizer):
+    """Keeps no state and steps nothing; notes the tracker's live bytes when ``step()`` is called."""
+
+    def __init__(self, params: list[torch.Tensor], tracker: StorageTracker) -> None:
+        super().__init__(params, {})
+        self.tracker = tracker
+        self.step_bytes = 0
+        self.step_breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        self.step_bytes = self.tracker.current_bytes
+        self.step_breakdown = self.tracker.current_breakdown
+
+
+def _round(device: str) -> Callable[[int], int] | None:
+    return cuda_block_bytes if device == "cuda" else None
+
+
+def probe_model(
+    module: nn.Module,
+    batch: Any,
+    config: Any,
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    device: str,
+    loop: str,
+    limit_bytes: int | None = None,
+) -> ModelProbe:
+    """Run ``config``'s model side once on fake tensors (the optimizer is left out; see module docstring).
+
+    With ``loop="lightning"`` the previous step's gradients are alive during the forward, as in the
+    full estimate's second step. With ``limit_bytes`` the run stops as soon as more bytes than that are
+    alive: a candidate that cannot fit is known without running the rest of its step.
+    """
+    true_dtype = TRUE_DTYPES.get(config.precision)
+    autocast_dtype = AUTOCAST_DTYPES.get(config.precision)
+    tracker = StorageTracker(device="cpu", round_bytes=_round(device), by_module=False)
+    fake_mode = _compat.fake_tensor_mode()
+    model = fake_module(module, true_dtype, fake_mode)
+    with fake_mode, warnings.catch_warnings(), _compat.force_eager():
+        warnings.simplefilter("ignore")
+        model.train()
+        apply_model_techniques(model, config)
+        inputs = fake_batch(batch, true_dtype)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = _StatelessOptimizer(params, tracker)
+        if loop == "lightning":
+            fake_gradients(params)  # left by the previous step until Lightning's zero_grad
+        tracker.modules = [model]
+        tracker.limit_bytes = limit_bytes
+        stopped = False
+        try:
+            with tracker:
+                train_step(model, inputs, loss_fn, optimizer, config, autocast_dtype, fake=True, loop=loop)
+        except MemoryLimitExceeded:
+            stopped = True
+    report = tracker.report
+    assert report is not None
+    trainable = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in params)
+    if stopped:
+        return ModelProbe(report.peak_bytes, report.breakdown, 0, dict.fromkeys(CATEGORIES, 0), trainable, limit_bytes)
+    return ModelProbe(report.peak_bytes, report.breakdown, optimizer.step_bytes, optimizer.step_breakdown, trainable)
+
+
+def profile_optimizer(
+    name: str, trainable: Signature, *, device: str, kwargs: dict[str, Any]
+) -> OptimizerProfile:
+    """Measure optimizer ``name`` on bare fake parameters shaped as ``trainable`` (no model, no forward).
+
+    Parameters of one shape behave alike, so a long signature (a deep model repeats its blocks) is
+    measured on each distinct shape once, then again with one shape twice: when the repeated parameter
+    gets the same state as its twin, nothing else grows, and the step's temporaries stay the same (the
+    optimizer steps one parameter at a time), the whole model's figures follow by counting; otherwise
+    (e.g. ``foreach`` kernels, whose temporaries span every parameter) the whole signature is measured.
+    """
+    build_lookup_tables(name)
+    counts = Counter(trainable)
+    if 3 * len(counts) < len(trainable):
+        unique = list(counts)
+        smallest = min(range(len(unique)), key=lambda i: math.prod(unique[i][0]))
+        once = _measure_optimizer(name, unique, device, kwargs)
+        again = _measure_optimizer(name, unique + [unique[smallest]], device, kwargs)  # one shape twice
+        per_param = once.per_param_state
+        if (
+            again.per_param_state == per_param + [per_param[smallest]]
+            and again.shared_bytes == once.shared_bytes  # e.g. torchao's lr tensor: once per optimizer
+            and again.step_extra_bytes == once.step_extra_bytes  # one parameter at a time
+        ):
+            state = once.shared_bytes + sum(counts[signature] * bytes_ for signature, bytes_ in zip(unique, per_param))
+            return OptimizerProfile(state, once.step_extra_bytes)
+    whole = _measure_optimizer(name, list(trainable), device, kwargs)
+    return OptimizerProfile(whole.state_bytes, whole.step_extra_bytes)
+
+
+@dataclass(frozen=True)
+class _OptimizerRun:
+    state_bytes: int  # everything the optimizer keeps between steps (state, float32 copies...)
+    step_extra_bytes: int
+    per_param_state: list[int]  # ``optimizer.state[p]`` bytes per parameter
+    shared_bytes: int  # kept, but in no parameter's state
+
+
+def _measure_optimizer(name: str, trainable: list, device: str, kwargs: dict[str, Any]) -> _OptimizerRun:
+    rounding = _round(device) or (lambda n: n)
+    tracker = StorageTracker(device="cpu", round_bytes=_round(device), by_module=False)
+    with _compat.fake_tensor_mode(), warnings.catch_warnings(), _compat.force_eager():
+        warnings.simplefilter("ignore")
+        params = [nn.Parameter(torch.empty_strided(shape, stride, dtype=dtype)) for shape, stride, dtype in trainable]
+        optimizer = build_optimizer(name, params, kwargs)
+        create_state(optimizer, params)  # the state a first step leaves; gradients stay set
+        tracker.optimizers = [optimizer]
+        with tracker:
+            with OptimizerScalars():
+                optimizer.step()
+        report = tracker.report
+        assert report is not None
+        # what stays after a step (state, an optimizer's own float32 copies...) is resident through the
+        # whole training step; the rest of the step's peak are its temporaries
+        params_and_grads = sum(rounding(t.untyped_storage().nbytes()) for p in params for t in (p, p.grad) if t is not None)
+        resident = report.end_bytes - params_and_grads
+        per_param = [_storage_bytes(optimizer.state.get(p, {}), rounding) for p in params]
+    return _OptimizerRun(resident, report.peak_bytes - report.end_bytes, per_param, resident - sum(per_param))
+
+
+def _storage_bytes(state: Any, rounding: Callable[[int], int]) -> int:
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in iter_tensors(state)}
+    return sum(rounding(n) for n in storages.values())
+
+
+def combine(probe: ModelProbe, profile: OptimizerProfile) -> tuple[int, dict[str, int]]:
+    """A candidate's predicted peak and its breakdown from its model probe and optimizer profile (a lower
+    bound when the probe was stopped)."""
+    if probe.stopped_at is not None:
+        breakdown = dict(probe.peak_breakdown)
+        breakdown["optimizer_state"] += profile.state_bytes
+        return probe.peak_bytes + profile.state_bytes, breakdown
+    during_backward = probe.peak_bytes + profile.state_bytes
+    during_step = probe.step_bytes + profile.state_bytes + profile.step_extra_bytes
+    if during_backward >= during_step:
+        breakdown = dict(probe.peak_breakdown)
+    else:
+        breakdown = dict(probe.step_breakdown)
+        breakdown["other"] += profile.step_extra_bytes
+    breakdown["optimizer_state"] += profile.state_bytes
+    return max(during_backward, during_step), breakdown

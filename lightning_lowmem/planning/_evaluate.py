@@ -1,0 +1,163 @@
+"""Evaluating the planner's candidates quickly: per-axis predictions from cached measurements, and full
+estimates where a figure must be exact.
+
+A :class:`CandidateEvaluator` keeps one :class:`~lightning_lowmem.planning._components.ModelProbe` per
+model-side configuration (precision, checkpointing, compression, micro-batch, LoRA), one
+:class:`~lightning_lowmem.planning._components.OptimizerProfile` per optimizer and trainable-parameter
+set, and one full estimate per configuration asked for. Candidates that differ only in the optimizer
+share a probe; candidates that differ only on the model side (with the same trainable parameters, e.g.
+``32-true`` and ``bf16-mixed``) share a profile.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
+from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
+from lightning_lowmem.planning.estimate import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    TrainingConfig,
+    data_dependent_errors_explained,
+    default_loss,
+    estimate_memory,
+)
+from lightning_lowmem.memory.report import MemoryReport
+
+
+class CandidateEvaluator:
+    """Predicts the peak of a :class:`TrainingConfig` on one model and batch, reusing what it measured.
+
+    Args:
+        module: the model (not modified).
+        batch: one batch.
+        loss_fn: as for :func:`estimate_memory` (``None``: the model's own step).
+        device: ``"cuda"`` or ``"cpu"``.
+        loop: ``"auto"``, ``"lightning"`` or ``"torch"`` (see :func:`estimate_memory`).
+        optimizer_kwargs: optimizer name -> extra arguments for it.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        batch: Any,
+        *,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+        device: str,
+        loop: str,
+        optimizer_kwargs: Callable[[str], dict[str, Any]],
+    ) -> None:
+        self.module = module
+        self.batch = batch
+        self.user_loss_fn = loss_fn
+        self.loss_fn = loss_fn or default_loss
+        self.device = device
+        self.loop = resolve_loop(module, loss_fn, loop)
+        self.optimizer_kwargs = optimizer_kwargs
+        self._probes: dict[tuple, ModelProbe] = {}
+        self._profiles: dict[tuple, OptimizerProfile] = {}
+        self._full: dict[TrainingConfig, MemoryReport] = {}
+        self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
+        self.reserve_optimizers: list[str] = []
+        """Optimizers whose state a limited model-side run reserves, once each was profiled: the run stops
+        once the model side plus the smallest state among them passes the limit (no candidate fits then)."""
+        self.full_estimates = 0
+        self.probes = 0
+        self.profiles = 0
+
+    def predict(self, config: TrainingConfig, limit_bytes: int | None = None) -> MemoryReport:
+        """The per-axis prediction of ``config`` (a full estimate for an optimizer-in-backward, or if one
+        was already made).
+
+        With ``limit_bytes``, the model-side run stops once more than that, less the smallest state of
+        :attr:`reserve_optimizers`, is alive: the report's peak is then a lower bound above the limit
+        (``report.meta["method"] == "lower bound"``).
+        """
+        if config in self._full or config.optimizer.endswith("_in_backward"):
+            return self.full(config)
+        probe, limit = self._probe(config, limit_bytes)
+        if probe.stopped_at is not None or (limit is not None and probe.peak_bytes > limit):
+            # the model side plus the smallest optimizer state is over the limit: no optimizer fits, and none
+            # is profiled for it (a low-bit one imports torchao); the figure is a lower bound above the limit
+            reserved = (limit_bytes or 0) - (limit or 0)
+            breakdown = dict(probe.peak_breakdown)
+            breakdown["optimizer_state"] += reserved
+            return self._report(probe.peak_bytes + reserved, breakdown, config, "lower bound")
+        peak, breakdown = combine(probe, self._profile(config.optimizer, probe.trainable))
+        return self._report(peak, breakdown, config, "per-axis")
+
+    def model_side_fits(self, config: TrainingConfig, limit_bytes: int) -> bool:
+        """Whether ``config``'s model side alone (no optimizer state) stays within ``limit_bytes``."""
+        if config.optimizer.endswith("_in_backward"):
+            return self.predict(config).peak_bytes <= limit_bytes
+        probe, limit = self._probe(config, limit_bytes)
+        return probe.stopped_at is None and limit is not None and probe.peak_bytes <= limit
+
+    def full(self, config: TrainingConfig) -> MemoryReport:
+        """The full :func:`estimate_memory` of ``config`` (cached)."""
+        if config not in self._full:
+            self.full_estimates += 1
+            report = estimate_memory(
+                self.module,
+                self.batch,
+                loss_fn=self.user_loss_fn,
+                device=self.device,
+                config=config,
+                optimizer_kwargs=self.optimizer_kwargs(config.optimizer),
+                loop=self.loop,
+            )
+            report.meta["method"] = "full"
+            self._full[config] = report
+        return self._full[config]
+
+    # ------------------------------------------------------------------ the per-axis parts
+    def _probe(self, config: TrainingConfig, limit_bytes: int | None) -> tuple[ModelProbe, int | None]:
+        """The model-side run of ``config`` and the limit its model side alone must stay within: ``limit_bytes``
+        less the smallest state of :attr:`reserve_optimizers` (known once its precision / LoRA ran once)."""
+        key = (config.precision, config.activation_checkpointing, config.activation_compression,
+               config.micro_batch_size, config.lora)  # fmt: skip
+        limit = None if limit_bytes is None else limit_bytes - self._reserve(config)
+        cached = self._probes.get(key)
+        if cached is not None and (cached.stopped_at is None or (limit is not None and limit <= cached.stopped_at)):
+            return cached, limit  # complete, or already proven above this limit
+        self.probes += 1
+        with data_dependent_errors_explained(self.module, config, steps=2):
+            probe = probe_model(
+                self.module, self.batch, config, loss_fn=self.loss_fn, device=self.device, loop=self.loop,
+                limit_bytes=limit,
+            )  # fmt: skip
+        self._probes[key] = probe
+        self._trainable[(config.precision, config.lora)] = probe.trainable
+        return probe, limit
+
+    def _reserve(self, config: TrainingConfig) -> int:
+        """The smallest optimizer state a candidate with ``config``'s model side keeps through its step."""
+        trainable = self._trainable.get((config.precision, config.lora))
+        names = [name for name in self.reserve_optimizers if not name.endswith("_in_backward")]
+        if trainable is None or not names or any((name, trainable) not in self._profiles for name in names):
+            return 0  # profiled when the search first predicts them (a low-bit one imports torchao: seconds)
+        return min(self._profiles[(name, trainable)].state_bytes for name in names)
+
+    def _profile(self, name: str, trainable: Any) -> OptimizerProfile:
+        key = (name, trainable)
+        if key not in self._profiles:
+            self.profiles += 1
+            kwargs = device_optimizer_kwargs(name, self.device, self.optimizer_kwargs(name))
+            self._profiles[key] = profile_optimizer(name, trainable, device=self.device, kwargs=kwargs)
+        return self._profiles[key]
+
+    def _report(self, peak: int, breakdown: dict[str, int], config: TrainingConfig, method: str) -> MemoryReport:
+        report = MemoryReport(
+            peak_bytes=peak,
+            breakdown=breakdown,
+            device=self.device,
+            source="estimated",
+            meta={"config": config.to_dict(), "label": config.describe(), "loop": self.loop, "method": method},
+        )
+        if self.device == "cuda":
+            report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
+        return report

@@ -1,0 +1,299 @@
+"""`estimate_memory`: a training step's peak memory, predicted without allocating.
+
+The real step (forward, loss, backward, optimizer step) runs on a copy of the model whose parameters are
+*fake* tensors (torch's ``FakeTensorMode``): every op computes shapes and dtypes but no data, so a
+7B-parameter model "runs" on a laptop. The memory core's tracker counts the fake storages exactly as it
+counts real ones, so the estimate shares its categories with :func:`measure_memory`.
+
+Techniques are applied with the same functional transforms the callbacks use (checkpointing,
+compression, optimizers, LoRA), so the estimate cannot drift from what training does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from lightning_lowmem import _compat
+from lightning_lowmem.planning._fake_step import (
+    EstimationError,
+    LOOPS,
+    AUTOCAST_DTYPES,
+    TRUE_DTYPES,
+    apply_model_techniques,
+    build_lookup_tables,
+    build_optimizer,
+    configured_optimizer,
+    create_state,
+    device_optimizer_kwargs,
+    fake_batch,
+    fake_module,
+    resolve_loop,
+    train_step,
+)
+from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
+from lightning_lowmem.memory.report import MemoryReport
+from lightning_lowmem.planning.sharding import ShardedStep
+from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
+
+__all__ = ["PRECISIONS", "EstimationError", "TrainingConfig", "estimate_memory"]
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+CUDA_CONTEXT_BYTES = 500 * 2**20
+"""Typical CUDA context + kernels per process (driver memory, invisible to the caching allocator;
+300 MiB-1 GiB depending on GPU, driver and loaded libraries)."""
+
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""cuBLAS workspace torch allocates through the caching allocator on the first matmul (Hopper default;
+8 MiB on older GPUs). Counted by ``torch.cuda.max_memory_allocated``."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """One technique mix: what a training step is estimated (or planned) with.
+
+    Attributes:
+        precision: one of ``PRECISIONS`` (Lightning's names). Default: ``"32-true"``.
+        activation_checkpointing: a policy for ``functional.checkpointing.checkpoint_`` (``"auto"``,
+            a class name, a pattern or every-k int) or ``None``. Default: ``None``.
+        activation_compression: ``"bf16"``, ``"int8"`` or ``None``. Default: ``None``.
+        optimizer: a name for ``functional.optimizers.build_optimizer``. Default: ``"adamw"``.
+        micro_batch_size: split each batch into micro-batches of this size (gradient accumulation
+            keeps the effective batch), or ``None``. Default: ``None``.
+        lora: keyword arguments for ``functional.lora.apply_lora_`` (e.g. ``{"r": 8}``;
+            ``{"r": 8, "quantize_base": "int8"}`` for QLoRA) or ``None``. Default: ``None``.
+    """
+
+    precision: str = "32-true"
+    activation_checkpointing: str | int | None = None
+    activation_compression: str | None = None
+    optimizer: str = "adamw"
+    micro_batch_size: int | None = None
+    lora: tuple[tuple[str, Any], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"`precision`={self.precision!r} is unknown; choose one of {list(PRECISIONS)}")
+        if self.activation_compression not in (None, "bf16", "int8", "cpu"):
+            raise ValueError(
+                f"`activation_compression`={self.activation_compression!r} is unknown; choose None, 'bf16', 'int8' or 'cpu'"
+            )
+        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size <= 0):
+            raise ValueError(f"`micro_batch_size` must be a positive int or None, got {self.micro_batch_size!r}")
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", tuple(sorted(self.lora.items())))
+
+    def describe(self) -> str:
+        """A short human label, e.g. ``bf16-true + ckpt(auto) + int8 acts + adamw8bit + mb 4``."""
+        parts = [self.precision]
+        if self.lora:
+            lora = dict(self.lora)
+            parts.append(("q" if lora.get("quantize_base") else "") + f"lora(r={lora.get('r', 8)})")
+        if self.activation_checkpointing is not None:
+            parts.append(f"ckpt({self.activation_checkpointing})")
+        if self.activation_compression:
+            parts.append(f"{self.activation_compression} acts")
+        parts.append(self.optimizer)
+        if self.micro_batch_size:
+            parts.append(f"mb {self.micro_batch_size}")
+        return " + ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "activation_checkpointing": self.activation_checkpointing,
+            "activation_compression": self.activation_compression,
+            "optimizer": self.optimizer,
+            "micro_batch_size": self.micro_batch_size,
+            "lora": dict(self.lora) if self.lora else None,
+        }
+
+
+# the step machinery lives in _fake_step (shared with the planner); tests and benchmarks run these for real
+_apply_model_techniques = apply_model_techniques
+_train_step = train_step
+
+
+def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss used when none is given: a LightningModule's ``training_step``, else the model's own.
+
+    A plain module is called the package's way (:func:`lightning_lowmem.model_io.forward_batch`: its
+    ``forward_batch(batch)`` if it defines one, a dict batch as keywords, a tuple's first element):
+    a Hugging Face output's ``.loss`` is used when the batch has labels, otherwise the output (its
+    ``.logits``) is reduced with a float ``sum``. Give ``loss_fn`` to estimate a specific loss (e.g.
+    cross-entropy saves softmax).
+    """
+    if hasattr(module, "training_step") and callable(getattr(module, "training_step")):
+        out = module.training_step(batch, 0)
+        if isinstance(out, dict):
+            out = out["loss"]
+        return out
+    out = forward_batch(module, batch)
+    loss = output_loss(out)
+    return loss if loss is not None else output_logits(out).float().sum()
+
+
+# ----------------------------------------------------------------------------- the estimate
+def estimate_memory(
+    module: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    optimizer: str | None = None,
+    precision: str = "32-true",
+    device: str = "cuda",
+    steps: int = 2,
+    activation_checkpointing: str | int | None = None,
+    activation_compression: str | None = None,
+    micro_batch_size: int | None = None,
+    lora: dict[str, Any] | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    config: TrainingConfig | None = None,
+    loop: str = "auto",
+    world_size: int = 1,
+    sharding: str | None = None,
+) -> MemoryReport:
+    """Predict the peak memory of one training step without allocating any tensor data.
+
+    Args:
+        module: the model (real, on ``meta``, or on any device; it is not modified or moved).
+        batch: one batch as the model's ``training_step`` (or ``loss_fn``) takes it; tensors may live on
+            ``meta``. Only shapes and dtypes are used.
+        loss_fn: ``loss_fn(module, batch) -> loss``. Default: :func:`default_loss` (a LightningModule's
+            own ``training_step`` under automatic optimization).
+        optimizer: optimizer name (see ``functional.optimizers.available_optimizers()``), or ``None``: the
+            one the module's ``configure_optimizers`` returns, with its arguments (built on a fake copy),
+            else ``"adamw"``. Default: ``None``.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
+            Mixed precision runs CPU autocast as a stand-in for CUDA autocast. Default: ``"32-true"``.
+        device: ``"cuda"`` applies the caching allocator's 512-byte block rounding and lists the CUDA
+            context and cuBLAS workspace in ``report.overheads``; ``"cpu"`` counts exact bytes.
+            Default: ``"cuda"``.
+        steps: optimizer steps to run; the last one is reported (the second step is the first with
+            optimizer state). Only the last step runs forward and backward: the first creates the
+            optimizer state with one optimizer step on fake gradients, which is all it leaves behind.
+            Default: 2.
+        activation_checkpointing, activation_compression, micro_batch_size, lora: techniques, see
+            :class:`TrainingConfig`. Default: off.
+        optimizer_kwargs: extra optimizer arguments (``lr`` ...). Default: none.
+        config: a :class:`TrainingConfig` that replaces the technique arguments above.
+        loop: the order of a step. ``"lightning"``: Lightning's automatic optimization, which zeroes
+            gradients between ``training_step`` and backward, so the previous step's gradients live
+            through the forward (with micro-batches, ``AutoMicrobatch`` zeroes them first).
+            ``"torch"``: forward, backward, step, ``zero_grad``. ``"auto"``: ``"lightning"`` for a
+            LightningModule under automatic optimization estimated through its own ``training_step``
+            (no ``loss_fn``), else ``"torch"``. Default: ``"auto"``.
+        world_size: processes the step runs on; ``batch`` is one process's batch. Default: 1.
+        sharding: ``"ddp"``, ``"zero1"`` or ``"fsdp"`` (``lowmem_ddp``, ``lowmem_ddp`` with
+            ``zero_optimizer=True``, ``lowmem_fsdp``), or ``None`` (one process; ``"ddp"`` if
+            ``world_size > 1``). See :mod:`lightning_lowmem.planning.sharding`. Default: ``None``.
+
+    Returns:
+        A :class:`MemoryReport` with ``source="estimated"``; ``report.meta["config"]`` is the config.
+        With ``sharding``: the largest rank's peak and breakdown, ``meta["per_rank"]`` every rank's.
+
+    Raises:
+        EstimationError: the step cannot run on fake tensors (data-dependent control flow or output
+            shapes); the message says what was tried.
+        ValueError: an unknown precision / technique / device / sharding, ``world_size < 1``.
+
+    Example::
+
+        >>> from lightning_lowmem.demo import CharLM
+        >>> model = CharLM(n_layer=2, n_embd=64, block_size=32)
+        >>> batch = (torch.zeros(8, 32, dtype=torch.long), torch.zeros(8, 32, dtype=torch.long))
+        >>> report = estimate_memory(model, batch, device="cpu")
+        >>> report.breakdown["optimizer_state"] > 2 * 4 * 64 * 64
+        True
+    """
+    if config is None:
+        if optimizer is None:
+            optimizer, optimizer_kwargs = as_configured(module, optimizer_kwargs)
+        config = TrainingConfig(
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+            activation_compression=activation_compression,
+            optimizer=optimizer,
+            micro_batch_size=micro_batch_size,
+            lora=tuple(sorted(lora.items())) if lora else None,
+        )
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
+    loop = resolve_loop(module, loss_fn, loop)
+    loss_fn = loss_fn or default_loss
+    sharded = ShardedStep(sharding, world_size, device=device)  # validates world_size / sharding
+    true_dtype = TRUE_DTYPES.get(config.precision)
+    autocast_dtype = sharded.autocast_dtype(config.precision, AUTOCAST_DTYPES.get(config.precision))
+    in_backward = config.optimizer.endswith("_in_backward")
+    tracker = StorageTracker(device="cpu", round_bytes=cuda_block_bytes if device == "cuda" else None, by_module=False)
+
+    build_lookup_tables(config.optimizer)
+    fake_mode = _compat.fake_tensor_mode()
+    with data_dependent_errors_explained(module, config, steps):
+        model = fake_module(module, true_dtype, fake_mode)
+        with sharded, fake_mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.train()
+            apply_model_techniques(model, config)
+            sharded.shard(model, config.precision)
+            batch = fake_batch(batch, true_dtype)
+            params = [p for p in model.parameters() if p.requires_grad]
+            kwargs = device_optimizer_kwargs(config.optimizer, device, optimizer_kwargs)
+            opt = build_optimizer(config.optimizer, params, kwargs)
+            tracker.modules = [model]
+            tracker.optimizers = [opt]
+            # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors
+            with _compat.force_eager():
+                if steps > 1:  # the first step's lasting effect, without its forward / backward
+                    create_state(opt, params)
+                    if loop == "torch" or in_backward:
+                        opt.zero_grad(set_to_none=True)
+                for _ in range(steps - 2):
+                    train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
+                with tracker:
+                    train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
+
+    report = tracker.report
+    assert report is not None
+    report.source = "estimated"
+    report.device = device
+    report.meta = {"config": config.to_dict(), "steps": steps, "label": config.describe(), "loop": loop}
+    report = sharded.finish(report, opt)
+    if device == "cuda":
+        report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
+    return report
+
+
+@contextlib.contextmanager
+def data_dependent_errors_explained(module: nn.Module, config: TrainingConfig, steps: int) -> Iterator[None]:
+    """Turn fake-tensor errors about data-dependent control flow into an :class:`EstimationError`."""
+    try:
+        yield
+    except _compat.data_dependent_errors() as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise EstimationError(
+            f"estimate_memory could not run {type(module).__name__}'s training step on fake tensors: the step "
+            f"depends on tensor *values* (data-dependent control flow or output shape: {first_line}). "
+            f"Tried: FakeTensorMode on CPU, config [{config.describe()}], {steps} step(s). Make the control "
+            f"flow depend on shapes only, pass a `loss_fn` that avoids it, or measure a real small step "
+            f"with `measure_memory`."
+        ) from err
+
+
+def as_configured(module: nn.Module, optimizer_kwargs: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The optimizer ``module.configure_optimizers()`` returns (name, arguments; ``optimizer_kwargs`` win),
+    or AdamW when it has none the estimator knows."""
+    found = configured_optimizer(module)
+    if found is None:
+        return "adamw", dict(optimizer_kwargs or {})
+    return found[0], {**found[1], **(optimizer_kwargs or {})}

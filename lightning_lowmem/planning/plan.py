@@ -1,0 +1,416 @@
+"""`plan_memory`: the cheapest technique mix whose estimated peak fits a memory budget.
+
+Candidates are ranked by a prior slowdown and predicted in that order from per-axis measurements
+(:mod:`lightning_lowmem.planning._components`: one model-side run per precision / checkpointing /
+compression / micro-batch / LoRA setting, one optimizer profile per optimizer and trainable-parameter
+set); the first that fits is re-estimated in full (:func:`estimate_memory`), and chosen if the full
+estimate fits too. ``plan_memory``, ``lowmem estimate --budget`` and ``LowMemoryStrategy(memory_budget=)``
+all call this one function, so they choose the same plan for the same model, batch and options.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from lightning_lowmem.planning._fake_step import tensor_leaves
+from lightning_lowmem.planning.estimate import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, EstimationError, TrainingConfig
+from lightning_lowmem.planning.plan_report import Candidate, Plan, peak_label
+from lightning_lowmem.memory.report import MemoryReport
+from lightning_lowmem.memory.units import format_bytes, parse_bytes
+
+__all__ = ["DEFAULT_LR", "SLOWDOWN", "Candidate", "Plan", "expected_slowdown", "plan_memory"]
+
+log = logging.getLogger(__name__)
+
+SLOWDOWN: dict[str, float] = {
+    "precision:32-true": 1.0,
+    "precision:bf16-mixed": 1.0,
+    "precision:16-mixed": 1.0,
+    "precision:bf16-true": 1.0,
+    "precision:16-true": 1.0,
+    "checkpointing": 1.33,  # one extra forward of the wrapped blocks
+    "compression:bf16": 1.05,
+    "compression:int8": 1.15,
+    "compression:cpu": 1.25,
+    "optimizer:adamw": 1.0,
+    "optimizer:adam": 1.0,
+    "optimizer:sgd": 1.0,
+    "optimizer:adafactor": 1.03,
+    "optimizer:adamw8bit": 1.05,
+    "optimizer:adamw4bit": 1.08,
+    "micro_batch_per_split": 0.08,  # each extra micro-batch costs ~8% (smaller kernels, more launches)
+    "lora": 0.9,  # no weight gradients for the frozen base
+    "qlora": 1.1,  # dequantising the frozen base on every forward
+}
+"""Prior step-time factors (relative to plain fp32 on a GPU) used to rank candidates. They order the
+search; they are not promises. Mixed / true half precision are ranked 1.0 although they are usually
+faster on GPUs, because their numerics differ: the planner prefers them only when they save memory."""
+
+DEFAULT_LR: dict[str, float] = {"adam": 1e-3, "adafactor": 1e-2, "sgd": 1e-2}
+"""Learning rate a plan sets when it changes the optimizer *family* (per family, torch's own defaults:
+AdamW 1e-3, Adafactor 1e-2 -- a step relative to each weight's RMS --, SGD 1e-2). Within a family
+(``adamw`` -> ``adamw8bit``) the configured learning rate is kept."""
+
+_PRECISION_RANK = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 1, "bf16-true": 2, "16-true": 2}
+
+
+def expected_slowdown(config: TrainingConfig, batch_size: int | None = None) -> float:
+    """The prior step-time factor of ``config`` (see :data:`SLOWDOWN`)."""
+    factor = SLOWDOWN.get(f"precision:{config.precision}", 1.0)
+    # precision changes numerics: a tiny tie-breaker so full precision wins when both fit
+    factor *= 1.0 + 0.001 * _PRECISION_RANK.get(config.precision, 0)
+    if config.activation_checkpointing is not None:
+        factor *= SLOWDOWN["checkpointing"]
+    if config.activation_compression:
+        factor *= SLOWDOWN[f"compression:{config.activation_compression}"]
+    factor *= SLOWDOWN.get(f"optimizer:{config.optimizer}", 1.05)
+    if config.micro_batch_size and batch_size:
+        splits = -(-batch_size // config.micro_batch_size)
+        factor *= 1.0 + SLOWDOWN["micro_batch_per_split"] * (splits - 1)
+    if config.lora:
+        factor *= SLOWDOWN["qlora" if dict(config.lora).get("quantize_base") else "lora"]
+    return factor
+
+
+def _batch_size(batch: Any) -> int | None:
+    sizes = {leaf.shape[0] for leaf in tensor_leaves(batch) if leaf.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _family(name: str) -> str:
+    from lightning_lowmem.functional.optimizers.registry import state_layout
+
+    return state_layout(name)[0]
+
+
+def _default_optimizers(optimizer: str) -> list[str]:
+    """The configured optimizer and, for the Adam family, 8-bit AdamW (same hyperparameters and lr)."""
+    from lightning_lowmem.functional.optimizers.registry import available_optimizers
+
+    names = [optimizer]
+    if optimizer in ("adamw", "adam") and "adamw8bit" in available_optimizers():
+        names.append("adamw8bit")
+    return names
+
+
+def _stages(
+    batch_size: int | None,
+    precision: str,
+    optimizer: str,
+    precisions: Iterable[str] | None,
+    checkpointing: Iterable[Any] | None,
+    compressions: Iterable[str | None] | None,
+    optimizers: Iterable[str] | None,
+    micro_batch_sizes: Iterable[int | None] | None,
+    loras: Iterable[dict[str, Any] | None] | None,
+) -> list[list[TrainingConfig]]:
+    """The search space in stages: whole batches first; micro-batches only when no whole-batch mix fits
+    (unless ``micro_batch_sizes`` is given: then one stage)."""
+    precisions = list(precisions or dict.fromkeys([precision, "bf16-mixed", "bf16-true"]))
+    checkpointing = list(checkpointing if checkpointing is not None else [None, "auto"])
+    compressions = list(compressions if compressions is not None else [None, "bf16", "int8"])
+    optimizers = list(optimizers or _default_optimizers(optimizer))
+    loras = list(loras if loras is not None else [None])
+
+    def space(sizes: list[int | None]) -> list[TrainingConfig]:
+        return [
+            TrainingConfig(
+                precision=p,
+                activation_checkpointing=c,
+                activation_compression=z,
+                optimizer=o,
+                micro_batch_size=m,
+                lora=tuple(sorted(lo.items())) if lo else None,
+            )
+            for p, c, z, o, m, lo in itertools.product(precisions, checkpointing, compressions, optimizers, sizes, loras)
+            if not (m and o.endswith("_in_backward"))  # it steps on every backward: no gradient accumulation
+        ]
+
+    if micro_batch_sizes is not None:
+        return [space(list(micro_batch_sizes))]
+    halves, size = [], batch_size // 2 if batch_size else 0
+    while size >= 1:
+        halves.append(size)
+        size //= 2
+    return [space([None]), space(halves)]
+
+
+def _leanness(config: TrainingConfig) -> tuple:
+    """Sort key: larger = expected to use less memory (every technique at its strongest setting)."""
+    return (
+        config.lora is not None and bool(dict(config.lora).get("quantize_base")),
+        config.lora is not None,
+        _PRECISION_RANK.get(config.precision, 0),
+        config.activation_checkpointing is not None,
+        {"int8": 3, "cpu": 2, "bf16": 1}.get(config.activation_compression or "", 0),
+        {"adamw4bit": 4, "adamw8bit": 3, "adafactor": 2, "sgd": 1}.get(config.optimizer.removesuffix("_in_backward"), 0),
+        -(config.micro_batch_size or 10**9),
+    )
+
+
+Progress = Callable[[Candidate, int, int], None]
+"""``progress(candidate, index, total)``: called after each candidate is predicted (``index`` counts from
+1; ``total`` is the size of the space being searched, an upper bound: the search stops at the first fit)."""
+
+
+def plan_memory(
+    module: nn.Module,
+    batch: Any,
+    budget: int | str,
+    *,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    optimizer: str | None = None,
+    precision: str = "32-true",
+    device: str = "cuda",
+    margin: float = 0.1,
+    precisions: Iterable[str] | None = None,
+    checkpointing: Iterable[Any] | None = None,
+    compressions: Iterable[str | None] | None = None,
+    optimizers: Iterable[str] | None = None,
+    micro_batch_sizes: Iterable[int | None] | None = None,
+    loras: Iterable[dict[str, Any] | None] | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    max_estimates: int = 60,
+    include_overheads: bool = False,
+    loop: str = "auto",
+    progress: Progress | None = None,
+) -> Plan:
+    """Find the technique mix with the lowest expected slowdown whose estimated peak fits ``budget``.
+
+    Every combination of the search axes is ranked by :func:`expected_slowdown` and predicted in that
+    order until one fits. Predictions combine per-axis measurements on fake tensors (nothing is
+    allocated): one run of the model side per precision / checkpointing / compression / micro-batch /
+    LoRA setting, one profile per optimizer, so most candidates cost no new run. The first candidate
+    whose prediction fits is re-estimated with the full :func:`estimate_memory` and chosen if that fits
+    too (``plan.chosen.report`` is that full estimate; ``plan.chosen.per_axis_peak_bytes`` the
+    prediction). A model-side run stops as soon as it passes the budget (that candidate cannot fit, with
+    any optimizer), and when the fastest candidate does not fit the leanest model side is checked first,
+    so an impossible budget fails fast.
+
+    Micro-batches are the last resort: they are searched only when no whole-batch mix fits (a step
+    then sees fewer samples at a time, which changes batch statistics such as BatchNorm's), and never
+    with an optimizer-in-backward (it steps on every backward). The optimizer stays in its family by
+    default: the configured one, plus 8-bit AdamW for AdamW / Adam (same hyperparameters and learning
+    rate). Other optimizers are searched only when listed in ``optimizers``; a plan that changes the
+    family sets that family's learning rate in ``plan.optimizer_kwargs`` (:data:`DEFAULT_LR`).
+
+    Args:
+        module: the model (it is not modified).
+        batch: one batch (tensors may be on ``meta``).
+        budget: bytes, or a string like ``"8GiB"`` / ``"512MB"``.
+        loss_fn: see :func:`estimate_memory`.
+        optimizer: the optimizer the user wants; the plain candidate uses it. ``None``: the one the
+            module's ``configure_optimizers`` returns, with its arguments (a type the estimator does not
+            know is estimated as AdamW and never swapped), else AdamW. Default: ``None``.
+        precision: the precision the user wants. Default: ``"32-true"``.
+        device: ``"cuda"`` or ``"cpu"`` (see :func:`estimate_memory`). Default: ``"cuda"``.
+        margin: share of the budget kept free for what the estimate does not see (fragmentation,
+            library workspaces). Default: 0.1.
+        precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras: search axes.
+            Defaults: {precision, bf16-mixed, bf16-true}; {None, "auto"}; {None, bf16, int8};
+            {optimizer, adamw8bit if optimizer is adamw / adam}; whole batches, then {B/2, B/4, ..., 1};
+            {None}. A given ``micro_batch_sizes`` list is searched together with the other axes.
+        optimizer_kwargs: arguments of the configured optimizer (e.g. ``{"momentum": 0.9}``); they
+            apply to candidates of its family that accept them. Default: none.
+        max_estimates: stop searching after this many runs on fake tensors (model-side runs and full
+            estimates; the fastest fitting candidate found so far is chosen). Default: 60.
+        include_overheads: also subtract the CUDA context / workspace from the budget (set when the
+            budget is the card's total memory rather than what torch may allocate). Default: ``False``.
+        loop: the step order estimated (see :func:`estimate_memory`). Default: ``"auto"``.
+        progress: ``progress(candidate, index, total)`` after each prediction (e.g. to update a progress
+            bar); every prediction is also logged on this module's logger at INFO. Default: ``None``.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        ValueError: the budget does not parse, or no candidate fits (the message names the smallest
+            predicted peak and the configuration that reached it).
+        EstimationError: the model's step cannot run on fake tensors.
+
+    Example::
+
+        >>> from lightning_lowmem.demo import CharLM
+        >>> model = CharLM(n_layer=2, n_embd=64, block_size=32)
+        >>> batch = (torch.zeros(8, 32, dtype=torch.long),) * 2
+        >>> plan = plan_memory(model, batch, "1GiB", device="cpu")
+        >>> plan.config.describe()
+        '32-true + adamw'
+    """
+    from lightning_lowmem.planning._evaluate import CandidateEvaluator
+
+    started = time.perf_counter()
+    budget_bytes = parse_bytes(budget, name="budget")
+    if not 0 <= margin < 1:
+        raise ValueError(f"`margin` must be in [0, 1), got {margin}")
+    if isinstance(max_estimates, bool) or not isinstance(max_estimates, int) or max_estimates < 1:
+        raise ValueError(f"`max_estimates` must be an int >= 1, got {max_estimates!r}")
+    batch_size = _batch_size(batch)
+    unknown_optimizer = False
+    if optimizer is None:
+        from lightning_lowmem.planning._fake_step import configured_optimizer
+
+        found = configured_optimizer(module)
+        unknown_optimizer = found is None and callable(getattr(module, "configure_optimizers", None))
+        optimizer, configured_kwargs = found if found is not None else ("adamw", {})
+        optimizer_kwargs = {**configured_kwargs, **(optimizer_kwargs or {})}
+        if unknown_optimizer and optimizers is None:
+            optimizers = ["adamw"]  # estimated as AdamW; a plan must not swap an optimizer it cannot name
+    stages = _stages(
+        batch_size, precision, optimizer, precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras
+    )
+    stages = [stage for stage in stages if stage] or [[TrainingConfig(precision=precision, optimizer=optimizer)]]
+    usable = int(budget_bytes * (1 - margin))
+    family = _family(optimizer)
+    overheads = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES if include_overheads and device == "cuda" else 0
+    limit = usable - overheads  # a model-side run that passes this (without optimizer state) cannot fit
+
+    def kwargs_for(name: str) -> dict[str, Any]:
+        if _family(name) != family:
+            return {}
+        from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+
+        accepted = set(optimizer_arguments(name))
+        return {key: value for key, value in (optimizer_kwargs or {}).items() if key in accepted}
+
+    evaluator = CandidateEvaluator(module, batch, loss_fn=loss_fn, device=device, loop=loop, optimizer_kwargs=kwargs_for)
+    evaluator.reserve_optimizers = sorted({config.optimizer for stage in stages for config in stage})
+    evaluated: dict[TrainingConfig, Candidate] = {}
+    tried: list[Candidate] = []
+
+    def fits(report: MemoryReport) -> bool:
+        overheads = sum(report.overheads.values()) if include_overheads else 0
+        return report.peak_bytes + overheads <= usable
+
+    def predict(config: TrainingConfig, index: int, total: int, complete: bool = False) -> Candidate:
+        """``complete``: a figure even when it cannot fit (else the model-side run stops at the budget)."""
+        known = evaluated.get(config)
+        if known is not None and (not complete or known.method != "lower bound"):
+            return known
+        candidate = known or Candidate(config, expected_slowdown(config, batch_size))
+        try:
+            candidate.report = evaluator.predict(config, None if complete else limit)
+            candidate.fits = fits(candidate.report)
+        except EstimationError:
+            raise
+        except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
+            candidate.error = f"{type(err).__name__}: {str(err).splitlines()[0][:80] if str(err) else ''}"
+            candidate.fits = False
+        evaluated[config] = candidate
+        _report_progress(candidate, index, total, usable, progress)
+        return candidate
+
+    def confirm(candidate: Candidate) -> bool:
+        """Re-estimate a fitting prediction in full; the full figure decides."""
+        if candidate.method == "full":
+            return bool(candidate.fits)
+        candidate.per_axis_peak_bytes = candidate.predicted_peak_bytes
+        candidate.report = evaluator.full(candidate.config)
+        candidate.fits = fits(candidate.report)
+        log.info(
+            "plan_memory: %s re-estimated in full: %s (per-axis %s)%s",
+            candidate.config.describe(), format_bytes(candidate.report.peak_bytes),
+            format_bytes(candidate.per_axis_peak_bytes or 0), "" if candidate.fits else ", over the budget",
+        )  # fmt: skip
+        return candidate.fits
+
+    baseline = predict(TrainingConfig(precision=precision, optimizer=optimizer), 1, len(stages[0]), complete=True)
+    chosen: Candidate | None = None
+    for stage in stages:
+        ranked = sorted(stage, key=lambda c: expected_slowdown(c, batch_size))
+        if not predict(ranked[0], 1, len(ranked)).fits and not _model_side_can_fit(stage, evaluator, limit):
+            continue  # not even the leanest model side fits: no candidate of this stage can
+        for index, config in enumerate(ranked, start=1):
+            if evaluator.probes + evaluator.full_estimates >= max_estimates:
+                break
+            candidate = predict(config, index, len(ranked))
+            if candidate not in tried:
+                tried.append(candidate)
+            if candidate.fits and confirm(candidate):
+                chosen = candidate
+                break
+        if chosen is None:  # the cap was reached: the fastest of what fits
+            for candidate in sorted(evaluated.values(), key=lambda c: c.slowdown):
+                if candidate.fits and candidate.config in stage and confirm(candidate):
+                    chosen = candidate
+                    break
+        if chosen is not None:
+            break
+    if chosen is None:
+        for config in sorted(stages[-1], key=_leanness, reverse=True)[:2]:  # complete figures for the message
+            predict(config, 1, len(stages[-1]), complete=True)
+        raise _no_fit_error(list(evaluated.values()), budget, usable, margin)
+    for candidate in [c for c in evaluated.values() if c not in tried]:
+        tried.append(candidate)  # the leanest checks, shown after the ranked ones
+    if baseline in tried:
+        tried.remove(baseline)
+    tried.insert(0, baseline)
+    plan = Plan(
+        chosen=chosen,
+        candidates=tried,
+        budget_bytes=budget_bytes,
+        usable_bytes=usable,
+        device=device,
+        baseline=baseline,
+        optimizer_kwargs={} if _family(chosen.config.optimizer) == family
+        else {"lr": DEFAULT_LR[_family(chosen.config.optimizer)]},
+    )  # fmt: skip
+    if unknown_optimizer:
+        plan.notes.append("configure_optimizers' optimizer is not one the estimator knows: estimated as AdamW, kept.")
+    plan.notes.append(
+        f"{len(evaluated)} candidates predicted from {evaluator.probes} model-side runs and {evaluator.profiles} "
+        f"optimizer profiles; {evaluator.full_estimates} full estimate(s)."
+    )
+    if chosen.per_axis_peak_bytes is not None:
+        plan.notes.append(
+            f"chosen: full estimate {format_bytes(plan.predicted_peak_bytes)}, per-axis prediction "
+            f"{format_bytes(chosen.per_axis_peak_bytes)}."
+        )
+    plan.seconds = time.perf_counter() - started
+    log.info("plan_memory: %s chosen in %.1f s (%s)", chosen.config.describe(), plan.seconds, plan.notes[-1])
+    return plan
+
+
+def _model_side_can_fit(stage: list[TrainingConfig], evaluator: Any, limit: int) -> bool:
+    """Whether the model side (no optimizer state) of one of the stage's leanest candidates fits ``limit``;
+    if none does, no candidate of the stage can fit, and the stage is skipped without predicting them."""
+    for config in sorted(stage, key=_leanness, reverse=True)[:4]:
+        try:
+            if evaluator.model_side_fits(config, limit):
+                return True
+        except EstimationError:
+            raise
+        except (ImportError, RuntimeError, ValueError, NotImplementedError):
+            continue
+    return False
+
+
+def _report_progress(candidate: Candidate, index: int, total: int, usable: int, progress: Progress | None) -> None:
+    if candidate.report is not None:
+        outcome = f"{peak_label(candidate)} ({'fits' if candidate.fits else 'over'} {format_bytes(usable)}, " \
+                  f"{candidate.method})"  # fmt: skip
+    else:
+        outcome = f"not estimated: {candidate.error}"
+    log.info("plan_memory [%d/%d] %s: %s", index, total, candidate.config.describe(), outcome)
+    if progress is not None:
+        progress(candidate, index, total)
+
+
+def _no_fit_error(evaluated: list[Candidate], budget: Any, usable: int, margin: float) -> ValueError:
+    measured = [c for c in evaluated if c.report is not None and c.method != "lower bound"]
+    failed = sorted({c.error for c in evaluated if c.error})
+    if not measured:
+        return ValueError(f"no configuration could be estimated for `budget`={budget!r}: {failed}")
+    smallest = min(measured, key=lambda c: c.report.peak_bytes)  # type: ignore[union-attr]
+    return ValueError(
+        f"no configuration fits `budget`={budget!r} ({format_bytes(usable)} usable after a {margin:.0%} margin): "
+        f"the smallest predicted peak is {format_bytes(smallest.predicted_peak_bytes or 0)} with "
+        f"[{smallest.config.describe()}]. Raise the budget, lower the batch size, or shrink the model."
+        + (f" Skipped (could not estimate): {failed}" if failed else "")
+    )

@@ -1,0 +1,104 @@
+"""Bitmask + values packing: exact round trips, size, tied tensors, corrupt input."""
+
+from __future__ import annotations
+
+import doctest
+import io
+
+import pytest
+import torch
+
+from lightning_lowmem.functional.pruning import sparse_format
+from lightning_lowmem.functional.pruning.sparse_format import (
+    is_packed_sparse,
+    pack_sparse,
+    pack_sparse_tree,
+    packed_nbytes,
+    should_pack,
+    unpack_sparse,
+    unpack_sparse_tree,
+)
+
+
+def _sparse(shape, sparsity, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    dense = torch.randn(shape, generator=generator).to(dtype)
+    return dense * (torch.rand(shape, generator=generator) >= sparsity)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+@pytest.mark.parametrize("shape", [(7,), (13, 5), (2, 3, 9), ()])
+def test_round_trip_is_exact(dtype, shape):
+    tensor = _sparse(shape, 0.8, dtype)
+    restored = unpack_sparse(pack_sparse(tensor))
+    assert restored.dtype == tensor.dtype and restored.shape == tensor.shape
+    assert torch.equal(restored, tensor)
+
+
+def test_nan_inf_and_all_zero_survive():
+    tensor = torch.tensor([0.0, float("nan"), float("inf"), -0.0, -1e-30, 0.0, 0.0, 0.0, 3.0])
+    restored = unpack_sparse(pack_sparse(tensor))
+    assert torch.equal(restored.isnan(), tensor.isnan())
+    assert torch.equal(restored.nan_to_num(), tensor.nan_to_num())
+    zeros = torch.zeros(100)
+    assert torch.equal(unpack_sparse(pack_sparse(zeros)), zeros)
+
+
+def test_ninety_percent_sparse_fp32_is_seven_times_smaller():
+    tensor = _sparse((256, 256), 0.9)
+    packed = pack_sparse(tensor)
+    ratio = tensor.nbytes / packed_nbytes(packed)
+    assert 6.5 < ratio < 8.5  # 4N / (N/8 + ~0.4N) ~= 7.6
+
+
+def test_should_pack_thresholds():
+    assert should_pack(_sparse((64, 64), 0.9))
+    assert not should_pack(_sparse((64, 64), 0.1))
+    assert not should_pack(_sparse((8,), 0.9))  # below min_numel
+    assert not should_pack(torch.zeros(4096, dtype=torch.long))  # not float
+    assert should_pack(_sparse((8,), 0.9, seed=1), min_sparsity=0.5, min_numel=1) == (
+        int((_sparse((8,), 0.9, seed=1) == 0).sum()) >= 4
+    )
+
+
+def test_tree_packs_once_for_tied_tensors_and_loads_weights_only():
+    weight = _sparse((64, 64), 0.9)
+    dense = torch.randn(64, 64)
+    tree = {"a": weight, "b": weight, "nested": [dense, (weight, 3)], "step": 7}
+    packed, count = pack_sparse_tree(tree)
+    assert count == 1 and packed["a"] is packed["b"] and packed["nested"][0] is dense
+    buffer = io.BytesIO()
+    torch.save(packed, buffer)
+    buffer.seek(0)
+    loaded = unpack_sparse_tree(torch.load(buffer, weights_only=True))
+    assert torch.equal(loaded["a"], weight) and torch.equal(loaded["nested"][1][0], weight)
+    assert loaded["a"] is loaded["b"]  # tie kept
+    assert loaded["step"] == 7 and torch.equal(loaded["nested"][0], dense)
+
+
+def test_corrupt_pack_raises():
+    packed = pack_sparse(_sparse((32, 32), 0.9))
+    packed["values"] = packed["values"][:-1]
+    with pytest.raises(ValueError, match=r"corrupt: bitmask marks \d+ non-zeros"):
+        unpack_sparse(packed)
+    with pytest.raises(ValueError, match="is not a packed sparse tensor"):
+        unpack_sparse({"values": torch.zeros(1)})
+    assert not is_packed_sparse(torch.zeros(1))
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(sparse_format, extraglobs={"torch": torch}).failed == 0
+
+
+def test_tree_packs_a_tied_weight_once_from_a_real_state_dict():
+    table = torch.nn.Embedding(64, 32)
+    head = torch.nn.Linear(32, 64, bias=False)
+    head.weight = table.weight
+    with torch.no_grad():
+        table.weight.mul_(torch.rand(64, 32) > 0.9)
+    state = torch.nn.Sequential(table, head).state_dict()  # one detached tensor object per key
+    assert state["0.weight"] is not state["1.weight"]
+    packed, count = pack_sparse_tree(state)
+    assert count == 1 and packed["0.weight"] is packed["1.weight"]
+    restored = unpack_sparse_tree(packed)
+    assert restored["0.weight"] is restored["1.weight"] and torch.equal(restored["1.weight"], table.weight)

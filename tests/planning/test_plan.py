@@ -1,0 +1,159 @@
+"""plan_memory: generous budgets keep the plain configuration; tight ones switch techniques on."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_lowmem.demo import CharLM
+from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
+from lightning_lowmem.planning.plan import DEFAULT_LR, expected_slowdown, plan_memory
+
+
+@pytest.fixture
+def model_and_batch():
+    torch.manual_seed(0)
+    model = CharLM(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    x = torch.randint(0, 256, (16, 32))
+    return model, (x, x.roll(-1, 1))
+
+
+AXES = dict(checkpointing=[None], compressions=[None], optimizers=["adamw", "sgd"])
+
+
+def test_generous_budget_returns_the_plain_configuration(model_and_batch):
+    model, batch = model_and_batch
+    plan = plan_memory(model, batch, "4GiB", device="cpu", **AXES)
+    assert plan.config == TrainingConfig()
+    assert plan.candidates[0] is plan.chosen
+
+
+def test_tight_budget_picks_a_fitting_mix_below_the_plain_peak(model_and_batch):
+    model, batch = model_and_batch
+    plain = estimate_memory(model, batch, device="cpu").peak_bytes
+    budget = int(plain * 0.8)
+    plan = plan_memory(model, batch, budget, device="cpu", margin=0.0, **AXES)
+    assert plan.config != TrainingConfig()
+    assert plan.predicted_peak_bytes <= budget
+    # nothing cheaper (by prior slowdown) that was tried fits
+    for candidate in plan.candidates:
+        if candidate.slowdown < plan.chosen.slowdown and candidate.report is not None:
+            assert candidate.report.peak_bytes > budget  # predicted in full, or a lower bound above it
+    assert "fits?" in str(plan.to_table().columns[-1].header)
+
+
+def test_impossible_budget_names_the_smallest_peak(model_and_batch):
+    model, batch = model_and_batch
+    with pytest.raises(ValueError, match=r"no configuration fits `budget`='100KiB'.*smallest predicted peak is [\d.]+ (KiB|MiB)"):
+        plan_memory(model, batch, "100KiB", device="cpu", **AXES)
+
+
+def test_budget_string_must_parse(model_and_batch):
+    model, batch = model_and_batch
+    with pytest.raises(ValueError, match=r"`budget`='12GB\?' is not a byte size"):
+        plan_memory(model, batch, "12GB?", device="cpu")
+
+
+def test_slowdown_prior_orders_techniques():
+    plain = expected_slowdown(TrainingConfig())
+    assert plain < expected_slowdown(TrainingConfig(micro_batch_size=4), batch_size=16)
+    assert expected_slowdown(TrainingConfig(micro_batch_size=8), 16) < expected_slowdown(TrainingConfig(micro_batch_size=2), 16)
+
+
+# ----------------------------------------------------------------------------- the fast planner
+def test_per_axis_predictions_equal_full_estimates(model_and_batch):
+    """One model-side run per setting + one optimizer profile per optimizer give every candidate's exact peak."""
+    from lightning_lowmem.planning._evaluate import CandidateEvaluator
+
+    model, batch = model_and_batch
+    evaluator = CandidateEvaluator(model, batch, loss_fn=None, device="cpu", loop="auto", optimizer_kwargs=lambda name: {})
+    configs = [
+        TrainingConfig(),
+        TrainingConfig(optimizer="adafactor"),
+        TrainingConfig(optimizer="sgd"),
+        TrainingConfig(precision="bf16-mixed", activation_checkpointing="auto"),
+        TrainingConfig(precision="bf16-true", activation_compression="int8"),
+        TrainingConfig(micro_batch_size=4, activation_compression="bf16"),
+        TrainingConfig(precision="bf16-true", lora=(("r", 4),)),
+    ]
+    for config in configs:
+        predicted = evaluator.predict(config)
+        assert predicted.meta["method"] == "per-axis"
+        assert predicted.peak_bytes == estimate_memory(model, batch, device="cpu", config=config).peak_bytes, config
+    assert evaluator.probes == 5  # adafactor and sgd reused the plain run
+    assert evaluator.profiles == 5  # adamw on float32 weights served three model-side settings
+
+
+def test_a_model_side_run_stops_once_it_passes_the_budget(model_and_batch):
+    from lightning_lowmem.planning._evaluate import CandidateEvaluator
+
+    model, batch = model_and_batch
+    evaluator = CandidateEvaluator(model, batch, loss_fn=None, device="cpu", loop="auto", optimizer_kwargs=lambda name: {})
+    full = estimate_memory(model, batch, device="cpu").peak_bytes
+    limit = full // 3
+    bound = evaluator.predict(TrainingConfig(), limit_bytes=limit)
+    assert bound.meta["method"] == "lower bound"
+    assert limit < bound.peak_bytes < full  # stopped before the step's own peak
+    assert evaluator.predict(TrainingConfig()).peak_bytes == full  # asked again without a limit: run in full
+
+
+def test_chosen_plan_is_re_estimated_in_full_and_reports_progress(model_and_batch, caplog):
+    model, batch = model_and_batch
+    plain = estimate_memory(model, batch, device="cpu").peak_bytes
+    seen = []
+    with caplog.at_level(logging.INFO, logger="lightning_lowmem.planning.plan"):
+        plan = plan_memory(model, batch, int(0.6 * plain), device="cpu",
+                           progress=lambda candidate, index, total: seen.append((candidate, index, total)))  # fmt: skip
+    assert plan.chosen.method == "full"
+    assert plan.predicted_peak_bytes == estimate_memory(model, batch, device="cpu", config=plan.config).peak_bytes
+    assert abs(plan.chosen.per_axis_peak_bytes / plan.predicted_peak_bytes - 1) <= 0.02
+    assert [c for c, _, _ in seen][-1] is plan.chosen and all(1 <= i <= total for _, i, total in seen)
+    assert f"plan_memory [{seen[-1][1]}/{seen[-1][2]}] {plan.config.describe()}" in caplog.text
+    assert any("lower bound" == c.method for c in plan.candidates)  # cheaper mixes ruled out early
+    assert "estimate" in str(plan.to_table().columns[2].header)
+
+
+def test_micro_batches_are_the_last_resort(model_and_batch):
+    model, batch = model_and_batch
+    plain = estimate_memory(model, batch, device="cpu").peak_bytes
+    plan = plan_memory(model, batch, int(0.6 * plain), device="cpu")
+    assert plan.config.micro_batch_size is None  # a whole-batch mix fits: no micro-batch was even tried
+    assert all(c.config.micro_batch_size is None for c in plan.candidates)
+    tight = plan_memory(model, batch, int(0.8 * plain), device="cpu", margin=0.0, **AXES_PLAIN)
+    assert tight.config.micro_batch_size == 8  # the whole batch does not fit: the largest micro-batch that does
+    assert tight.predicted_peak_bytes <= tight.usable_bytes
+    assert [c.config.micro_batch_size for c in tight.candidates] == [None, 8]
+
+
+AXES_PLAIN = dict(precisions=["32-true"], checkpointing=[None], compressions=[None], optimizers=["adamw"])
+
+
+def test_optimizer_stays_in_its_family_unless_listed(model_and_batch):
+    model, batch = model_and_batch
+    plain = estimate_memory(model, batch, device="cpu").peak_bytes
+    plan = plan_memory(model, batch, int(0.6 * plain), device="cpu")
+    assert {c.config.optimizer for c in plan.candidates} <= {"adamw", "adamw8bit"}
+    assert plan.optimizer_kwargs == {}
+    adafactor = estimate_memory(model, batch, device="cpu", optimizer="adafactor").peak_bytes
+    listed = plan_memory(model, batch, adafactor, device="cpu", margin=0.0, precisions=["32-true"], checkpointing=[None],
+                         compressions=[None], optimizers=["adamw", "adafactor"])  # fmt: skip
+    assert listed.config.optimizer == "adafactor"
+    assert listed.optimizer_kwargs == {"lr": DEFAULT_LR["adafactor"]}  # a new family gets its own learning rate
+
+
+class _SGDLM(CharLM):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_the_configured_optimizer_is_the_baseline():
+    torch.manual_seed(0)
+    model = _SGDLM(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    x = torch.randint(0, 256, (16, 32))
+    plan = plan_memory(model, (x, x.roll(-1, 1)), "4GiB", device="cpu")
+    assert plan.config.optimizer == "sgd"
+    momentum = estimate_memory(model, (x, x.roll(-1, 1)), device="cpu")  # also estimate_memory's default
+    assert momentum.breakdown["optimizer_state"] == 4 * sum(p.numel() for p in model.parameters())
+    assert plan.predicted_peak_bytes == momentum.peak_bytes

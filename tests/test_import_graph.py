@@ -1,0 +1,135 @@
+"""The package's import graph: no circles between files or packages, and the layers of docs/design.md.
+
+Every import counts, including the lazy ones inside functions: a lazy import hides a circle from Python's
+import machinery, not from the reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lightning_lowmem
+
+ROOT = Path(lightning_lowmem.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module (of the package or outside it) that ``name`` imports, at any depth of its code."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            submodules = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES]
+            found.update(submodules)
+            if len(submodules) < len(node.names):
+                found.add(base)
+    return found - {name}
+
+
+IMPORTS = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in edges.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def _package(name: str) -> str:
+    """``lightning_lowmem.functional.pruning.masks`` -> ``functional``; top-level modules name themselves."""
+    return name.split(".")[1] if "." in name else "<root>"
+
+
+def test_the_walk_sees_the_package():
+    assert len(MODULES) > 80
+    assert "lightning_lowmem.functional.pruning.masks" in IMPORTS["lightning_lowmem.functional.pruning.unstructured"]
+    # a lazy import inside a function counts
+    assert "lightning_lowmem.functional.checkpointing" in IMPORTS["lightning_lowmem.planning._fake_step"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_circle_between_files():
+    internal = {name: {t for t in targets if t in MODULES} for name, targets in IMPORTS.items()}
+    assert _cycles(internal) == []
+
+
+def test_no_circle_between_packages():
+    """Between the package's sub-packages and top-level modules; the root ``__init__`` (the lazy public
+    namespace, which names everything) is left out."""
+    edges: dict[str, set[str]] = {}
+    for name, targets in IMPORTS.items():
+        if name == "lightning_lowmem":
+            continue
+        for target in targets:
+            if target in MODULES and target != "lightning_lowmem" and _package(target) != _package(name):
+                edges.setdefault(_package(name), set()).add(_package(target))
+    assert _cycles(edges) == []
+
+
+def test_memory_only_counts():
+    """``memory/`` imports nothing that applies a technique (``functional/``), plans or trains."""
+    forbidden = ("functional", "planning", "callbacks", "strategies", "plugins", "checkpoints", "distillation", "demo")
+    arrows = sorted(
+        f"{name} -> {target}"
+        for name, targets in IMPORTS.items()
+        if _package(name) == "memory"
+        for target in targets
+        if target in MODULES and _package(target) in forbidden
+    )
+    assert arrows == []
+
+
+def test_functional_and_memory_never_import_lightning():
+    arrows = sorted(
+        f"{name} -> {target}"
+        for name, targets in IMPORTS.items()
+        if _package(name) in ("functional", "memory")
+        for target in targets
+        if target.split(".")[0] in ("lightning", "pytorch_lightning")
+    )
+    assert arrows == []
