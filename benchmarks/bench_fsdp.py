@@ -222,7 +222,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "rows": rows,
         "targets": targets,
         "notes": "Measured: the memory core (track_memory) around training step 2 in each rank, with FSDP's storage "
-        "resizes and the gloo backend's own buffers counted (memory.sharding.count_fsdp_resizes). profiler_mib "
+        "resizes and the gloo backend's own buffers counted (planning.sharding.count_fsdp_resizes). profiler_mib "
         "(FSDP rows): a check by other means, on the same state one step later: bytes live after the tracked step "
         "+ the peak of what torch.profiler(profile_memory=True) sees allocated during the step in every thread "
         "(gloo's worker threads included; it also counts small allocator requests the tracker does not). Estimated: estimate_memory(world_size=N, sharding=...) "

@@ -41,16 +41,20 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 __all__ = [
     "KEY",
+    "SHARDED_HINT",
     "CheckpointMismatchError",
     "check",
     "check_trainer",
     "guard_module_loading",
+    "is_sharded_checkpoint",
     "record",
     "records",
+    "reject_sharded_checkpoint",
     "trainer_readers",
     "unguard_module_loading",
 ]
@@ -179,6 +183,31 @@ def guard_module_loading(trainer: Any, module: Any) -> None:
     module.on_load_checkpoint = on_load_checkpoint
 
 
+SHARDED_HINT = (
+    "load it with strategy='lowmem_fsdp' (any number of processes), or consolidate it into one file first: "
+    "python -c \"from lightning_lowmem.strategies.fsdp_checkpoint import consolidate_checkpoint; "
+    "consolidate_checkpoint('{path}', '{path}.consolidated.ckpt')\" (a Lightning checkpoint: weights, optimizer "
+    "state keyed as a plain optimizer's, loops; torch's "
+    "torch.distributed.checkpoint.format_utils.dcp_to_torch_save('{path}', 'out.pt') gives the raw nested dict)"
+)
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    """True when ``path`` is a folder written by ``torch.distributed.checkpoint`` (holds ``.metadata``)."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def reject_sharded_checkpoint(path: Any, strategy: str) -> None:
+    """Raise a ``ValueError`` saying how to consolidate, if ``path`` is a sharded FSDP checkpoint."""
+    if path is not None and is_sharded_checkpoint(path):
+        raise ValueError(
+            f"`ckpt_path`={str(path)!r} is a sharded FSDP checkpoint (a folder of per-rank shards written by "
+            f"LowMemoryFSDPStrategy(save_distributed_checkpoint=True)), which {strategy} cannot read: "
+            + SHARDED_HINT.format(path=path)
+        )
+
+
 def _reject_unreadable_folder(trainer: Any) -> None:
     """Before a strategy that reads single files loads ``ckpt_path``: a sharded FSDP folder is an error saying
     how to consolidate (Lightning's own strategies would fail in ``torch.load`` with ``IsADirectoryError``).
@@ -193,8 +222,6 @@ def _reject_unreadable_folder(trainer: Any) -> None:
         return
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        from lightning_lowmem.strategies.fsdp_checkpoint import reject_sharded_checkpoint
-
         reject_sharded_checkpoint(checkpoint_path, f"strategy {type(strategy).__name__}")
         return load(checkpoint_path, *args, **kwargs)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning_lowmem.checkpoints import SHARDED_HINT, is_sharded_checkpoint, reject_sharded_checkpoint
+
 __all__ = [
     "SHARDED_HINT",
     "consolidate_checkpoint",
@@ -19,31 +21,6 @@ __all__ = [
     "load_sharded_checkpoint",
     "reject_sharded_checkpoint",
 ]
-
-SHARDED_HINT = (
-    "load it with strategy='lowmem_fsdp' (any number of processes), or consolidate it into one file first: "
-    "python -c \"from lightning_lowmem.strategies.fsdp_checkpoint import consolidate_checkpoint; "
-    "consolidate_checkpoint('{path}', '{path}.consolidated.ckpt')\" (a Lightning checkpoint: weights, optimizer "
-    "state keyed as a plain optimizer's, loops; torch's "
-    "torch.distributed.checkpoint.format_utils.dcp_to_torch_save('{path}', 'out.pt') gives the raw nested dict)"
-)
-
-
-def is_sharded_checkpoint(path: Any) -> bool:
-    """True when ``path`` is a folder written by ``torch.distributed.checkpoint`` (holds ``.metadata``)."""
-    path = Path(path)
-    return path.is_dir() and (path / ".metadata").is_file()
-
-
-def reject_sharded_checkpoint(path: Any, strategy: str) -> None:
-    """Raise a ``ValueError`` saying how to consolidate, if ``path`` is a sharded FSDP checkpoint."""
-    if path is not None and is_sharded_checkpoint(path):
-        raise ValueError(
-            f"`ckpt_path`={str(path)!r} is a sharded FSDP checkpoint (a folder of per-rank shards written by "
-            f"LowMemoryFSDPStrategy(save_distributed_checkpoint=True)), which {strategy} cannot read: "
-            + SHARDED_HINT.format(path=path)
-        )
-
 
 def _rekey_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
     """Parameter names (DCP's keys) -> positions in the param groups (what ``Optimizer.load_state_dict`` takes)."""

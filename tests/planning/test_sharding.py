@@ -88,7 +88,7 @@ def test_a_simulated_gloo_reduce_scatter_holds_a_copy_of_its_input(no_process_gr
     """gloo (CPU) reduces a copy of the reduce-scatter input for the call; NCCL (GPU) reduces in place."""
     from lightning_lowmem import _compat
     from lightning_lowmem.memory._tracker import StorageTracker
-    from lightning_lowmem.memory.sharding import ShardedStep
+    from lightning_lowmem.planning.sharding import ShardedStep
 
     with ShardedStep("fsdp", world_size=2, device=device), _compat.fake_tensor_mode():
         gradients, shard = torch.empty(1024), torch.empty(512)  # made before tracking
