@@ -16,6 +16,7 @@ from lightning_lowmem import _compat
 from lightning_lowmem.memory import CATEGORIES, MemoryReport, format_bytes, state_bytes, track_memory
 
 PREFIX = "lowmem/memory"
+_PER_RANK_KEYS = ("peak", "max_allocated", "rss")
 
 
 class MemoryMonitor(L.Callback):
@@ -33,7 +34,10 @@ class MemoryMonitor(L.Callback):
       ``deep_every_n_steps``.
 
     Keys are logged under ``lowmem/memory/...`` to every logger of the Trainer, at the step they were
-    measured (as Lightning's ``LearningRateMonitor`` does). ``pl_module.log`` is not used because it
+    measured (as Lightning's ``LearningRateMonitor`` does). On several processes (DDP, FSDP) each rank
+    measures its own step; the figures are gathered so that ``<key>_max`` (e.g. ``lowmem/memory/peak_max``)
+    is the largest rank's and ``rank<r>/peak`` (also ``max_allocated`` / ``rss``) each rank's, next to
+    the logging rank's own ``<key>``. ``pl_module.log`` is not used because it
     repeats a callback's last value on every later step, which would show a deep measurement on steps
     that never had one.
 
@@ -187,12 +191,30 @@ class MemoryMonitor(L.Callback):
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         if record or step % every == 0:
             record.update(self._cheap_figures(trainer, pl_module))
+        if trainer.world_size > 1:  # a collective: every rank has a record at the same steps
+            record = self._with_other_ranks(trainer, pl_module, record)
         if record:
             metrics = {f"{PREFIX}/{key}": float(value) for key, value in record.items()}
             record["step"] = step
             self.history.append(record)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+
+    def _with_other_ranks(self, trainer: L.Trainer, pl_module: L.LightningModule, record: dict[str, float]) -> dict[str, float]:
+        """``record`` (this rank's) plus, over all ranks, ``<key>_max`` of every figure and ``rank<r>/<key>`` of
+        the headline ones (``peak``, ``max_allocated``, ``rss``): sharded strategies differ per rank."""
+        if not record:
+            return record
+        keys = sorted(record)
+        mine = torch.tensor([float(record[k]) for k in keys], dtype=torch.float64, device=pl_module.device)
+        everyone = trainer.strategy.all_gather(mine).reshape(trainer.world_size, len(keys)).cpu()
+        combined = dict(record)
+        for column, key in enumerate(keys):
+            values = everyone[:, column].tolist()
+            combined[f"{key}_max"] = max(values)
+            if key in _PER_RANK_KEYS:
+                combined.update({f"rank{rank}/{key}": value for rank, value in enumerate(values)})
+        return combined
 
     def _cheap_figures(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         if self._device == "cuda":
@@ -255,6 +277,10 @@ class MemoryMonitor(L.Callback):
             values = [record[key] for record in self.history if key in record]
             if values:
                 table.add_row(f"max {key} (per-step)", format_bytes(max(values)), "")
+        for key in ("peak", "max_allocated", "rss"):  # several ranks: the largest rank's
+            values = [record[f"{key}_max"] for record in self.history if f"{key}_max" in record]
+            if values:
+                table.add_row(f"max {key} over ranks", format_bytes(max(values)), "")
         return table
 
     # ------------------------------------------------------------------ resume

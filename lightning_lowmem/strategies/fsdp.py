@@ -163,6 +163,12 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
         # ModelParallelStrategy.setup, with the sharding done here instead of requiring `configure_model`
         from torch.distributed.fsdp import FSDPModule
 
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ValueError(
+                "`cpu_offload`=True keeps FSDP's shards in CPU memory between uses on a GPU (CPUOffloadPolicy), but "
+                "this run is on the CPU (accelerator='cpu'), where they live already: drop cpu_offload, or train "
+                "on GPUs (accelerator='gpu')."
+            )
         self._setup_options(trainer)  # plan, checkpointing, optimizer swap (before the shards exist)
         if self.precision_preset == "bf16-mixed":  # the planner / _setup_options may reset the plugin
             self.precision_plugin = precision_plugin("32-true")
