@@ -245,6 +245,22 @@ class StorageTracker(TorchDispatchMode):
         finally:
             self._backend_depth -= 1
 
+    @contextlib.contextmanager
+    def unseen_bytes(self, nbytes: int) -> Iterator[None]:
+        """Inside: ``nbytes`` more are live, as ``other``, that no tensor op ever shows (a communication backend's
+        staging buffer, made and freed in its own threads; e.g. gloo's all-gather holds one of the output's size).
+        """
+        nbytes = self.round_bytes(nbytes) if nbytes > 0 else 0
+        self._current["other"] += nbytes
+        self._total += nbytes
+        if not self._stopped:
+            self._update_peaks(next(self._seq))
+        try:
+            yield
+        finally:
+            self._current["other"] -= nbytes
+            self._total -= nbytes
+
     @property
     def current_bytes(self) -> int:
         return self._total

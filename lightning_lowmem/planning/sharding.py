@@ -50,24 +50,35 @@ _GLOO_COPIES: list[bool] = [False]  # set while an estimate simulates a gloo (CP
 
 @contextlib.contextmanager
 def _collective(kind: str, output: torch.Tensor, input: torch.Tensor) -> Iterator[None]:
-    """Around each FSDP collective: backend allocations count from now; in a simulated gloo run, its copy.
+    """Around each FSDP collective: what the backend holds during the call, in a real run and an estimate.
 
-    Gloo's reduce-scatter (``ProcessGroupGloo``, CPU) reduces a copy of the whole input (the unit's
-    unsharded gradients) in its worker thread and copies this rank's chunk out of it on ``wait``; the copy
-    lives for the call (FSDP2 waits at once on CPU). The fake process group communicates nothing, so the
-    estimate allocates the same copy for the same time. NCCL reduces in place: no copy on GPU.
+    Gloo (``ProcessGroupGloo``, CPU) works on buffers of its own, in its worker threads, for the length of the
+    call (FSDP2 waits at once: its all-gathers and reduce-scatters are synchronous here), as measured with
+    ``torch.profiler``: a reduce-scatter reduces a copy of its whole input (the unit's unsharded gradients)
+    and copies this rank's chunk out of it on ``wait``, where the tracker first sees it (counted from then:
+    ``StorageTracker.backend_allocations``); an all-gather stages the output's size in a buffer no tensor op
+    ever shows (counted for the call: ``StorageTracker.unseen_bytes``). The fake process group of an estimate
+    communicates nothing, so there the same buffers are allocated for the same time. NCCL works in place.
     """
     from torch._subclasses.fake_tensor import FakeTensor
 
     from lightning_lowmem.memory._tracker import active_tracker
 
     tracker = active_tracker()
-    copy = None
-    if kind == "reduce_scatter" and _GLOO_COPIES[0] and isinstance(input, FakeTensor):
-        copy = torch.empty_like(input)  # noqa: F841 - held for the call, as gloo holds its copy
-    with tracker.backend_allocations() if tracker is not None else contextlib.nullcontext():
+    held, unseen = None, 0
+    if _GLOO_COPIES[0] and isinstance(input, FakeTensor):  # an estimate of a gloo run
+        held = torch.empty_like(input if kind == "reduce_scatter" else output)  # noqa: F841 - held for the call
+    elif kind == "all_gather" and output.device.type == "cpu" and not isinstance(output, FakeTensor):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            unseen = output.untyped_storage().nbytes()
+    with contextlib.ExitStack() as stack:
+        if tracker is not None:
+            stack.enter_context(tracker.backend_allocations())
+            stack.enter_context(tracker.unseen_bytes(unseen))
         yield
-    del copy
+    del held
 
 
 def count_fsdp_resizes() -> None:

@@ -108,6 +108,18 @@ def test_a_buffer_a_backend_thread_made_counts_from_when_it_is_first_seen():
     assert tracking.report.end_bytes == 0
 
 
+def test_unseen_bytes_count_for_their_time_only():
+    from lightning_lowmem.memory._tracker import active_tracker
+
+    with track_memory(device="cpu") as tracking:
+        kept = torch.empty(250)  # 1000 bytes
+        with active_tracker().unseen_bytes(3000):  # e.g. gloo's all-gather staging buffer, in its own thread
+            pass
+        del kept
+    assert tracking.report.peak_bytes == 4000 and tracking.report.breakdown["other"] == 4000
+    assert tracking.report.end_bytes == 0
+
+
 def test_optimizer_found_without_being_passed():
     model = nn.Linear(64, 64)
     optimizer = torch.optim.Adam(model.parameters())

@@ -85,7 +85,8 @@ def test_fsdp_estimate_inside_a_process_group_says_where_to_run_it(tmp_path, no_
 
 @pytest.mark.parametrize(("device", "copies"), [("cpu", 1), ("cuda", 0)])
 def test_a_simulated_gloo_reduce_scatter_holds_a_copy_of_its_input(no_process_group, device, copies):
-    """gloo (CPU) reduces a copy of the reduce-scatter input for the call; NCCL (GPU) reduces in place."""
+    """gloo (CPU) reduces a copy of the reduce-scatter input and stages the all-gather output in a buffer of its
+    own, each for the call; NCCL (GPU) works in place."""
     from lightning_lowmem import _compat
     from lightning_lowmem.memory._tracker import StorageTracker
     from lightning_lowmem.planning.sharding import ShardedStep
@@ -94,5 +95,9 @@ def test_a_simulated_gloo_reduce_scatter_holds_a_copy_of_its_input(no_process_gr
         gradients, shard = torch.empty(1024), torch.empty(512)  # made before tracking
         with StorageTracker(device="cpu") as tracker:
             dist.reduce_scatter_single(shard, gradients)
+        with StorageTracker(device="cpu") as gather:
+            dist.all_gather_single(gradients, shard)
     assert tracker.report.peak_bytes == 4096 + 2048 + copies * 4096
     assert tracker.report.end_bytes == 4096 + 2048  # the copy is gone after the call
+    assert gather.report.peak_bytes == 4096 + 2048 + copies * 4096  # staged: the output's size
+    assert gather.report.end_bytes == 4096 + 2048
