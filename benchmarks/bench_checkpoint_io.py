@@ -26,7 +26,7 @@ def _charlm_state(sparsity: float) -> dict[str, torch.Tensor]:
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    from lightning_lowmem.plugins import CompressedCheckpointIO
+    from lightning_lowmem.checkpoints import CompressedCheckpointIO
 
     repeats = 3 if quick else 15  # best of N, the plugins measured in turn (a shared CPU is noisy)
     threads = torch.get_num_threads()

@@ -7,7 +7,6 @@ The file layout is :mod:`~lightning_lowmem.checkpoints.file_format`; loading is
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,8 @@ class CompressedCheckpointIO(CheckpointIO):
     are cut in 1 MiB chunks, each compressed with zstd or lz4 where that saves at least ``min_saving`` of it
     (samples decide) and stored raw otherwise, so dense weights (random float mantissas, ~8% gain)
     cost no compression time. When nothing was packed and compression would not shrink the whole file by
-    ``min_saving`` either, the plain ``torch.save`` file is written (it loads without this plugin): the file is
-    never larger than ``TorchCheckpointIO``'s. The file
+    ``min_saving`` either, the plain ``torch.save`` file is written, byte for byte ``TorchCheckpointIO``'s (it loads
+    without this plugin): the file is never larger than ``TorchCheckpointIO``'s. The file
     is written to a temporary file in the same directory and renamed over the target (``os.replace`` is
     atomic), so a process killed mid-save (``kill -9``, OOM killer, preemption) leaves the previous
     checkpoint intact; ``fsync=True`` also survives power loss.
@@ -75,7 +74,7 @@ class CompressedCheckpointIO(CheckpointIO):
 
     Example::
 
-        >>> import tempfile
+        >>> import os, tempfile
         >>> checkpoint_io = CompressedCheckpointIO(codec="zstd")
         >>> path = os.path.join(tempfile.mkdtemp(), "last.ckpt")
         >>> weight = torch.zeros(64, 64); weight[0, :8] = 1.0
@@ -130,35 +129,15 @@ class CompressedCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}, got {storage_options!r}")
         packed, num_sparse = pack_sparse_tree(checkpoint, self.min_sparsity, self.min_numel) if self.sparse else (checkpoint, 0)
-        if type(get_filesystem(path)).__name__ != "LocalFileSystem":  # remote: serialize in memory, write once
-            buffer = io.BytesIO()
-            torch.save(packed, buffer)
-            self._write(path, buffer.getbuffer(), num_sparse, plain_file=None)
-            return
-        # torch.save straight to a temporary file named so that torch names its archive after the target (as
-        # TorchCheckpointIO's file): when compression gains nothing, that file is renamed into place as it is
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        plain_file = target.with_name(f"{target.stem}.tmp-{os.getpid()}")
-        try:
-            torch.save(packed, plain_file)
-            self._write(path, memoryview(plain_file.read_bytes()), num_sparse, plain_file)
-        finally:
-            plain_file.unlink(missing_ok=True)
-
-    def _write(self, path: _PATH, raw: memoryview, num_sparse: int, plain_file: Path | None) -> None:
+        buffer = io.BytesIO()  # in memory, as TorchCheckpointIO: a file left plain has the very same bytes as its
+        torch.save(packed, buffer)
+        raw = buffer.getbuffer()
         stored = pack_chunks(raw, self.codec, self.level, self.min_saving)
         plain = num_sparse == 0 and framed_size(stored) > (1 - self.min_saving) * len(raw)  # too little gained
-        if plain and plain_file is not None:  # the torch.save file, already next to the target: rename it in place
-            if self.fsync:
-                with open(plain_file, "rb+") as handle:
-                    os.fsync(handle.fileno())
-            os.replace(plain_file, path)
-            written = len(raw)
-        else:
-            written = _write_pieces(path, [raw] if plain else framed_pieces(raw, stored, self.codec), self.fsync)
+        written = _write_pieces(path, [raw] if plain else framed_pieces(raw, stored, self.codec), self.fsync)
         self.last_save_stats = {"raw_bytes": len(raw), "file_bytes": written, "sparse_tensors": num_sparse,
                                 "chunks": len(stored), "chunks_compressed": sum(c for c, _ in stored)}  # fmt: skip
+        del raw, stored
 
     @override
     def load_checkpoint(

@@ -13,6 +13,7 @@ import time
 
 import lightning as L
 import pytest
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 import torch
 from torch import nn
 
@@ -267,8 +268,8 @@ def test_plain_torch_load_of_a_compressed_file_names_the_plugin(tmp_path, tiny_t
 def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):
     torch.manual_seed(0)
     dense = {"state_dict": {f"w{i}": torch.randn(512, 512) for i in range(5)}, "epoch": 1}  # 5 MiB of mantissas
-    torch.save(dense, tmp_path / "dense.ckpt")
-    plain = (tmp_path / "dense.ckpt").read_bytes()  # what TorchCheckpointIO writes there
+    TorchCheckpointIO().save_checkpoint(dense, tmp_path / "dense.ckpt")
+    plain = (tmp_path / "dense.ckpt").read_bytes()
     checkpoint_io = CompressedCheckpointIO()
     checkpoint_io.save_checkpoint(dense, tmp_path / "dense.ckpt")
     stats = checkpoint_io.last_save_stats

@@ -78,7 +78,7 @@ def should_pack(tensor: Any, min_sparsity: float = 0.3, min_numel: int = 1024) -
         return False
     if tensor.device.type == "meta":
         return False
-    zeros = int((tensor == 0).sum())
+    zeros = tensor.numel() - int(torch.count_nonzero(tensor))  # no bool temporary, unlike (tensor == 0).sum()
     return zeros >= min_sparsity * tensor.numel()
 
 
@@ -171,26 +171,34 @@ def pack_sparse_tree(obj: Any, min_sparsity: float = 0.3, min_numel: int = 1024)
                 count += 1
             memo[key] = result
             return result
-        if isinstance(value, dict) and not is_packed_sparse(value):
-            return _rebuild_mapping(value, visit)
-        if isinstance(value, list):
-            return [visit(item) for item in value]
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(visit(item) for item in value)
+        if isinstance(value, dict) and not is_packed_sparse(value) or isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+            return _rebuild(value, visit)
         return value
 
     return visit(obj), count
 
 
-def _rebuild_mapping(mapping: dict[Any, Any], visit: Any) -> Any:
-    """Visit the values of a dict subclass (OrderedDict, AttributeDict) keeping its type when possible."""
-    items = [(key, visit(item)) for key, item in mapping.items()]
+def _rebuild(container: Any, visit: Any) -> Any:
+    """``container`` (a dict of any subclass, a list, a tuple) with its values visited: the very same object when no
+    value changed (a dense checkpoint is saved as it is), else a copy keeping the dict's type and attributes (the
+    ``_metadata`` of a ``state_dict()``)."""
+    values = list(container.values() if isinstance(container, dict) else container)
+    visited = [visit(value) for value in values]
+    if all(new is old for new, old in zip(visited, values)):
+        return container
+    if isinstance(container, list):
+        return visited
+    if isinstance(container, tuple):
+        return tuple(visited)
+    items = zip(container.keys(), visited)
     try:
-        rebuilt = type(mapping)()
+        rebuilt = type(container)()
         rebuilt.update(items)
-        return rebuilt
     except TypeError:
-        return dict(items)
+        return dict(zip(container.keys(), visited))
+    if getattr(container, "__dict__", None):
+        rebuilt.__dict__.update(container.__dict__)
+    return rebuilt
 
 
 def unpack_sparse_tree(obj: Any, device: Callable[[str], torch.device] | None = None) -> Any:
@@ -208,12 +216,8 @@ def unpack_sparse_tree(obj: Any, device: Callable[[str], torch.device] | None = 
             if id(value) not in memo:
                 memo[id(value)] = unpack_sparse(value, None if device is None else device(value.get("device", "cpu")))
             return memo[id(value)]
-        if isinstance(value, dict):
-            return _rebuild_mapping(value, visit)
-        if isinstance(value, list):
-            return [visit(item) for item in value]
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(visit(item) for item in value)
+        if isinstance(value, dict) or isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+            return _rebuild(value, visit)
         return value
 
     return visit(obj)

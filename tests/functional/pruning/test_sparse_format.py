@@ -130,3 +130,18 @@ def test_state_dict_export_writes_the_one_format_and_old_files_still_load(tmp_pa
     broken = {**old, "values": old["values"][:-1]}
     with pytest.raises(ValueError, match=r"packed sparse tensor of shape \[16, 24\] is corrupt"):
         from_sparse_state_dict({"w": broken})
+
+
+def test_tree_keeps_unchanged_containers_and_a_state_dicts_metadata():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    dense = {"state_dict": model.state_dict(), "epoch": 1}
+    assert pack_sparse_tree(dense)[0] is dense  # nothing packed: saved as it is, byte for byte torch.save's
+    with torch.no_grad():
+        model[0].weight.zero_()
+    state = model.state_dict()
+    packed, count = pack_sparse_tree({"state_dict": state})
+    assert count == 1 and is_packed_sparse(packed["state_dict"]["0.weight"])
+    # failed before: the rebuilt OrderedDict lost `_metadata` (module versions that load_state_dict reads)
+    assert packed["state_dict"]._metadata == state._metadata
+    restored = unpack_sparse_tree(packed)["state_dict"]
+    assert restored._metadata == state._metadata and torch.equal(restored["0.weight"], state["0.weight"])
