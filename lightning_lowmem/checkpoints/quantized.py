@@ -35,7 +35,7 @@ from torch import nn
 from lightning_lowmem.checkpoints.reading import read_checkpoint
 from lightning_lowmem.functional.quantization.layers import convert_conv1d_, is_conv1d, set_submodule
 from lightning_lowmem.functional.quantization.ptq import drop_zero_point
-from lightning_lowmem.functional.quantization.serialization import is_quantized_tensor, make_portable
+from lightning_lowmem.functional.quantization.serialization import is_quantized_tensor, keep_portable_, make_portable
 
 if TYPE_CHECKING:
     import lightning as L
@@ -139,6 +139,8 @@ def prepare_for_load(module: nn.Module, state_dict: dict[str, Any], prefix: str 
         layer.weight = adopted[key]
         layer.__dict__.pop("extra_repr", None)
         names.append(fqn)
+    if names:
+        keep_portable_(module)  # saved again without a callback's hook (weights_only=True): still portable
     return names, conv1d
 
 

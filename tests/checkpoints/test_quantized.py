@@ -157,3 +157,22 @@ def test_read_checkpoint_refuses_an_unknown_map_location(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "a.ckpt")
     with pytest.raises(TypeError, match=r"`map_location`=3 is not supported: pass None, a device, a string, a dict or a"):
         read_checkpoint(tmp_path / "a.ckpt", map_location=3)
+
+
+@pytest.mark.parametrize("plugins", PLUGINS)
+def test_weights_only_checkpoint_of_a_quantized_model_back_through_ckpt_path(plugins, tiny_trainer_kwargs, tmp_path):
+    """`save_checkpoint(weights_only=True)` runs no callback hook: the quantized model's own state-dict hook makes
+    its torchao tensors portable, so Lightning's callable map_location loads them with no CheckpointIO swapped in."""
+    from lightning_lowmem.callbacks import PostTrainingQuantization
+
+    module = _quantized_checkpoint(tiny_trainer_kwargs, tmp_path / "full.ckpt", PLUGINS[plugins]())
+    trainer = _trainer(tiny_trainer_kwargs, [PostTrainingQuantization("int8_weight_only")], PLUGINS[plugins]())
+    trainer.validate(module, verbose=False)  # attach the module to a trainer to save it
+    trainer.save_checkpoint(tmp_path / "bare.ckpt", weights_only=True)
+    assert "lowmem_quantization" not in read_checkpoint(tmp_path / "bare.ckpt")  # no callback wrote a record
+    fresh = Net()
+    checker = _trainer(tiny_trainer_kwargs, [PostTrainingQuantization("int8_weight_only")], PLUGINS[plugins]())
+    # failed before (Lightning's TorchCheckpointIO, without the swap): Callable map_location not supported
+    checker.validate(fresh, ckpt_path=str(tmp_path / "bare.ckpt"), verbose=False)
+    inputs = torch.randn(4, 32)
+    assert is_quantized_tensor(fresh.net[0].weight) and torch.equal(fresh(inputs), module(inputs))
