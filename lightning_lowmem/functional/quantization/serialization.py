@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import functools
 import importlib
+import sys
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ class _NotPortable(TypeError):
 
 
 def _qualname(obj: type) -> str:
-    return f"{obj.__module__}:{obj.__qualname__}"
+    return sys.intern(f"{obj.__module__}:{obj.__qualname__}")  # one object: pickled once per file, then memo references
 
 
 def _encode(value: Any) -> Any:
