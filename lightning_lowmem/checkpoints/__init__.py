@@ -32,10 +32,22 @@ _LAZY: dict[str, str] = {
     "quantize_like_checkpoint": "lightning_lowmem.checkpoints.quantized",
 }
 
-__all__ = sorted([
-    *_LAZY, "KEY", "CheckpointMismatchError", "check", "check_trainer", "guard_module_loading", "record", "records",
-    "trainer_readers", "unguard_module_loading",
-])  # fmt: skip
+__all__ = [
+    "KEY",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "CompressedCheckpointIO",
+    "check",
+    "check_trainer",
+    "guard_module_loading",
+    "load_quantized_checkpoint",
+    "quantize_like_checkpoint",
+    "read_checkpoint",
+    "record",
+    "records",
+    "trainer_readers",
+    "unguard_module_loading",
+]
 __getattr__, _dir = lazy_exports(__name__, _LAZY)
 
 
@@ -46,5 +58,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from lightning_lowmem.checkpoints.compressed_io import CompressedCheckpointIO
     from lightning_lowmem.checkpoints.file_format import CheckpointCorruptError
-    from lightning_lowmem.checkpoints.quantized import load_quantized_checkpoint, quantize_like_checkpoint
+    from lightning_lowmem.checkpoints.quantized import (
+        load_quantized_checkpoint,
+        quantize_like_checkpoint,
+    )
     from lightning_lowmem.checkpoints.reading import read_checkpoint

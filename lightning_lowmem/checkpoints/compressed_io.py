@@ -129,7 +129,7 @@ class CompressedCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}, got {storage_options!r}")
         packed, num_sparse = pack_sparse_tree(checkpoint, self.min_sparsity, self.min_numel) if self.sparse else (checkpoint, 0)
-        buffer = io.BytesIO()  # in memory, as TorchCheckpointIO: a file left plain has the very same bytes as its
+        buffer = io.BytesIO()  # in memory, as TorchCheckpointIO does: a file left plain is byte for byte its file
         torch.save(packed, buffer)
         raw = buffer.getbuffer()
         stored = pack_chunks(raw, self.codec, self.level, self.min_saving)
@@ -137,7 +137,6 @@ class CompressedCheckpointIO(CheckpointIO):
         written = _write_pieces(path, [raw] if plain else framed_pieces(raw, stored, self.codec), self.fsync)
         self.last_save_stats = {"raw_bytes": len(raw), "file_bytes": written, "sparse_tensors": num_sparse,
                                 "chunks": len(stored), "chunks_compressed": sum(c for c, _ in stored)}  # fmt: skip
-        del raw, stored
 
     @override
     def load_checkpoint(

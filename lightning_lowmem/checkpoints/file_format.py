@@ -54,7 +54,7 @@ class CheckpointCorruptError(RuntimeError):
     """A checkpoint file is truncated or damaged."""
 
 
-def written_by_CompressedCheckpointIO(*_: Any) -> None:  # noqa: N802 - the name is the message
+def written_by_CompressedCheckpointIO(*_: Any) -> None:  # the name is the message
     """Called by a plain ``torch.load(weights_only=False)`` of a compressed file: say how to load it."""
     raise RuntimeError(
         "this file was written by lightning_lowmem's CompressedCheckpointIO (not a torch.save file): "

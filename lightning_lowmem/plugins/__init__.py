@@ -11,7 +11,7 @@ _EXPORTS = {
     "CompressedCheckpointIO": "lightning_lowmem.checkpoints.compressed_io",
     "CheckpointCorruptError": "lightning_lowmem.checkpoints.file_format",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["CheckpointCorruptError", "CompressedCheckpointIO"]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
