@@ -322,3 +322,15 @@ def test_quantized_weights_load_under_lightnings_callable_map_location(tmp_path)
     weight = loaded["state_dict"]["0.weight"]
     assert type(weight).__name__ == type(model[0].weight).__name__ and weight.device.type == "cpu"
     assert torch.equal(weight.dequantize(), model[0].weight.dequantize())
+
+
+def test_one_class_behind_every_import_path():
+    import lightning_lowmem
+    from lightning_lowmem import checkpoints, plugins
+    from lightning_lowmem.plugins import compressed_checkpoint_io as old_module
+
+    assert lightning_lowmem.CompressedCheckpointIO is checkpoints.CompressedCheckpointIO is plugins.CompressedCheckpointIO
+    assert old_module.CompressedCheckpointIO is compressed_io.CompressedCheckpointIO
+    assert lightning_lowmem.CheckpointCorruptError is plugins.CheckpointCorruptError is file_format.CheckpointCorruptError
+    # what a plain torch.load of a compressed file calls, by the path written in the file's first bytes
+    assert old_module.written_by_CompressedCheckpointIO is file_format.written_by_CompressedCheckpointIO
