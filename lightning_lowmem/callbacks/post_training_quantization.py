@@ -12,8 +12,9 @@ from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.callbacks import _ptq_static, _quantized_checkpoints
-from lightning_lowmem.callbacks._quantized_checkpoints import (  # re-exported: the documented import path
+from lightning_lowmem.callbacks import _ptq_static
+from lightning_lowmem.checkpoints import quantized as _quantized_checkpoints
+from lightning_lowmem.checkpoints.quantized import (  # re-exported: the documented import path
     CHECKPOINT_KEY,
     load_quantized_checkpoint,
     quantize_like_checkpoint,
@@ -169,7 +170,6 @@ class PostTrainingQuantization(L.Callback):
         self.tied: list[list[str]] = []
         self.summary: dict[str, Any] = {}
         self._hook_handle: Any = None
-        self._replaced_io: Any = None
         self._call_checked = False
         self._time_latency = latency_batches > 0
         self._last_static: tuple[tuple[str, ...], QuantizationReport] | None = None
@@ -200,8 +200,6 @@ class PostTrainingQuantization(L.Callback):
             check_patterns(pl_module, self.skip_modules, "skip_modules", self._candidates(pl_module, skip=False))
         if self._hook_handle is None:
             self._hook_handle = pl_module.register_load_state_dict_pre_hook(self._prepare_before_load)
-        if self._replaced_io is None:  # so that `ckpt_path=` may hold quantized tensors of older checkpoints
-            self._replaced_io = _quantized_checkpoints.swap_in(trainer)
 
     def _prepare_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """The layers whose incoming weights are quantized take them (any mode), so they load in place."""
@@ -215,8 +213,6 @@ class PostTrainingQuantization(L.Callback):
         if self._hook_handle is not None:
             self._hook_handle.remove()
             self._hook_handle = None
-        _quantized_checkpoints.swap_back(trainer, self._replaced_io)
-        self._replaced_io = None
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:

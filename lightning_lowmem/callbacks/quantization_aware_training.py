@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.callbacks import _quantized_checkpoints
+from lightning_lowmem.checkpoints import quantized as _quantized_checkpoints
 from lightning_lowmem.functional.quantization.ptq import dequantize_
 from lightning_lowmem.functional.quantization.report import QuantizationReport, warn_if_mostly_float
 from lightning_lowmem.functional.quantization.layers import is_conv1d, tied_groups
@@ -103,7 +103,6 @@ class QuantizationAwareTraining(L.Callback):
         self._fake_quant_on: bool | None = None
         self._handles: list[Any] = []
         self._reconvert: list[str] = []
-        self._replaced_io: Any = None
 
     @property
     @override
@@ -121,8 +120,6 @@ class QuantizationAwareTraining(L.Callback):
                 pl_module.register_load_state_dict_pre_hook(self._match_before_load),
                 pl_module.register_load_state_dict_post_hook(self._reconvert_after_load),
             ]
-        if self._replaced_io is None:  # so that `ckpt_path=` may hold converted weights of older checkpoints
-            self._replaced_io = _quantized_checkpoints.swap_in(trainer)
         if stage != "fit":
             return
         if self.converted:  # fit called again: continue training from the quantized weights
@@ -210,8 +207,6 @@ class QuantizationAwareTraining(L.Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        _quantized_checkpoints.swap_back(trainer, self._replaced_io)
-        self._replaced_io = None
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:

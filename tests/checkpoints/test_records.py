@@ -31,7 +31,7 @@ def test_record_and_check():
 @pytest.mark.parametrize(
     "module",
     [
-        "lightning_lowmem.checkpoints",
+        "lightning_lowmem.checkpoints.records",
         "lightning_lowmem.functional.optimizers.state",
         "lightning_lowmem.functional.optimizers.registry",
         "lightning_lowmem.functional.optimizers.in_backward",
