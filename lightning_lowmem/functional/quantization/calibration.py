@@ -1,9 +1,10 @@
-"""``PostTrainingQuantization(mode="int8_static")``: the child module it replaces by a calibrated int8 graph.
+"""Static int8 of one child module: choose its layers, record its calibration calls, build its int8 graph.
 
-A LightningModule cannot replace itself, so static int8 exports one submodule, ``module_name`` (e.g. the
-``model`` its ``forward`` calls). These helpers choose that child's layers, record the calls (positional
-and keyword inputs) it receives while the package runs the model on validation batches, and build the
-int8 graph of a copy of it. The callback decides when; nothing here holds state.
+A LightningModule cannot replace itself, so ``PostTrainingQuantization(mode="int8_static")`` exports one
+submodule, ``module_name`` (e.g. the ``model`` its ``forward`` calls). These helpers choose that child's
+layers, record the calls (positional and keyword inputs) it receives while the package runs the model on
+batches (already on the model's device), and build the int8 graph of a copy of it. The callback decides
+when; nothing here holds state.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from lightning.fabric.utilities import move_data_to_device
 from torch import nn
 
-from lightning_lowmem.functional.quantization.report import QuantizationReport
 from lightning_lowmem.functional.quantization.layers import is_conv1d, matches_any, tied_groups
+from lightning_lowmem.functional.quantization.report import QuantizationReport
 from lightning_lowmem.model_io import BatchCallError, forward_batch
 from lightning_lowmem.warnings import NoEffectWarning
+
+__all__ = ["calibration_calls", "device_of", "quantize_child", "static_candidates"]
 
 STATIC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
@@ -51,7 +53,7 @@ def static_candidates(
 
 def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[Any], batches: int) -> list[Any]:
     """The calls (positional and keyword inputs) the child ``module_name`` receives on the first ``batches``
-    batches of ``loader``, the model being run as the package always runs it
+    batches of ``loader`` (on the model's device), the model being run as the package always runs it
     (:func:`~lightning_lowmem.model_io.forward_batch`).
 
     Raises:
@@ -67,7 +69,6 @@ def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[A
         captured.append(ModelCall(tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}))
 
     handle = pl_module.get_submodule(module_name).register_forward_pre_hook(record, with_kwargs=True)
-    device = device_of(pl_module)
     was_training = pl_module.training
     pl_module.eval()
     try:
@@ -76,7 +77,7 @@ def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[A
                 if index >= batches:
                     break
                 try:
-                    forward_batch(pl_module, move_data_to_device(batch, device))
+                    forward_batch(pl_module, batch)
                 except BatchCallError as err:
                     raise BatchCallError(f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}") from None
     finally:
