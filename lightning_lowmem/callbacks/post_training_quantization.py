@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import lightning as L
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
@@ -17,8 +16,8 @@ from lightning_lowmem.callbacks._quantized_checkpoints import (  # re-exported: 
     load_quantized_checkpoint,
     quantize_like_checkpoint,
 )
-from lightning_lowmem.functional.quantization.calibration import calibration_calls, device_of, quantize_child, static_candidates
-from lightning_lowmem.functional.quantization.layers import check_patterns, set_submodule, tied_groups
+from lightning_lowmem.functional.quantization.calibration import StaticChild, device_of
+from lightning_lowmem.functional.quantization.layers import check_patterns, tied_groups
 from lightning_lowmem.functional.quantization.ptq import (
     MODES,
     QuantizationReport,
@@ -165,7 +164,7 @@ class PostTrainingQuantization(QuantizationCallback):
         self.summary: dict[str, Any] = {}
         self._call_checked = False
         self._time_latency = latency_batches > 0
-        self._last_static: tuple[tuple[str, ...], QuantizationReport] | None = None
+        self._static = StaticChild(module_name, compile) if module_name is not None else None
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -258,7 +257,7 @@ class PostTrainingQuantization(QuantizationCallback):
                 raise ValueError("mode='int8_static' calibrates on validation (or training) batches; no loader is attached.")
             device = device_of(pl_module)
             batches = (move_data_to_device(item, device) for item in loader)
-            calls = calibration_calls(pl_module, self.module_name, batches, self.calibration_batches)
+            calls = self._static.calibrate(pl_module, batches, self.calibration_batches)
         result = None
         chosen = candidates
         units = tied_units(pl_module, candidates)  # a tied group is one candidate of the search
@@ -285,8 +284,8 @@ class PostTrainingQuantization(QuantizationCallback):
                 return None
             chosen = expand_units(units, result.quantized)
         if self.mode == "int8_static":
-            report = self._quantize_static(pl_module, chosen, calls)
-            set_submodule(pl_module, self.module_name, report.module)
+            report = self._static.build(pl_module, chosen, calls)
+            self._static.install(pl_module, report.module)
         else:
             report = quantize_(
                 pl_module, self.mode, filter_fn=lambda _, fqn: fqn in chosen, group_size=self.group_size, embeddings=self.embeddings
@@ -332,43 +331,17 @@ class PostTrainingQuantization(QuantizationCallback):
     def _candidates(self, pl_module: L.LightningModule, skip: bool = True) -> list[str]:
         skip_modules, filter_fn = (self.skip_modules, self.filter_fn) if skip else ((), None)
         if self.mode == "int8_static":
-            return static_candidates(pl_module, self.module_name, skip_modules, filter_fn)
+            return self._static.candidates(pl_module, skip_modules, filter_fn)
         return quantizable_layers(
             pl_module, self.mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=self.group_size,
             embeddings=self.embeddings,
         )  # fmt: skip
 
-    def _quantize_static(
-        self, pl_module: L.LightningModule, names: Sequence[str], calls: list[Any], *, compile: bool | None = None
-    ) -> QuantizationReport:
-        compile = self.compile if compile is None else compile
-        evaluated, self._last_static = self._last_static, None
-        if evaluated is not None and evaluated[0] == tuple(names):  # the search already built it: no second export
-            report = evaluated[1]
-            if compile:
-                from lightning_lowmem.functional.quantization.compile import compile_inference
-
-                report.module = compile_inference(report.module)
-            return report
-        return quantize_child(pl_module, self.module_name, names, calls, compile=compile)
-
-    @contextmanager
-    def _quantized_for_evaluation(self, pl_module: L.LightningModule, names: Sequence[str], calls: list[Any] | None) -> Iterator[None]:
+    def _quantized_for_evaluation(self, pl_module: L.LightningModule, names: Sequence[str], calls: Any) -> ContextManager[Any]:
         """``pl_module`` with exactly ``names`` quantized inside the block; float again after it."""
-        if self.mode != "int8_static":
-            with temporarily_quantized(pl_module, self.mode, names, group_size=self.group_size):
-                yield
-            return
-        if not names:
-            yield
-            return
-        report = self._quantize_static(pl_module, names, calls, compile=False)
-        self._last_static = (tuple(names), report)
-        previous = set_submodule(pl_module, self.module_name, report.module)
-        try:
-            yield
-        finally:
-            set_submodule(pl_module, self.module_name, previous)
+        if self.mode == "int8_static":
+            return self._static.evaluating(pl_module, names, calls)
+        return temporarily_quantized(pl_module, self.mode, names, group_size=self.group_size)
 
     def evaluate(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loader: Any, names: Sequence[str], calls: Any

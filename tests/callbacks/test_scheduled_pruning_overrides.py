@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import lightning as L
-import torch
 
 from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
 from lightning_lowmem.functional.pruning.masks import get_mask

@@ -109,7 +109,7 @@ def test_calibration_records_the_child_calls_of_the_first_batches():
         calibration_calls(model, "model.0", [], 2)
 
 
-@pytest.mark.parametrize("module", ["matching", "search", "report", "ptq"])
+@pytest.mark.parametrize("module", ["matching", "search", "report", "ptq", "calibration"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(f"lightning_lowmem.functional.quantization.{module}"))
     assert result.failed == 0 and result.attempted > 0
