@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import lightning_lowmem.callbacks.post_training_quantization as ptq
+import lightning_lowmem.functional.quantization.search as search
 from lightning_lowmem.cli import main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
@@ -25,8 +25,8 @@ SHORT_RUN = [
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_example_config_runs_and_its_saved_config_reloads(config, tmp_path, monkeypatch):
     # PTQ configs time latency over 10 batches per model; one is enough to run that path (eager int8 is slow on CPU)
-    real = ptq.measure_latency
-    monkeypatch.setattr(ptq, "measure_latency", lambda module, inputs, **_: real(module, inputs, repeats=1, warmup=0))
+    real = search.measure_latency
+    monkeypatch.setattr(search, "measure_latency", lambda module, inputs, **_: real(module, inputs, repeats=1, warmup=0))
     # `main` returns 2 (one `error:` line) for a config mistake, instead of raising
     short = tmp_path / "short"
     assert main(["fit", "--config", str(config), *SHORT_RUN, f"--trainer.default_root_dir={short}"]) == 0
