@@ -182,7 +182,7 @@ def test_memory_budget_below_the_plain_peak_plans_and_stays_under_it(tiny_traine
     with caplog.at_level(logging.INFO):
         trainer.fit(_Wide())
     assert trainer.global_step == 3
-    assert strategy.plan.config.precision != "32-true"  # weights / state in 16 bits is what fits here
+    assert strategy.plan.config.precision_preset != "32-true"  # weights / state in 16 bits is what fits here
     assert strategy.plan.predicted_peak_bytes <= budget
     assert tracker.report.peak_bytes < budget < plain_peak
     assert f"memory_budget={format_bytes(budget)} -> [{strategy.plan.config.describe()}]" in caplog.text
