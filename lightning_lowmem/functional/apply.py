@@ -86,15 +86,15 @@ class Applied:
         compression_stats: the activation-compression figures of the steps run in :meth:`step_context`.
     """
 
-    module: nn.Module
+    module: nn.Module = field(repr=False)
     config: TrainingConfig
     checkpointed: list[str] = field(default_factory=list)
     lora: Any = None
     quantization: Any = None
     compression_stats: Any = None
-    _structure: _Structure | None = None
-    _kv_cache_held: bool = False
-    _undone: bool = False
+    _structure: _Structure | None = field(default=None, repr=False)
+    _kv_cache_held: bool = field(default=False, repr=False)
+    _undone: bool = field(default=False, repr=False)
 
     def step_context(self, stats: Any = None) -> ContextManager[Any]:
         """The context a training step (forward and backward) runs in: activation compression, or nothing.
