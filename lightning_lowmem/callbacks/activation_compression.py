@@ -10,7 +10,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem.functional.apply import Applied, apply
+from lightning_lowmem.functional.applied import Applied, apply
 from lightning_lowmem.functional.compression import DEFAULT_MIN_BYTES, CompressionStats
 from lightning_lowmem.functional.config import CompressionConfig, TrainingConfig
 from lightning_lowmem.warnings import NoEffectWarning

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
-from lightning_lowmem.functional.apply import apply
+from lightning_lowmem.functional.applied import apply
 from lightning_lowmem.functional.config import LoRAConfig, TrainingConfig
 from lightning_lowmem.functional.lora.adapters import (
     ADAPTER_SUFFIXES,

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_lowmem.functional.apply import step_context
+from lightning_lowmem.functional.applied import step_context
 from lightning_lowmem.functional.microbatch import split_batch
 
 LOOPS = ("torch", "lightning")
@@ -83,9 +83,9 @@ def tensor_leaves(batch: Any) -> list[torch.Tensor]:
 
 # ----------------------------------------------------------------------------- techniques
 def apply_model_techniques(model: nn.Module, config: Any) -> Any:
-    """``config``'s model side on ``model`` (a throwaway copy) with :func:`lightning_lowmem.functional.apply.apply`,
-    as the callbacks and strategies apply it; returns the :class:`~lightning_lowmem.functional.apply.Applied`."""
-    from lightning_lowmem.functional.apply import apply
+    """``config``'s model side on ``model`` (a throwaway copy) with :func:`lightning_lowmem.functional.apply`,
+    as the callbacks and strategies apply it; returns the :class:`~lightning_lowmem.functional.Applied`."""
+    from lightning_lowmem.functional.applied import apply
 
     return apply(model, config)
 

@@ -5,7 +5,7 @@ The real step (forward, loss, backward, optimizer step) runs on a copy of the mo
 7B-parameter model "runs" on a laptop. The memory core's tracker counts the fake storages exactly as it
 counts real ones, so the estimate shares its categories with :func:`measure_memory`.
 
-Techniques are applied with :func:`lightning_lowmem.functional.apply.apply`, as the callbacks and the
+Techniques are applied with :func:`lightning_lowmem.functional.apply`, as the callbacks and the
 strategies apply them (checkpointing, compression, optimizers, LoRA, micro-batches), so the estimate cannot
 drift from what training does. ``TrainingConfig`` lives in :mod:`lightning_lowmem.functional.config` (it is
 re-exported here).

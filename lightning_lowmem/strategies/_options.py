@@ -1,6 +1,6 @@
 """The memory options the low-memory strategies share: turned into one
 :class:`~lightning_lowmem.functional.config.TrainingConfig` (validated there, once), planned by
-``memory_budget`` into another, and applied with :func:`lightning_lowmem.functional.apply.apply` plus the
+``memory_budget`` into another, and applied with :func:`lightning_lowmem.functional.apply` plus the
 strategy's own hooks (``setup_optimizers`` converts the optimizer, ``training_step`` runs compression and
 the micro-batch loop). No callback is created, set up or added to the Trainer."""
 
@@ -174,7 +174,7 @@ class _LowMemoryOptions:
         self.expandable_segments = expandable_segments
         self.prefetch = prefetch
         self.plan: Any = None  # the memory plan chosen for `memory_budget` (a planning.plan.Plan)
-        self.applied: Any = None  # the functional.apply.Applied handle of the model-side techniques
+        self.applied: Any = None  # the functional.Applied handle of the model-side techniques
         self._microbatch: Any = None  # functional.microbatch.MicrobatchLoop for a plan with micro-batches
         self._converted: list[Any] = []  # optimizers built from `config.optimizer`
         self._guarded = False
@@ -215,7 +215,7 @@ class _LowMemoryOptions:
     def _setup_options(self, trainer: Any) -> None:
         """Before the model moves / is wrapped: plan, then apply the config (precision plugin, model side,
         micro-batches); the optimizer is converted in ``setup_optimizers``."""
-        from lightning_lowmem.functional.apply import apply
+        from lightning_lowmem.functional.applied import apply
 
         module = self.lightning_module  # type: ignore[attr-defined]
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -2,16 +2,15 @@
 
 The strategy takes one training batch and calls :func:`~lightning_lowmem.planning.plan.plan_memory` -- the
 same function, with the same defaults, as ``plan_memory`` itself and ``lowmem estimate --budget`` -- for
-the cheapest :class:`~lightning_lowmem.planning.estimate.TrainingConfig` whose estimated peak fits, and
-yields the :class:`~lightning_lowmem.functional.config.TrainingConfig` the strategy then applies
+the cheapest technique mix whose estimated peak fits, and yields the :class:`~lightning_lowmem.functional.config.TrainingConfig` the strategy then applies
 (:func:`applied_plan`), exactly as it applies explicit options. What the user set explicitly
 (``precision``, ``activation_checkpointing``, ``activation_compression``, ``optimizer``: the strategy's
 ``explicit`` config) is kept fixed; the planner searches the rest, with the strategy's
-``nested_checkpointing`` / ``compression_min_bytes`` on the techniques it tries. The optimizer ``configure_optimizers`` returns is the baseline: an AdamW /
-Adam may become 8-bit AdamW (same learning rate), nothing else changes family. Micro-batching is the
-last resort (only when no whole-batch mix fits), run by the
-strategy with :class:`~lightning_lowmem.functional.microbatch.MicrobatchLoop` (``AutoMicrobatch``'s loop);
-never with an optimizer-in-backward.
+``nested_checkpointing`` / ``compression_min_bytes`` on the techniques it tries. The optimizer
+``configure_optimizers`` returns is the baseline: an AdamW / Adam may become 8-bit AdamW (same learning
+rate), nothing else changes family. Micro-batching is the last resort (only when no whole-batch mix
+fits), run by the strategy with :class:`~lightning_lowmem.functional.microbatch.MicrobatchLoop`
+(``AutoMicrobatch``'s loop); never with an optimizer-in-backward.
 """
 
 from __future__ import annotations

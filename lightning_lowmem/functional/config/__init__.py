@@ -3,7 +3,7 @@
 Each config is validated once, in ``__post_init__`` (the torchao pattern): a bad value fails where it is
 written, with the argument, the value, what is allowed and a hint. The callbacks, the strategies,
 :func:`~lightning_lowmem.planning.estimate.estimate_memory`, :func:`~lightning_lowmem.planning.plan.plan_memory`
-and ``lowmem estimate`` all take these objects, and :func:`lightning_lowmem.functional.apply.apply` applies
+and ``lowmem estimate`` all take these objects, and :func:`lightning_lowmem.functional.apply` applies
 them, so what is planned is what runs. The flat keyword arguments users know (``optimizer="adamw8bit"``,
 ``activation_checkpointing="auto"``, ``lora={"r": 8}``) are shorthands that :class:`TrainingConfig` turns
 into these configs.

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_lowmem.functional.apply import apply
+from lightning_lowmem.functional.applied import apply
 from lightning_lowmem.functional.config import TrainingConfig
 
 
