@@ -120,7 +120,10 @@ def estimate_memory(
         activation_checkpointing, activation_compression, micro_batch_size, lora: techniques, see
             :class:`TrainingConfig`. Default: off.
         optimizer_kwargs: extra optimizer arguments (``lr`` ...). Default: none.
-        config: a :class:`TrainingConfig` that replaces the technique arguments above.
+        config: a :class:`~lightning_lowmem.functional.config.TrainingConfig` (or a dict of its shorthands)
+            that replaces the technique arguments above; its ``precision=None`` takes ``precision``, its
+            ``optimizer=None`` the module's configured one, its ``sharding`` replaces ``sharding`` /
+            ``world_size``. Default: ``None``.
         loop: the order of a step. ``"lightning"``: Lightning's automatic optimization, which zeroes
             gradients between ``training_step`` and backward, so the previous step's gradients live
             through the forward (with micro-batches, ``AutoMicrobatch`` zeroes them first).
@@ -159,8 +162,10 @@ def estimate_memory(
             micro_batch_size=micro_batch_size,
             lora=lora or None,
         )
+    elif isinstance(config, dict):
+        config = TrainingConfig(**config)
     elif not isinstance(config, TrainingConfig):
-        raise TypeError(f"`config` must be a TrainingConfig, got {type(config).__name__}: {config!r}")
+        raise TypeError(f"`config` must be a TrainingConfig or a dict of its arguments, got {type(config).__name__}: {config!r}")
     if config.precision is None:  # "as configured": the `precision` argument
         config = config.replace(precision=precision)
     if config.optimizer is None:  # the module's configure_optimizers' own
