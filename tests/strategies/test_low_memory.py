@@ -126,6 +126,10 @@ def test_nested_checkpointing_wraps_attention_inside_blocks_and_keeps_the_weight
         ({"activation_compression": "zip"}, r"`activation_compression`='zip' is unknown"),
         ({"optimizer": "adamw9bit"}, r"`optimizer`='adamw9bit' is unknown; choose one of \['adafactor'"),
         ({"compression_min_bytes": -1}, r"`compression_min_bytes`=-1 must be >= 0"),
+        # one validation, in functional.config: the optimizer's signature, with a did-you-mean
+        ({"optimizer": "adamw8bit", "optimizer_kwargs": {"betaz": [0.9, 0.99]}},
+         r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\?"),
+        ({"activation_checkpointing": 0}, r"`activation_checkpointing`=0 must be >= 1"),
     ],
 )
 def test_bad_input(kwargs, match):
