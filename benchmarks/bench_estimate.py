@@ -109,13 +109,13 @@ def _measure(name: str, batch_size: int, config: TrainingConfig, device: str, si
     """The real step's peak: memory core on CPU, the CUDA caching allocator's count on CUDA."""
     model, batch = _workload(name, batch_size, device, size)
     model = model.to(device)
-    dtype = {"bf16-true": torch.bfloat16}.get(config.precision)
+    dtype = {"bf16-true": torch.bfloat16}.get(config.precision_preset)
     if dtype is not None:
         model = model.to(dtype)
     batch = _cast_batch(batch, dtype)
-    autocast_dtype = {"bf16-mixed": torch.bfloat16}.get(config.precision)
+    autocast_dtype = {"bf16-mixed": torch.bfloat16}.get(config.precision_preset)
     _apply_model_techniques(model, config)
-    optimizer = build_optimizer(config.optimizer, [p for p in model.parameters() if p.requires_grad])
+    optimizer = build_optimizer(config.optimizer.name, [p for p in model.parameters() if p.requires_grad])
     if device != "cuda":
         _train_step(model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP)
         report = measure_memory(_train_step, model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP, module=model,
@@ -240,7 +240,7 @@ def _moonshot(device: str) -> dict[str, Any]:
     with torch.device("cuda"):  # initialised on the GPU: seconds instead of a minute of CPU init
         model = CharLM(**shape)
     x = torch.randint(0, 256, (batch_size, shape["block_size"]), device="cuda")
-    optimizer = build_optimizer(config.optimizer, model.parameters())
+    optimizer = build_optimizer(config.optimizer.name, model.parameters())
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None, loop=LOOP)
     with CudaPeak() as peak, torch.autocast("cuda", dtype=torch.bfloat16):

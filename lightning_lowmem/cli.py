@@ -320,9 +320,9 @@ def _first_batch(datamodule: Any) -> Any:
 
 
 def configured_techniques(cli: Any) -> dict[str, Any]:
-    """``estimate_memory`` keyword arguments for what the config turns on: the trainer's precision,
-    the model's optimizer name and the memory callbacks / strategy options. Unknown callbacks add
-    nothing."""
+    """:class:`~lightning_lowmem.functional.config.TrainingConfig` arguments for what the config turns on: the
+    trainer's precision, the model's optimizer name and the memory callbacks' / strategy's configs (plus
+    ``memory_budget``). Unknown callbacks add nothing."""
     from lightning_lowmem.functional.optimizers.registry import available_optimizers
 
     trainer_config = cli.config.get("trainer") or {}
@@ -335,29 +335,22 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
     strategy = (cli.config_init.get("trainer") or {}).get("strategy")
     for item in [*(callbacks if isinstance(callbacks, list) else [callbacks]), strategy]:
         name = type(item).__name__
+        config = getattr(item, "config", None)  # the callbacks' / strategies' functional.config objects
         if name == "ActivationCheckpointing":
-            found["activation_checkpointing"] = item.policy
+            found["checkpointing"] = config
         elif name == "ActivationCompression":
-            found["activation_compression"] = item.mode
-        elif name == "MemoryEfficientOptimizer" and isinstance(getattr(item, "optimizer", None), str):
-            found["optimizer"] = item.optimizer
+            found["compression"] = config
+        elif name == "MemoryEfficientOptimizer":
+            found["optimizer"] = config
         elif name == "LowRankAdapters":
-            lora = {"r": getattr(item, "r", 8)}
-            if getattr(item, "quantize_base", None):
-                lora["quantize_base"] = item.quantize_base
-            found["lora"] = lora
-        elif name in ("LowMemoryStrategy", "LowMemoryDDPStrategy"):
-            for option, attribute in (
-                ("activation_checkpointing", "activation_checkpointing"),
-                ("activation_compression", "activation_compression"),
-                ("optimizer", "optimizer_name"),
-            ):
-                value = getattr(item, attribute, None)
-                if isinstance(value, (str, int)) and not isinstance(value, bool):
-                    found[option] = value
+            found["lora"] = config
+        elif name in ("LowMemoryStrategy", "LowMemoryDDPStrategy") and config is not None:
+            for field in ("checkpointing", "compression", "optimizer"):
+                if getattr(config, field) is not None:
+                    found[field] = getattr(config, field)
             if getattr(item, "memory_budget", None) is not None:
                 found["memory_budget"] = item.memory_budget  # what `lowmem fit` would plan for
-    return found
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def estimate_main(argv: list[str]) -> int:
@@ -435,14 +428,13 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     where = device if device == "cuda" or torch.cuda.is_available() else "cpu (no CUDA device here; --device cuda plans for a GPU)"
     budget = techniques.pop("memory_budget", None)
     own.budget = own.budget if own.budget is not None else budget
+    config = TrainingConfig(**{"optimizer": None, **techniques})  # no optimizer set: configure_optimizers'
     if own.budget is None:
-        report = estimate_memory(model, batch, device=device, **techniques)
+        report = estimate_memory(model, batch, device=device, config=config)
         if own.json:
             print(json.dumps(report.to_dict(), indent=2, default=str))
             return 0
-        label = TrainingConfig(**{k: v for k, v in techniques.items() if k not in ("lora", "world_size", "sharding")}).describe()
-        if techniques.get("lora"):
-            label += f" + lora({techniques['lora']})"
+        label = report.meta["label"]
         if "per_rank" in report.meta:
             console.print(_per_rank_table(report, f"Estimated per-rank training step on {where}: {label}"))
         else:
@@ -450,10 +442,13 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         console.print(f"batch: {describe_batch(batch)}", markup=False)
         return 0
     loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
-    wanted = {k: v for k, v in techniques.items() if k in ("precision", "optimizer")}
-    # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given
-    fixed = {axis: [techniques[key]] for key, axis in (("activation_checkpointing", "checkpointing"),
-             ("activation_compression", "compressions")) if key in techniques}  # fmt: skip
+    # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
+    # precision and optimizer are the baseline the search starts from
+    fixed = TrainingConfig(precision=None, optimizer=None, checkpointing=config.checkpointing,
+                           compression=config.compression, lora=config.lora)  # fmt: skip
+    wanted: dict[str, Any] = {"precision": config.precision_preset, "optimizer": config.optimizer_name}
+    if config.optimizer is not None and config.optimizer.hyperparameters:
+        wanted["optimizer_kwargs"] = config.optimizer.kwargs
     # a candidate that cannot run on fake tensors is listed with its error in the plan table; torch
     # also logs the failing op's traceback, which the table already summarises
     fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
@@ -461,7 +456,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     fake_logger.addFilter(fake_filter)
     try:
         with rich_progress(Console(stderr=True)) as progress:
-            plan = plan_memory(model, batch, own.budget, device=device, loras=loras, progress=progress, **wanted, **fixed)
+            plan = plan_memory(model, batch, own.budget, device=device, loras=loras, progress=progress, config=fixed,
+                               **wanted)  # fmt: skip
     except ValueError as err:
         if own.json:
             print(json.dumps({"error": str(err)}))

@@ -178,6 +178,7 @@ def test_estimate_uses_the_configs_precision_and_memory_callbacks(capsys):
     assert report["meta"]["config"] == {
         "precision": "bf16-true", "activation_checkpointing": "Block", "activation_compression": "int8",
         "optimizer": "adafactor_in_backward", "micro_batch_size": None, "lora": None,
+        "optimizer_kwargs": {"lr": 0.05},  # MemoryEfficientOptimizer(lr=0.05): the callback's config, whole
     }
 
 
