@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "plan_memory": "lightning_lowmem.planning.plan",
     "Plan": "lightning_lowmem.planning.plan",
     "EstimationError": "lightning_lowmem.planning.estimate",
+    "TrainingConfig": "lightning_lowmem.functional.config",
     # callbacks
     "MemoryMonitor": "lightning_lowmem.callbacks.memory_monitor",
     "ScheduledPruning": "lightning_lowmem.callbacks.scheduled_pruning",
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.checkpoints.compressed_io import CompressedCheckpointIO
     from lightning_lowmem.checkpoints.file_format import CheckpointCorruptError
     from lightning_lowmem.distillation.module import DistillationModule
+    from lightning_lowmem.functional.config import TrainingConfig
     from lightning_lowmem.memory import MemoryReport, format_bytes, mark_memory, measure_memory, parse_bytes, track_memory
     from lightning_lowmem.planning.estimate import EstimationError, estimate_memory
     from lightning_lowmem.planning.plan import Plan, plan_memory
