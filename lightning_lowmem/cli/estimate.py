@@ -1,60 +1,20 @@
-"""The ``lowmem`` command: LightningCLI's ``fit|validate|test|predict`` plus ``estimate`` and ``demo``.
-
-Examples::
-
-    lowmem fit --config examples/configs/pruning.yaml
-    lowmem estimate --config examples/configs/full_stack.yaml --budget 8GiB
-    lowmem demo --quick
-
-A mistake in a config (an unknown class path or argument, a value a constructor rejects) is reported as
-one ``error:`` line on stderr with exit code 2; ``LOWMEM_DEBUG=1`` shows the full traceback instead.
-"""
+"""``lowmem estimate``: a config's training step, estimated (``--budget``: planned) without allocating it."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
-import re
-import sys
-import traceback
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_lowmem._cli_errors import (
-    CONFIG_ERROR_TYPES,
+from lightning_lowmem.cli.errors import (
     ConfigError,
     did_you_mean,
-    explain_construction_error,
-    explain_parse_error,
-    init_arg_names,
-    strategy_hint,
 )
-
-LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
-SUBCOMMANDS = {
-    "fit": "train a model: --config x.yaml, or --model / --data / --trainer.* options (LightningCLI)",
-    "validate": "run the validation loop once (LightningCLI)",
-    "test": "run the test loop once (LightningCLI)",
-    "predict": "run prediction (LightningCLI)",
-    "estimate": "predict a training step's peak memory without allocating it; --budget plans a mix that fits",
-    "demo": "baseline vs the low-memory stack on the embedded workloads (--quick: about one minute)",
-}
-OVERVIEW = """usage: lowmem {fit,validate,test,predict,estimate,demo} [options]
-
-Memory-saving training for PyTorch Lightning: LightningCLI plus `estimate` and `demo`.
-
-subcommands:
-%s
-
-Run `lowmem <subcommand> --help` for its options. Examples:
-  lowmem fit --config examples/configs/full_stack.yaml
-  lowmem estimate --config examples/configs/full_stack.yaml --budget 8GiB
-  lowmem demo --quick"""
+from lightning_lowmem.cli.runner import _DropMessages, _lightning_cli, _print_error
 
 ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
                        [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
@@ -84,189 +44,6 @@ options:
 
 
 # ----------------------------------------------------------------------------- startup noise
-class _DropMessages(logging.Filter):
-    """Drops log records whose message matches one of ``patterns`` (nothing else); keeps the last one
-    dropped in ``held``."""
-
-    def __init__(self, *patterns: str) -> None:
-        super().__init__()
-        self.patterns = [re.compile(p) for p in patterns]
-        self.held: str | None = None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if any(p.search(message) for p in self.patterns):
-            self.held = message
-            return False
-        return True
-
-
-# torchao's import logs a warning per CUDA-only kernel library that cannot load (`Failed to load
-# .../torchao/_C_mxfp8...so`) and registers enums as pytree constants, which torch >= 2.13 logs as
-# deprecated. Neither says anything to a `lowmem` user; each filter drops exactly those lines.
-_NOISE = {
-    "torchao": r"^Failed to load \S*torchao/_C\w*\.\S*so: Could not load this library",
-    "torch.utils._pytree": r"is an Enum subclass and is now natively supported by torch\.compile",
-}
-
-
-def quiet_startup_logs() -> None:
-    """Silence torchao's import-time log lines (see ``_NOISE``); idempotent.
-
-    The CUDA-kernel line is kept on a machine with CUDA, where a kernel that does not load matters.
-    """
-    for name, pattern in _NOISE.items():
-        if name == "torchao" and torch.cuda.is_available():
-            continue
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(pattern))
-
-
-# ----------------------------------------------------------------------------- LightningCLI
-def _debug() -> bool:
-    return os.environ.get("LOWMEM_DEBUG", "") not in ("", "0")
-
-
-def _option_names() -> list[str]:
-    """Top-level and ``trainer.*`` keys, for "did you mean" on an unknown option."""
-    import lightning as L
-
-    top = ["model", "data", "trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed_everything", "config"]
-    return top + [f"trainer.{name}" for name in init_arg_names(L.Trainer)]
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    """The deepest exception of the chain raised outside jsonargparse (the constructor's own)."""
-    import jsonargparse
-
-    inside = str(Path(jsonargparse.__file__).parent)
-    chain, seen = [error], {id(error)}
-    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and id(nxt) not in seen:
-        chain.append(nxt)
-        seen.add(id(nxt))
-    for candidate in reversed(chain):
-        frames = traceback.extract_tb(candidate.__traceback__)
-        if frames and not frames[-1].filename.startswith(inside):
-            return candidate
-    return error
-
-
-def _constructed_class(error: BaseException) -> type | None:
-    """The class whose ``__init__`` raised ``error`` (outermost such frame outside the CLI machinery)."""
-    tb = error.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == "__init__" and "self" in frame.f_locals:
-            module = frame.f_globals.get("__name__", "")
-            if not module.startswith(("jsonargparse", "lightning.pytorch.cli")):
-                return type(frame.f_locals["self"])
-        tb = tb.tb_next
-    return None
-
-
-def _lightning_cli(args: list[str], run: bool = True, estimate_only: bool = False, meta_model: bool = False) -> Any:
-    from lightning.pytorch.cli import LightningCLI
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    class LowMemCLI(LightningCLI):
-        """LightningCLI whose configuration mistakes raise :class:`ConfigError` (one line)."""
-
-        def parse_arguments(self, parser: Any, args: Any) -> None:  # noqa: D102 - see LightningCLI
-            self._failures: list[tuple[type, BaseException]] = []
-            try:
-                super().parse_arguments(parser, args)
-            except argparse.ArgumentError as err:
-                if _debug():
-                    raise
-                raise ConfigError(explain_parse_error(str(err), _option_names())) from None
-
-        def after_instantiate_classes(self) -> None:  # noqa: D102 - see LightningCLI
-            if seed_filter.held and not estimate_only:  # the config is good: now say which seed was set
-                seed_logger.removeFilter(seed_filter)
-                seed_logger.info(seed_filter.held)
-
-        def before_instantiate_classes(self) -> None:  # noqa: D102 - see LightningCLI
-            # appended after LightningCLI's own module/datamodule instantiators, so it sees every
-            # other class built from the config (callbacks, strategies, plugins, loggers ...)
-            self.parser.add_instantiator(self._construct, object, subclasses=True)
-
-        def _construct(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return class_type(*args, **kwargs)
-            except Exception as err:
-                self._failures.append((class_type, err))
-                raise
-
-        def instantiate_classes(self) -> None:  # noqa: D102 - see LightningCLI
-            try:
-                if not meta_model:
-                    return self._instantiate()
-                try:  # build the model without allocating its weights; data is read later, outside
-                    with torch.device("meta"):
-                        return self._instantiate()
-                except Exception:  # noqa: BLE001 - some modules cannot be built on meta: build them for real
-                    self._failures.clear()
-                    return self._instantiate()
-            except Exception as err:
-                if _debug():
-                    raise
-                raise self._config_error(err) from None
-
-        def _instantiate(self) -> None:
-            if not estimate_only:
-                return super().instantiate_classes()
-            # `estimate` needs the model, the data and the callbacks: no Trainer (and no banner)
-            self.config_init = self.parser.instantiate_classes(self.config)
-            self.model = self.config_init.get("model")
-            self.datamodule = self.config_init.get("data")
-            self.trainer = None
-
-        def _config_error(self, err: Exception) -> Exception:
-            if self._failures:
-                cls, cause = self._failures[0]
-                if isinstance(cause, CONFIG_ERROR_TYPES):
-                    return ConfigError(explain_construction_error(cls, cause))
-                return err
-            cause = _root_cause(err)
-            if isinstance(cause, (*CONFIG_ERROR_TYPES, MisconfigurationException)):
-                return ConfigError(strategy_hint(cause) or explain_construction_error(_constructed_class(cause), cause))
-            return err
-
-    # Lightning logs "Seed set to 0" before the classes are built: hold it until they are, so that a
-    # config error is the only line printed
-    seed_logger = logging.getLogger("lightning.fabric.utilities.seed")
-    seed_filter = _DropMessages(r"^Seed set to ")
-    seed_logger.addFilter(seed_filter)
-    try:
-        with warnings.catch_warnings():
-            # `main(argv)` passes the arguments explicitly; sys.argv holds the same ones
-            warnings.filterwarnings("ignore", ".*LightningCLI's args parameter is intended to run from within Python.*")
-            return LowMemCLI(
-                subclass_mode_model=True,
-                subclass_mode_data=True,
-                # LightningCLI's default (True) seeds PL_GLOBAL_SEED or else 0 with a "No seed found"
-                # warning; 0 is the same seed without the warning
-                seed_everything_default=True if "PL_GLOBAL_SEED" in os.environ else 0,
-                save_config_kwargs={"overwrite": True},
-                parser_kwargs={
-                    "prog": "lowmem",
-                    "exit_on_error": False,
-                    **{name: {"exit_on_error": False} for name in LIGHTNING_SUBCOMMANDS},
-                },
-                args=args,
-                run=run,
-            )
-    finally:
-        seed_logger.removeFilter(seed_filter)
-
-
-def _print_error(message: str, hint: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    print(hint, file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------- estimate
 _DTYPES = {
     "long": torch.int64, "int64": torch.int64, "int": torch.int64, "int32": torch.int32, "bool": torch.bool,
     "float": torch.float32, "float32": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16,
@@ -419,10 +196,10 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     from rich.console import Console
 
     from lightning_lowmem.memory import format_bytes
+    from lightning_lowmem.model_io import describe_batch
     from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
     from lightning_lowmem.planning.plan import plan_memory
     from lightning_lowmem.planning.plan_report import rich_progress
-    from lightning_lowmem.model_io import describe_batch
 
     console = Console()
     where = device if device == "cuda" or torch.cuda.is_available() else "cpu (no CUDA device here; --device cuda plans for a GPU)"
@@ -497,44 +274,3 @@ def _per_rank_table(report: Any, title: str) -> Any:
     for name, value in report.overheads.items():
         table.add_row(f"+ {name}", *[""] * len(CATEGORIES), format_bytes(value))
     return table
-
-
-# ----------------------------------------------------------------------------- entry point
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``lowmem`` console script; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    quiet_startup_logs()
-    # Lightning 2.6 on torch >= 2.13 warns about its own use of torch's pytree on every fit
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
-    if not argv or argv[0] in ("-h", "--help"):
-        print(OVERVIEW % "\n".join(f"  {name:<9} {text}" for name, text in SUBCOMMANDS.items()))
-        return 0 if argv else 2
-    if argv[0] in ("-V", "--version"):
-        from lightning_lowmem import __version__
-
-        print(f"lowmem (lightning_lowmem) {__version__}")
-        return 0
-    command = argv[0]
-    if command == "estimate":
-        return estimate_main(argv[1:])
-    if command == "demo":
-        from lightning_lowmem.demo.run import main as demo_main
-
-        return demo_main(argv[1:])
-    if not command.startswith("-") and command not in LIGHTNING_SUBCOMMANDS:
-        _print_error(
-            f"unknown subcommand {command!r}{did_you_mean(command, SUBCOMMANDS)}; choose one of {', '.join(SUBCOMMANDS)}",
-            "see `lowmem --help`",
-        )
-        return 2
-    try:
-        _lightning_cli(argv)
-    except ConfigError as err:
-        sub = command if command in LIGHTNING_SUBCOMMANDS else "fit"
-        _print_error(str(err), f"see `lowmem {sub} --help`; LOWMEM_DEBUG=1 shows the full error")
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
