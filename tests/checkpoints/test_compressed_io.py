@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import doctest
 import io
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import lightning as L
 import pytest
@@ -229,14 +227,6 @@ def test_bad_arguments(kwargs, error, match):
 def test_storage_options_rejected(tmp_path):
     with pytest.raises(TypeError, match="`storage_options` is not supported"):
         CompressedCheckpointIO().save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
-
-
-@pytest.mark.parametrize("module", ["compressed_io", "file_format", "reading"])
-def test_docstring_example_runs(module):
-    from lightning_lowmem import checkpoints
-
-    result = doctest.testmod(getattr(checkpoints, module), extraglobs={"torch": torch, "os": os})
-    assert result.failed == 0 and result.attempted > 0
 
 
 @pytest.mark.parametrize("cut_from_end", [1, 22, 400, 0.3])

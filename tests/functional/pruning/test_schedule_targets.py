@@ -1,7 +1,5 @@
 """The pieces ``ScheduledPruning`` delegates to: the step schedule, target resolution, rewind, shrink-on-load."""
 
-import doctest
-import importlib
 
 import pytest
 import torch
@@ -89,9 +87,3 @@ def test_example_row_takes_one_row_of_tuple_and_dict_batches():
     assert torch.equal(example_row((x, torch.zeros(4))), x[:1])
     row = example_row({"input_ids": x, "labels": x, "meta": "text"})
     assert set(row) == {"input_ids", "labels"} and row["input_ids"].shape == (1, 3)
-
-
-@pytest.mark.parametrize("module", ["schedule", "targets", "structural"])
-def test_docstring_examples_run(module):
-    result = doctest.testmod(importlib.import_module(f"lightning_lowmem.functional.pruning.{module}"))
-    assert result.failed == 0 and result.attempted > 0

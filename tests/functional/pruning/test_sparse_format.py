@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import doctest
 import io
 
 import pytest
 import torch
 
-from lightning_lowmem.functional.pruning import sparse_format
 from lightning_lowmem.functional.pruning.sparse_format import (
     is_packed_sparse,
     pack_sparse,
@@ -84,10 +82,6 @@ def test_corrupt_pack_raises():
     with pytest.raises(ValueError, match="is not a packed sparse tensor"):
         unpack_sparse({"values": torch.zeros(1)})
     assert not is_packed_sparse(torch.zeros(1))
-
-
-def test_docstring_examples_run():
-    assert doctest.testmod(sparse_format, extraglobs={"torch": torch}).failed == 0
 
 
 def test_tree_packs_a_tied_weight_once_from_a_real_state_dict():

@@ -1,7 +1,5 @@
 """The pieces the quantization callbacks delegate to: the state-dict matcher, the search units, the tables."""
 
-import doctest
-import importlib
 import math
 
 import pytest
@@ -107,9 +105,3 @@ def test_calibration_records_the_child_calls_of_the_first_batches():
     assert static_candidates(model, "model", ["model.2"], None) == ["model.0"]
     with pytest.raises(ValueError, match=r"`module_name`='model.0' was never called"):
         calibration_calls(model, "model.0", [], 2)
-
-
-@pytest.mark.parametrize("module", ["matching", "search", "report", "ptq", "calibration"])
-def test_docstring_examples_run(module):
-    result = doctest.testmod(importlib.import_module(f"lightning_lowmem.functional.quantization.{module}"))
-    assert result.failed == 0 and result.attempted > 0

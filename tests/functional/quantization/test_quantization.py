@@ -295,24 +295,6 @@ def test_embedding_save_load_and_dequantize(mode):
     assert torch.equal(model[0](tokens), restored[0](tokens))  # the lookup dequantizes the same int8 rows
 
 
-def test_docstring_examples_run():
-    import doctest
-
-    import lightning_lowmem.functional.quantization.ptq as quantization
-    import lightning_lowmem.functional.quantization.layers as layers
-    import lightning_lowmem.functional.quantization.modes as modes
-    import lightning_lowmem.functional.quantization.qat as qat
-    import lightning_lowmem.functional.quantization.serialization as serialization
-    import lightning_lowmem.functional.quantization.static as static
-
-    attempted = 0
-    for module in (quantization, layers, modes, qat, serialization, static):
-        result = doctest.testmod(module, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
-        assert result.failed == 0, module.__name__
-        attempted += result.attempted
-    assert attempted >= 20
-
-
 # --- int8_static on CPUs without VNNI ---------------------------------------------------------------------
 
 
