@@ -53,8 +53,11 @@ clean:
 # into .gpu-wheels/. There (its python3 holds torch; no venv, no registry): `make gpu-check` installs them with
 # --no-index --no-deps into a scratch folder on PYTHONPATH, runs the cuda-marked tests and
 # `python -m benchmarks --device cuda --quick`, and writes benchmarks/results/*_cuda.* and $OUT.
-# `make gpu-check-dry`: the same parts on CPU with tiny settings, outputs to a scratch folder (CI runs it).
+# `make gpu-check-dry`: the same parts on CPU with tiny settings, outputs to a scratch folder: under a minute on
+# 2 cores; CI runs it after `make test` (.ci/run). `make gpu-check-dry DRY_FLAGS=--per-bench`: one process per
+# benchmark, as the GPU run (about a minute more).
 GPU_PYTHON ?= python3
+DRY_FLAGS ?=
 
 .PHONY: gpu-wheels gpu-check gpu-check-dry
 
@@ -65,4 +68,4 @@ gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py
 
 gpu-check-dry: $(STAMP)
-	$(PY) scripts/gpu_check.py --dry-run
+	$(PY) scripts/gpu_check.py --dry-run $(DRY_FLAGS)

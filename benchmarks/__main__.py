@@ -11,7 +11,7 @@ Usage::
     python -m benchmarks --only memory    # one module (bench_memory.py)
     python -m benchmarks --device cuda    # on a GPU
     python -m benchmarks --quick          # smaller settings (what the GPU check runs on CUDA)
-    python -m benchmarks --smoke --out /tmp/x   # tiny settings: the code paths run, numbers meaningless
+    python -m benchmarks --smoke --out /tmp/x   # tiny settings: the code paths run, numbers meaningless (<name>_smoke.*)
 
 Results of ``--device cuda`` are written as ``<name>_cuda.json`` / ``.md``; beside each CUDA target the
 Markdown shows its CPU twin, read from the CPU results (``<name>.json`` in ``benchmarks/results/``): the
@@ -179,9 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.common import SMOKE_ENV
 
         os.environ[SMOKE_ENV] = "1"  # benchmarks.common.smoke(); inherited by the benchmarks' subprocesses
+        # one intra-op thread: tiny models gain nothing from two, and on a loaded machine two threads wait on
+        # each other (the smoke run took 5x longer with two on a shared 2-core machine)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.device == "cpu" else f"_{args.device}"
+    # a smoke run writes what a CUDA run writes (CPU twin column included), named <name>_smoke: the dry run of
+    # scripts/gpu_check.py checks the GPU run's output path without a file that could pass for a CUDA result
+    suffix = "_smoke" if args.smoke else "" if args.device == "cpu" else f"_{args.device}"
     for name in names:
         module = importlib.import_module(f"benchmarks.bench_{name}")
         started = time.perf_counter()
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = round(time.perf_counter() - started, 1)
         if args.smoke:
             result["title"] += " [smoke run: tiny settings, numbers meaningless]"
-        if args.device == "cuda":
+        if args.device == "cuda" or args.smoke:
             result["cpu_twin"] = cpu_twin(name) or {"file": "none", "date": "-", "device": "-", "targets": {}}
         (out_dir / f"{name}{suffix}.json").write_text(json.dumps(result, indent=2, default=str))
         (out_dir / f"{name}{suffix}.md").write_text(to_markdown(result))

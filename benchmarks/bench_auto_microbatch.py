@@ -148,9 +148,10 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         return _run_cuda(quick)
     steps = 2 if smoke() else 4 if quick else 12
     torch.manual_seed(0)
-    base = CharLM(n_layer=1 if smoke() else 2 if quick else 6, n_head=4, n_embd=128, block_size=BLOCK)
+    n_head, n_embd = (2, 32) if smoke() else (4, 128)
+    base = CharLM(n_layer=1 if smoke() else 2 if quick else 6, n_head=n_head, n_embd=n_embd, block_size=BLOCK)
     plain_model = copy.deepcopy(base)
-    limited = _LimitedCharLM(n_layer=base.hparams.n_layer, n_head=4, n_embd=128, block_size=BLOCK)
+    limited = _LimitedCharLM(n_layer=base.hparams.n_layer, n_head=n_head, n_embd=n_embd, block_size=BLOCK)
     limited.load_state_dict(base.state_dict())
     accumulate_model = copy.deepcopy(base)
     callback = AutoMicrobatch()
@@ -180,7 +181,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
          "measured": f"max |diff| {diff:.2e}", "met": diff <= 1e-6},
     ]  # fmt: skip
     notes = (
-        f"CharLM {base.hparams.n_layer}x128, fp32 AdamW (lr {base.hparams.lr}), batch {BATCH}x{BLOCK}, {steps} optimizer "
+        f"CharLM {base.hparams.n_layer}x{n_embd}, fp32 AdamW (lr {base.hparams.lr}), batch {BATCH}x{BLOCK}, {steps} optimizer "
         "steps from the same weights on the same batches, through Trainer.fit; peak = MemoryMonitor deep breakdown "
         "(memory core) of every step, max over steps; step_ms = median wall time per optimizer step after 2 warm-up "
         f"steps; weights_vs_accumulate = largest weight difference to the accumulate-by-4 run; first_step_ms = the first batch (for AutoMicrobatch: the OOM at 32, the retry at 16, the OOM and the "

@@ -26,7 +26,7 @@ def _charlm_state(sparsity: float) -> dict[str, torch.Tensor]:
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-    from lightning_lowmem.plugins import CompressedCheckpointIO
+    from lightning_lowmem.checkpoints import CompressedCheckpointIO
 
     repeats = 3 if quick else 15  # best of N, the plugins measured in turn (a shared CPU is noisy)
     threads = torch.get_num_threads()
@@ -84,6 +84,6 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "notes": "Weights-only checkpoints of the reference charlm (every weight matrix magnitude-pruned per tensor). "
         f"Times are the best of {repeats} on the local disk, the three plugins measured in turn, torch on one thread. Dense chunks that "
         "compression shrinks by less than 10% are stored raw; when nothing is gained the plugin writes the plain "
-        "torch.save file (TorchCheckpointIO writes torch.save bytes through a buffer: its zip alignment differs by a few KiB). fsync is off by default (the rename is atomic against "
+        "torch.save file, byte for byte TorchCheckpointIO's (both serialize in memory). fsync is off by default (the rename is atomic against "
         "a killed process; `fsync=True` also survives power loss, at the disk's flush cost).",
     }

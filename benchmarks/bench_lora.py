@@ -24,6 +24,7 @@ from lightning_lowmem.memory import measure_memory, state_bytes
 
 warnings.filterwarnings("ignore", ".*Enum subclass.*")
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)
+SMOKE_MODEL = dict(n_layer=1, n_head=2, n_embd=32, block_size=16)  # the dry run: code paths only
 PRETRAIN_DATA = dict(exclude=["asyncio/*"], max_chars=600_000)
 FINETUNE_DATA = dict(include=["asyncio/*"], max_chars=400_000)
 QLORA_FROZEN = "QLoRA r=8, int8 base + int8 lm_head / embeddings"
@@ -36,11 +37,16 @@ METHODS: dict[str, tuple[float, dict[str, Any] | None]] = {
 }
 
 
+def _model() -> dict[str, int]:
+    """The charlm's shape: MODEL, or SMOKE_MODEL in a smoke run."""
+    return SMOKE_MODEL if smoke() else MODEL
+
+
 def _pretrain(steps: int, device: str, path: Path) -> None:
     set_seed(0)
-    model = CharLM(**MODEL, lr=3e-3)
+    model = CharLM(**_model(), lr=3e-3)
     trainer = quiet_trainer(max_steps=steps, accelerator=device, limit_val_batches=0)
-    trainer.fit(model, CharLMDataModule(batch_size=16, **PRETRAIN_DATA))
+    trainer.fit(model, CharLMDataModule(block_size=_model()["block_size"], batch_size=16, **PRETRAIN_DATA))
     torch.save(model.state_dict(), path)
 
 
@@ -50,7 +56,7 @@ def _step_memory(model: CharLM, lora: dict[str, Any] | None, device: str) -> dic
     if lora is not None:
         apply_lora_(model, **lora)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    x = torch.randint(0, 256, (16, MODEL["block_size"]), device=device)
+    x = torch.randint(0, 256, (16, _model()["block_size"]), device=device)
     batch = (x, x.roll(-1, 1))
 
     def step() -> None:
@@ -74,9 +80,9 @@ def _step_memory(model: CharLM, lora: dict[str, Any] | None, device: str) -> dic
 
 def _finetune(base: Path, lr: float, lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, Any]:
     set_seed(0)
-    model = CharLM(**MODEL, lr=lr)
+    model = CharLM(**_model(), lr=lr)
     model.load_state_dict(torch.load(base, weights_only=True))
-    data = CharLMDataModule(batch_size=16, **FINETUNE_DATA)
+    data = CharLMDataModule(block_size=_model()["block_size"], batch_size=16, **FINETUNE_DATA)
     timer = StepTimer(skip_first=5)
     callbacks = [timer] + ([LowRankAdapters(**lora)] if lora is not None else [])
     trainer = quiet_trainer(max_steps=steps, accelerator=device, callbacks=callbacks, limit_val_batches=2 if smoke() else 20)
@@ -102,9 +108,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "pretrained.pt"
         _pretrain(pretrain_steps, device, base)
-        pretrained = CharLM(**MODEL)
+        pretrained = CharLM(**_model())
         pretrained.load_state_dict(torch.load(base, weights_only=True))
-        data = CharLMDataModule(batch_size=16, **FINETUNE_DATA)
+        data = CharLMDataModule(block_size=_model()["block_size"], batch_size=16, **FINETUNE_DATA)
         before = quiet_trainer(accelerator=device, limit_val_batches=2 if smoke() else 20).validate(pretrained, data, verbose=False)
         rows = [{"method": "pretrained, no fine-tuning", "asyncio val loss": round(before[0]["val_loss"], 4)}]
         results = {}
@@ -143,7 +149,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
          "met": frozen["base"] <= 0.3 * full["params"]},
     ]  # fmt: skip
     notes = (
-        f"charlm {MODEL['n_layer']}x{MODEL['n_embd']} pretrained {pretrain_steps} steps on stdlib files outside "
+        f"charlm {_model()['n_layer']}x{_model()['n_embd']} pretrained {pretrain_steps} steps on stdlib files outside "
         f"asyncio/ ({PRETRAIN_DATA['max_chars']:,} bytes), then fine-tuned {finetune_steps} steps (batch 16x64) on "
         f"asyncio/* ({FINETUNE_DATA['max_chars']:,} bytes); val loss on asyncio's held-out 10% (20 batches). "
         "Memory: the second real training step measured by the memory core (peak; model state = parameters + "

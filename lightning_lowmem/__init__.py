@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "plan_memory": "lightning_lowmem.planning.plan",
     "Plan": "lightning_lowmem.planning.plan",
     "EstimationError": "lightning_lowmem.planning.estimate",
+    "TrainingConfig": "lightning_lowmem.functional.config",
     # callbacks
     "MemoryMonitor": "lightning_lowmem.callbacks.memory_monitor",
     "ScheduledPruning": "lightning_lowmem.callbacks.scheduled_pruning",
@@ -40,8 +41,8 @@ _EXPORTS: dict[str, str] = {
     "LowMemoryStrategy": "lightning_lowmem.strategies.low_memory",
     "LowMemoryDDPStrategy": "lightning_lowmem.strategies.low_memory",
     "LowMemoryFSDPStrategy": "lightning_lowmem.strategies.fsdp",
-    "CompressedCheckpointIO": "lightning_lowmem.plugins.compressed_checkpoint_io",
-    "CheckpointCorruptError": "lightning_lowmem.plugins.compressed_checkpoint_io",
+    "CompressedCheckpointIO": "lightning_lowmem.checkpoints.compressed_io",
+    "CheckpointCorruptError": "lightning_lowmem.checkpoints.file_format",
     # warnings
     "NoEffectWarning": "lightning_lowmem.warnings",
     "LowMemWarning": "lightning_lowmem.warnings",
@@ -65,11 +66,13 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.callbacks.post_training_quantization import PostTrainingQuantization
     from lightning_lowmem.callbacks.quantization_aware_training import QuantizationAwareTraining
     from lightning_lowmem.callbacks.scheduled_pruning import ScheduledPruning
+    from lightning_lowmem.checkpoints.compressed_io import CompressedCheckpointIO
+    from lightning_lowmem.checkpoints.file_format import CheckpointCorruptError
     from lightning_lowmem.distillation.module import DistillationModule
+    from lightning_lowmem.functional.config import TrainingConfig
     from lightning_lowmem.memory import MemoryReport, format_bytes, mark_memory, measure_memory, parse_bytes, track_memory
     from lightning_lowmem.planning.estimate import EstimationError, estimate_memory
     from lightning_lowmem.planning.plan import Plan, plan_memory
-    from lightning_lowmem.plugins.compressed_checkpoint_io import CheckpointCorruptError, CompressedCheckpointIO
     from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
     from lightning_lowmem.strategies.low_memory import LowMemoryDDPStrategy, LowMemoryStrategy
     from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning

@@ -1,7 +1,8 @@
 """The GPU check: every headline figure measured on CUDA, in one command (docs/gpu.md).
 
     python3 scripts/gpu_check.py               # on the GPU machine (`make gpu-check`), results to $OUT too
-    python3 scripts/gpu_check.py --dry-run     # anywhere, on CPU with tiny settings (CI runs this)
+    python3 scripts/gpu_check.py --dry-run     # anywhere, on CPU with tiny settings (CI runs this: < 1 minute)
+    python3 scripts/gpu_check.py --dry-run --per-bench   # the same, one process per benchmark as on the GPU
     python3 scripts/gpu_check.py --list        # the parts and their time budgets
 
 Parts run in order, each in its own process under a time budget; a part that overruns is stopped (its
@@ -22,8 +23,11 @@ whatever happened:
 Then ``benchmarks/results/gpu_check_cuda.{json,md}`` (the parts, their status and time, the environment)
 and, into ``--out`` (default ``$OUT``): that summary, ``gpu_check_results.tar.gz`` (results + logs) and
 the console log. The dry run runs the same parts on CPU with ``--smoke`` settings (benchmarks in one
-process), writes only into a scratch folder, and skips what needs the GPU machine (the wheel install
-when no wheels are here, the ``suite`` part: CI runs the suite itself), saying so.
+process unless ``--per-bench``), writes only into a scratch folder (``<name>_smoke.{json,md}``, the
+CUDA results' layout, CPU-twin column included), and skips what needs the GPU machine (the wheel
+install when no wheels are here, the ``suite`` part: CI runs the suite itself), saying so. On top of
+the exit codes, a dry run fails a part whose output is not what the GPU run needs: no environment
+line, no collected CUDA test, a benchmark's results missing or holding a row with an ``error``.
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ MIN_PART_S = 20.0  # a part is not started with less time than this left
 BUDGETS = {"install": 45, "env": 45, "tests": 150, "bench:estimate": 75, "bench:training_memory": 90,
            "bench:memory": 45, "bench:auto_microbatch": 60, "bench:quantization": 60, "bench:lora": 75,
            "bench:optimizers": 90, "suite": 240}  # fmt: skip
-DRY_BUDGETS = {"install": 60, "env": 90, "tests": 180, "bench": 480}
+# the dry run on 2 CPU cores: install (with wheels) ~5 s, env ~10 s, tests ~12 s, bench ~30 s; the budgets
+# leave room for a loaded machine, and stop a hang long before CI's own limit
+DRY_BUDGETS = {"install": 60, "env": 90, "tests": 120, "bench": 300, "bench:one": 120}
 
 ENV_SCRIPT = r"""
 import importlib, json, subprocess, sys
@@ -114,8 +120,12 @@ def cuda_test_files(tests: Path = ROOT / "tests") -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in tests.rglob("test_*.py") if "mark.cuda" in p.read_text())
 
 
-def plan(dry_run: bool, scratch: Path, junit_dir: Path) -> list[Part]:
-    """The parts of a real run, or of a dry run (CPU, tiny settings, scratch outputs)."""
+def plan(dry_run: bool, scratch: Path, junit_dir: Path, per_bench: bool = False) -> list[Part]:
+    """The parts of a real run, or of a dry run (CPU, tiny settings, scratch outputs).
+
+    A dry run runs every benchmark in one process (``bench``), or with ``per_bench`` one process per
+    benchmark (``bench:<name>``, as the GPU run does: each pays its own imports).
+    """
     py = sys.executable
     # -v: one line per test, so a part cut at its budget (no JUnit file then) still says what passed
     tests = [py, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "-rfEs", "--timeout=120",
@@ -126,14 +136,17 @@ def plan(dry_run: bool, scratch: Path, junit_dir: Path) -> list[Part]:
         # the dry run installs for the GPU machine's Python (3.12), whatever runs it, into a scratch folder
         # that stays off PYTHONPATH: the install is exercised, what runs next uses this machine's packages
         install = [*install[:-2], "--target", str(scratch / "wheel-install"), "--cross"]
+        smoke = [py, "-m", "benchmarks", "--device", "cpu", "--smoke", "--out", str(scratch / "results"), "--only"]
+        if per_bench:
+            benches = [Part(f"bench:{name}", DRY_BUDGETS["bench:one"], [*smoke, name], "CPU, --smoke settings") for name in BENCHMARKS]
+        else:
+            benches = [Part("bench", DRY_BUDGETS["bench"], [*smoke, *BENCHMARKS], "all benchmarks in one process, CPU, --smoke settings")]
         return [
             Part("install", DRY_BUDGETS["install"], install if gpu_wheels.WHEELS.is_dir() else None,
                  "" if gpu_wheels.WHEELS.is_dir() else "no .gpu-wheels/ here (CI never has it): the pinned list is checked only"),
             Part("env", DRY_BUDGETS["env"], env),
             Part("tests", DRY_BUDGETS["tests"], tests, "no GPU: every cuda-marked test is collected and skipped"),
-            Part("bench", DRY_BUDGETS["bench"],
-                 [py, "-m", "benchmarks", "--device", "cpu", "--smoke", "--out", str(scratch / "results"), "--only", *BENCHMARKS],
-                 "all benchmarks in one process, CPU, --smoke settings"),
+            *benches,
             Part("suite", 0, None, "skipped in a dry run: CI runs the suite itself"),
         ]  # fmt: skip
     parts = [Part("install", BUDGETS["install"], install), Part("env", BUDGETS["env"], env),
@@ -259,6 +272,49 @@ def _enrich(record: Record, log: Path, junit_dir: Path) -> None:
             record.detail = f"targets met {met}, missed {len(missed)}" + (f"; {record.detail}" if record.detail else "")
 
 
+def check_dry_run(records: list[Record], results_dir: Path) -> None:
+    """Fail the parts of a dry run whose output is not what the GPU run needs, though they exited 0.
+
+    ``env``: the environment line, every public name counted, the package from this checkout; ``tests``:
+    CUDA-marked tests collected; each benchmark: ``<name>_smoke.{json,md}`` written, its rows and targets
+    present, no row holding an ``error`` (a benchmark catches a backend's failure into a row: on the GPU
+    that is a result, in a dry run on CPU a broken code path), the Markdown with its CPU-twin column.
+    """
+    for record in records:
+        if record.status != "ok":
+            continue
+        problems: list[str] = []
+        if record.name == "env":
+            environment = record.extra.get("environment")
+            if not environment or not environment.get("public_names"):
+                problems.append("no environment line (ENV {...}) in its output")
+            elif not str(environment.get("lightning_lowmem_file", "")).startswith(str(ROOT)):
+                problems.append(f"lightning_lowmem imported from {environment.get('lightning_lowmem_file')}, not from {ROOT}")
+        elif record.name == "tests":
+            if not record.extra.get("counts", {}).get("tests"):
+                problems.append("no cuda-marked test collected")
+        elif record.name.startswith("bench"):
+            names = [record.name.removeprefix("bench:")] if ":" in record.name else list(BENCHMARKS)
+            for name in names:
+                problems += [f"{name}: {problem}" for problem in _smoke_problems(results_dir, name)]
+        if problems:
+            record.status = "failed"
+            record.detail = "; ".join(problems) + (f" ({record.detail})" if record.detail else "")
+            print(f"[gpu_check] {record.name}: failed the dry run's output check - {record.detail}", flush=True)
+
+
+def _smoke_problems(results_dir: Path, name: str) -> list[str]:
+    json_path, md_path = results_dir / f"{name}_smoke.json", results_dir / f"{name}_smoke.md"
+    if not json_path.exists() or not md_path.exists():
+        return [f"{json_path.name} / {md_path.name} not written"]
+    result = json.loads(json_path.read_text())
+    problems = [f"no {key}" for key in ("rows", "targets") if not result.get(key)]
+    problems += [f"row {i} failed: {row['error']}" for i, row in enumerate(result.get("rows", [])) if "error" in row]
+    if "CPU twin: measured (met)" not in md_path.read_text():
+        problems.append(f"{md_path.name} lacks the CPU-twin column")
+    return problems
+
+
 def summary(records: list[Record], dry_run: bool, total_s: float, deadline_s: float) -> dict[str, Any]:
     """The run as a benchmark-style result (title, rows, targets, notes): ``gpu_check_cuda.json``."""
     environment = next((r.extra["environment"] for r in records if "environment" in r.extra), {})
@@ -319,16 +375,17 @@ def bundle(result: dict[str, Any], results_dir: Path, logs: Path, out: Path, dry
     summary_dir.mkdir(parents=True, exist_ok=True)
     (summary_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
     (summary_dir / f"{name}.md").write_text(to_markdown(result))
-    if not dry_run:
-        write_combined(results_dir)
+    write_combined(results_dir)
     archive = out / "gpu_check_results.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
-        pattern = "*.*" if dry_run else "*_cuda.*"
-        for path in sorted(results_dir.glob(pattern)) + ([] if dry_run else [results_dir / "README.md"]):
+        pattern = "*_smoke.*" if dry_run else "*_cuda.*"
+        extra = [summary_dir / f"{name}.json", summary_dir / f"{name}.md"] if dry_run else []
+        prefix = "dry_run/" if dry_run else ""  # unpacked into a checkout, a dry run's files land beside the results
+        for path in sorted(results_dir.glob(pattern)) + extra + [results_dir / "README.md"]:
             if path.is_file():
-                tar.add(path, arcname=f"benchmarks/results/{path.name}")
+                tar.add(path, arcname=f"{prefix}benchmarks/results/{path.name}")
         for path in sorted(logs.glob("*")):
-            tar.add(path, arcname=f"gpu_check_logs/{path.name}")
+            tar.add(path, arcname=f"{prefix}gpu_check_logs/{path.name}")
     written = [archive]
     for suffix in ("json", "md"):
         if summary_dir != out:
@@ -367,6 +424,8 @@ def select(parts: list[Part], only: list[str] | None) -> list[Part]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny settings, scratch outputs (what CI runs)")
+    parser.add_argument("--per-bench", action="store_true",
+                        help="dry run: one process per benchmark (bench:<name>), as the GPU run; slower")
     parser.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=None,
                         help="comma-separated parts, e.g. install,env,bench:estimate ('bench' = every benchmark)")
     parser.add_argument("--deadline", type=float, default=None, help=f"seconds for the whole run (default {DEADLINE_S:.0f}; dry run {DRY_DEADLINE_S:.0f})")
@@ -376,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     logs = scratch / "gpu_check_logs"
     logs.mkdir()
-    parts = select(plan(args.dry_run, scratch, logs), args.only)
+    parts = select(plan(args.dry_run, scratch, logs, per_bench=args.per_bench), args.only)
     if args.list:
         for part in parts:
             command = " ".join(part.command) if part.command else f"(in process) {part.note}"
@@ -399,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
           f"scratch {scratch}, out {out}", flush=True)  # fmt: skip
     started = time.monotonic()
     records = run_parts(parts, deadline, env, logs, logs)
+    if args.dry_run:
+        check_dry_run(records, results_dir)
     if (scratch / "site" / "torch").exists():  # only possible if someone pinned torch: it must never be carried
         records.append(Record("install-check", "failed", 0.0, 0.0, "a torch package landed in the wheel target: remove it from the list"))
     total = time.monotonic() - started

@@ -178,6 +178,7 @@ def test_estimate_uses_the_configs_precision_and_memory_callbacks(capsys):
     assert report["meta"]["config"] == {
         "precision": "bf16-true", "activation_checkpointing": "Block", "activation_compression": "int8",
         "optimizer": "adafactor_in_backward", "micro_batch_size": None, "lora": None,
+        "optimizer_kwargs": {"lr": 0.05},  # MemoryEfficientOptimizer(lr=0.05): the callback's config, whole
     }
 
 
@@ -200,7 +201,7 @@ def test_parse_batch_shape_forms_and_errors():
     assert (images.dtype, labels.dtype, images.device.type) == (torch.float32, torch.int64, "meta")
     assert set(parse_batch_shape("input_ids=4x128,labels=4x128:int64")) == {"input_ids", "labels"}
     assert tuple(parse_batch_shape("4x128").shape) == (4, 128)
-    from lightning_lowmem._cli_errors import ConfigError
+    from lightning_lowmem.cli.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"'32xx64' in '32xx64' is not a shape like 32x64"):
         parse_batch_shape("32xx64")

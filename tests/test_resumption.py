@@ -131,10 +131,12 @@ def _strategy(**options: Any) -> Callable[[Path], dict[str, Any]]:
     return build
 
 
-def _compressed_io(root: Path) -> dict[str, Any]:
-    from lightning_lowmem.callbacks import ScheduledPruning
-    from lightning_lowmem.plugins import CompressedCheckpointIO
+def _compressed_io(root: Path, qat: bool = False) -> dict[str, Any]:
+    from lightning_lowmem.callbacks import QuantizationAwareTraining, ScheduledPruning
+    from lightning_lowmem.checkpoints import CompressedCheckpointIO
 
+    if qat:  # the final checkpoint holds the converted (torchao) weights, read back by the plugin itself
+        return {"plugins": [CompressedCheckpointIO()], "callbacks": [QuantizationAwareTraining("int8_weight_only", start_step=1)]}
     pruning = ScheduledPruning(target_sparsity=0.6, start_step=1, end_step=5, frequency=3, make_pruning_permanent=False)
     return {"plugins": [CompressedCheckpointIO(min_numel=256)], "callbacks": [pruning]}  # sparse tensors on disk
 
@@ -195,6 +197,7 @@ CONFIGS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "strategy-zero1-bf16-true-adafactor_bf16_sr": lambda root: _zero1(root, precision="bf16-true",
                                                                       optimizer="adafactor_bf16_sr"),
     "compressed-checkpoint-io": _compressed_io,
+    "compressed-checkpoint-io-qat-int8": lambda root: _compressed_io(root, qat=True),
 }
 
 

@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem.functional.checkpointing import _validate_policy, checkpoint_, uncheckpoint_
+from lightning_lowmem.functional.applied import Applied, apply
+from lightning_lowmem.functional.config import CheckpointingConfig, TrainingConfig
 from lightning_lowmem.warnings import LowMemWarning
 
 
@@ -62,22 +63,21 @@ class ActivationCheckpointing(L.Callback):
     """
 
     def __init__(self, policy: str | int | list[str] = "auto", nested: bool = False, strict: bool = True) -> None:
-        _validate_policy(policy)
-        for name, value in (("nested", nested), ("strict", strict)):
-            if not isinstance(value, bool):
-                raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}: {value!r}")
+        self.config = CheckpointingConfig(policy, nested=nested)  # validates
+        if not isinstance(strict, bool):
+            raise TypeError(f"`strict` must be True or False, got {type(strict).__name__}: {strict!r}")
         self.policy = policy
         self.nested = nested
         self.strict = strict
         self.wrapped: list[str] = []
-        self._module: L.LightningModule | None = None
+        self._applied: Applied | None = None
         self._restored_wrapped: list[str] | None = None
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after `configure_model` (so lazily built layers exist); the wrap is in place, so a strategy
         # wrapper around the model (DDP) calls the wrapped submodules as they are
-        if self._module is not None:
+        if self._applied is not None:
             return
         already = [name for name, sub in pl_module.named_modules() if _hf_checkpointing(sub)]
         if already:
@@ -88,12 +88,12 @@ class ActivationCheckpointing(L.Callback):
                 LowMemWarning,
                 stacklevel=2,
             )
-        report = checkpoint_(pl_module, self.policy, nested=self.nested, strict=self.strict)
-        self.wrapped = report.wrapped
-        self._module = pl_module
-        if report.wrapped:
-            shown = ", ".join(report.wrapped[:6]) + (", ..." if len(report.wrapped) > 6 else "")
-            rank_zero_info(f"ActivationCheckpointing(policy={report.policy}): {len(report.wrapped)} modules: {shown}")
+        self._applied = apply(pl_module, TrainingConfig(precision=None, optimizer=None, checkpointing=self.config),
+                              strict=self.strict)  # fmt: skip
+        self.wrapped = list(self._applied.checkpointed)
+        if self.wrapped:
+            shown = ", ".join(self.wrapped[:6]) + (", ..." if len(self.wrapped) > 6 else "")
+            rank_zero_info(f"ActivationCheckpointing(policy={self.config.describe()}): {len(self.wrapped)} modules: {shown}")
         if self._restored_wrapped is not None and self._restored_wrapped != self.wrapped:
             warnings.warn(
                 f"ActivationCheckpointing: the checkpoint was trained with modules {self._restored_wrapped} wrapped, "
@@ -110,9 +110,9 @@ class ActivationCheckpointing(L.Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._module is not None:
-            uncheckpoint_(self._module, self.wrapped)
-            self._module = None
+        if self._applied is not None:
+            self._applied.undo()
+            self._applied = None
 
     @override
     def state_dict(self) -> dict[str, Any]:

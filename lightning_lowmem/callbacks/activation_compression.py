@@ -10,13 +10,9 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem.functional.compression import (
-    COMPRESSION_MODES,
-    DEFAULT_MIN_BYTES,
-    CompressionStats,
-    compress_activations,
-)
-from lightning_lowmem.model_io import disable_kv_cache_, restore_kv_cache_
+from lightning_lowmem.functional.applied import Applied, apply
+from lightning_lowmem.functional.compression import DEFAULT_MIN_BYTES, CompressionStats
+from lightning_lowmem.functional.config import CompressionConfig, TrainingConfig
 from lightning_lowmem.warnings import NoEffectWarning
 
 PREFIX = "lowmem/compression"
@@ -64,19 +60,14 @@ class ActivationCompression(L.Callback):
     """
 
     def __init__(self, mode: str = "int8", min_bytes: int = DEFAULT_MIN_BYTES, log_stats: bool = True) -> None:
-        if mode not in COMPRESSION_MODES:
-            raise ValueError(f"`mode`={mode!r} is unknown; choose one of {list(COMPRESSION_MODES)}")
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
-            raise TypeError(f"`min_bytes` must be an int (bytes), got {type(min_bytes).__name__}: {min_bytes!r}")
-        if min_bytes < 0:
-            raise ValueError(f"`min_bytes`={min_bytes} must be >= 0 (0 packs every float tensor)")
+        self.config = CompressionConfig(mode, min_bytes)  # validates
         self.mode = mode
         self.min_bytes = min_bytes
         self.log_stats = log_stats
         self.stats = CompressionStats()  # cumulative over the run (resumable)
         self._step_stats: CompressionStats | None = None
         self._region: contextlib.ExitStack | None = None
-        self._kv_module: L.LightningModule | None = None
+        self._applied: Applied | None = None  # holds a Hugging Face model's KV cache off while fitting
 
     @property
     def state_key(self) -> str:
@@ -91,11 +82,10 @@ class ActivationCompression(L.Callback):
                 NoEffectWarning,
                 stacklevel=2,
             )
-        if stage == "fit":
+        if stage == "fit" and self._applied is None:
             rank_zero_info(f"ActivationCompression: saved activations packed as {self.mode} (>= {self.min_bytes} bytes)")
-            # a Hugging Face model's training-time KV cache keeps the uncompressed keys / values alive
-            self._kv_module = pl_module
-            disable_kv_cache_(pl_module, "activation compression")
+            # a Hugging Face model's training-time KV cache keeps the uncompressed keys / values alive: apply holds it
+            self._applied = apply(pl_module, TrainingConfig(precision=None, optimizer=None, compression=self.config))
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -104,7 +94,9 @@ class ActivationCompression(L.Callback):
         self._close()
         self._step_stats = CompressionStats()
         self._region = contextlib.ExitStack()
-        self._region.enter_context(compress_activations(self.mode, self.min_bytes, stats=self._step_stats))
+        config = TrainingConfig(precision=None, optimizer=None, compression=self.config)
+        applied = self._applied or Applied(pl_module, config)  # a step without `setup` (tests calling hooks)
+        self._region.enter_context(applied.step_context(self._step_stats))
 
     @override
     def on_train_batch_end(
@@ -128,9 +120,9 @@ class ActivationCompression(L.Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._close()
-        if self._kv_module is not None:
-            restore_kv_cache_(self._kv_module, "activation compression")
-            self._kv_module = None
+        if self._applied is not None:
+            self._applied.undo()  # the KV cache back as it was
+            self._applied = None
 
     def _close(self) -> None:
         if self._region is not None:

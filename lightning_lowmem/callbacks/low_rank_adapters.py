@@ -11,12 +11,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
+from lightning_lowmem.functional.applied import apply
+from lightning_lowmem.functional.config import LoRAConfig, TrainingConfig
 from lightning_lowmem.functional.lora.adapters import (
     ADAPTER_SUFFIXES,
     ALL_LINEAR,
     LoraReport,
-    _validate,
-    apply_lora_,
     lora_layers,
     merged_state_dict,
 )
@@ -85,17 +85,8 @@ class LowRankAdapters(L.Callback):
         base_weights_path: str | None = None,
         merged_weights_path: str | None = None,
     ) -> None:
-        _validate(r, alpha, dropout, quantize_base)
-        if not isinstance(quantize_frozen, bool) or (quantize_frozen and quantize_base is None):
-            raise ValueError(f"`quantize_frozen`={quantize_frozen!r} must be a bool and needs `quantize_base`.")
-        if isinstance(target, (list, tuple)):
-            if not target or not all(isinstance(t, (str, type)) for t in target):
-                raise ValueError(f"`target` must be a non-empty list of layer name patterns / class names, got {target!r}")
-            target = list(target)
-        elif not isinstance(target, (str, type)):
-            raise ValueError(
-                f"`target` must be '{ALL_LINEAR}', a layer name pattern or a list of them, got {type(target).__name__}: {target!r}"
-            )
+        self.config = LoRAConfig(r, alpha, dropout, target, quantize_base, quantize_frozen)  # validates
+        target = list(target) if isinstance(target, (list, tuple)) else target
         for name, path in (("base_weights_path", base_weights_path), ("merged_weights_path", merged_weights_path)):
             if path is not None and not isinstance(path, (str, os.PathLike)):
                 raise ValueError(f"`{name}` must be a file path or None, got {type(path).__name__}: {path!r}")
@@ -129,10 +120,8 @@ class LowRankAdapters(L.Callback):
                 # torchao's int4 (tinygemm) packs weights for the device they are on: quantize where they will
                 # train (Lightning moves the module after `setup`; moving it first changes nothing else)
                 pl_module.to(device)
-            self.report = apply_lora_(
-                pl_module, r=self.r, alpha=self.alpha, dropout=self.dropout, target=self.target,
-                quantize_base=self.quantize_base, quantize_frozen=self.quantize_frozen,
-            )  # fmt: skip
+            # kept after fit (adapters are the trained result); functional.apply's handle could undo it
+            self.report = apply(pl_module, TrainingConfig(precision=None, optimizer=None, lora=self.config)).lora
             rank_zero_info(
                 f"LowRankAdapters: {len(self.report.wrapped)} layers wrapped (r={self.r}, alpha={self.alpha:g}"
                 f"{', base ' + self.quantize_base if self.quantize_base else ''}); trainable parameters "

@@ -10,17 +10,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
+from lightning_lowmem.functional.config import OptimizerConfig
+from lightning_lowmem.functional.optimizers.convert import convert_optimizers
+from lightning_lowmem.functional.optimizers.registry import available_optimizers, check_loaded_state, state_layout
 from lightning_lowmem.functional.optimizers.state import mark_state_dict
-from lightning_lowmem.functional.optimizers.registry import (
-    available_optimizers,
-    build_optimizer,
-    check_loaded_state,
-    check_optimizer_kwargs,
-    state_layout,
-)
 
-_GROUP_KEYS_KEPT = ("lr", "weight_decay")
-_TORCHAO_BACKED = ("adamw8bit", "adamw4bit", "adamw_bf16_sr")
 WRITER = "MemoryEfficientOptimizer"
 FORMAT_VERSION = 1
 
@@ -47,8 +41,11 @@ class MemoryEfficientOptimizer(L.Callback):
             ``{"block_size": 128}`` (YAML: a mapping). Default: ``None``.
         **kwargs: the same as ``optimizer_kwargs``, as Python keywords.
 
-    Every argument is checked against the chosen optimizer's signature here, at construction: a typo
-    raises with the accepted names and a did-you-mean, instead of failing in ``configure_optimizers``.
+    The arguments build an :class:`~lightning_lowmem.functional.config.OptimizerConfig` (``self.config``),
+    which checks each against the chosen optimizer's signature and values, at construction: a typo raises
+    with the accepted names and a did-you-mean, instead of failing in ``configure_optimizers``. The swap
+    itself is :func:`lightning_lowmem.functional.optimizers.convert.convert_optimizers`, as the low-memory
+    strategies' ``optimizer=`` option does it.
 
     Checkpoints record the optimizer (``lightning_lowmem.checkpoints``) and mark its saved state so that a
     ``Trainer`` without this callback refuses it with a message naming the callback to add; a ``Trainer``
@@ -80,24 +77,21 @@ class MemoryEfficientOptimizer(L.Callback):
         optimizer_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(optimizer, str) or optimizer.lower() not in available_optimizers():
-            from lightning_lowmem.functional.optimizers.registry import _check_name
-
-            _check_name(optimizer)  # raises with the list and a did-you-mean
-        if optimizer_kwargs is not None and not isinstance(optimizer_kwargs, dict):
-            raise ValueError(f"`optimizer_kwargs` must be a mapping of argument names to values, got {optimizer_kwargs!r}")
-        self.optimizer = optimizer.lower()
-        merged: dict[str, Any] = dict(optimizer_kwargs or {})
         named = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps, "momentum": momentum}
-        for name, value in [*kwargs.items(), *((k, v) for k, v in named.items() if v is not None)]:
-            if name in merged and merged[name] != value:
-                raise ValueError(f"`{name}` is given twice ({merged[name]!r} in optimizer_kwargs, {value!r}); give it once")
-            merged[name] = value
-        check_optimizer_kwargs(self.optimizer, merged, owner=f"MemoryEfficientOptimizer({self.optimizer!r})")
-        _check_values(self.optimizer, merged)
-        self.optimizer_kwargs = merged
+        named = {key: value for key, value in named.items() if value is not None}
+        self.config = OptimizerConfig(optimizer, optimizer_kwargs, **kwargs, **named)  # validates
         self._module: L.LightningModule | None = None
         self._replaced: list[torch.optim.Optimizer] = []
+
+    @property
+    def optimizer(self) -> str:
+        """The optimizer's name."""
+        return self.config.name
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """Its arguments (the config's hyperparameters)."""
+        return self.config.kwargs
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -112,39 +106,10 @@ class MemoryEfficientOptimizer(L.Callback):
         pl_module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
         self._module = pl_module
 
-    def _convert(self, config: Any) -> Any:
-        mapping: dict[int, torch.optim.Optimizer] = {}
-
-        def swap(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-            if id(opt) not in mapping:
-                kept = [k for k in _GROUP_KEYS_KEPT if k not in self.optimizer_kwargs]  # explicit arguments win
-                groups = [{"params": g["params"], **{k: g[k] for k in kept if k in g}} for g in opt.param_groups]
-                new = build_optimizer(self.optimizer, groups, **self.optimizer_kwargs)
-                for old_group, new_group in zip(opt.param_groups, new.param_groups):
-                    if "initial_lr" in old_group:  # set by schedulers created on the old optimizer
-                        initial = new_group["lr"] if "lr" in self.optimizer_kwargs else old_group["initial_lr"]
-                        # torchao keeps `lr` as a tensor that schedulers fill in place: a shared one would
-                        # make the schedule's base decay with it (LambdaLR compounding, lost on resume)
-                        new_group["initial_lr"] = initial.clone() if isinstance(initial, torch.Tensor) else initial
-                mapping[id(opt)] = new
-                self._replaced.append(new)
-                rank_zero_info(f"MemoryEfficientOptimizer: {type(opt).__name__} -> {type(new).__name__}")
-            return mapping[id(opt)]
-
-        def walk(obj: Any) -> Any:
-            if isinstance(obj, torch.optim.Optimizer):
-                return swap(obj)
-            if isinstance(obj, dict):
-                return {k: walk(v) for k, v in obj.items()}
-            if isinstance(obj, (list, tuple)):
-                return type(obj)(walk(v) for v in obj)
-            if isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):  # LR scheduler
-                obj.optimizer = swap(obj.optimizer)
-                if "lr" in self.optimizer_kwargs and hasattr(obj, "base_lrs"):  # schedule from the new lr
-                    obj.base_lrs = [group["initial_lr"] for group in obj.optimizer.param_groups]
-            return obj
-
-        return walk(config)
+    def _convert(self, configured: Any) -> Any:
+        converted = convert_optimizers(configured, self.config, info=lambda m: rank_zero_info(f"MemoryEfficientOptimizer: {m}"))
+        self._replaced.extend(converted.replaced)
+        return converted.configured
 
     def checkpoint_reader(self) -> tuple[str, Any]:
         """(writer, accept) for :func:`lightning_lowmem.checkpoints.check`: state of the same layout only."""
@@ -208,26 +173,3 @@ def _describe(name: str) -> str:
     return f"{'AdamW' if family == 'adam' else family.capitalize() if family != 'sgd' else 'SGD'} state" + (
         f" in {precision.replace('bit', '-bit')}" if precision != "float" else ""
     )
-
-
-def _check_values(name: str, kwargs: dict[str, Any]) -> None:
-    """Refuse values the optimizer would refuse, now rather than in ``configure_optimizers``."""
-    for key in ("lr", "weight_decay", "momentum"):
-        value = kwargs.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
-            raise ValueError(f"`{key}` must be a number >= 0, got {value!r}")
-    betas = kwargs.get("betas")
-    if betas is not None:
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(
-            isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas
-        ):
-            raise ValueError(f"`betas` must be two numbers in [0, 1), e.g. [0.9, 0.999], got {betas!r}")
-    if name.removesuffix("_in_backward") in _TORCHAO_BACKED:
-        return  # building a torchao optimizer imports torchao (slow, noisy on CPU): the checks above suffice
-    probe = torch.nn.Parameter(torch.zeros(2, 2))
-    try:
-        optimizer = build_optimizer(name, [probe], **kwargs)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"MemoryEfficientOptimizer({name!r}) refuses {kwargs}: {err}") from err
-    if hasattr(optimizer, "remove_hooks"):
-        optimizer.remove_hooks()

@@ -2,46 +2,40 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import lightning as L
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.callbacks import _ptq_static, _quantized_checkpoints
-from lightning_lowmem.callbacks._quantized_checkpoints import (  # re-exported: the documented import path
+from lightning_lowmem.callbacks._quantization_base import QuantizationCallback
+from lightning_lowmem.checkpoints.quantized import (  # re-exported: the documented import path
     CHECKPOINT_KEY,
     load_quantized_checkpoint,
     quantize_like_checkpoint,
 )
+from lightning_lowmem.functional.quantization.calibration import StaticChild, device_of
+from lightning_lowmem.functional.quantization.layers import check_patterns, tied_groups
 from lightning_lowmem.functional.quantization.ptq import (
     MODES,
     QuantizationReport,
     _include_embeddings,
-    _quantize_layers,
     _unsupported_reason,
-    measure_latency,
     quantizable_layers,
     quantize_,
-    search_float_fallback,
+    temporarily_quantized,
 )
-from lightning_lowmem.functional.quantization.layers import check_patterns, set_submodule, tied_groups
-from lightning_lowmem.memory.measure import state_bytes
-from lightning_lowmem.memory.units import format_bytes
-from lightning_lowmem.model_io import BatchCallError, forward_batch, has_forward_batch, model_inputs
+from lightning_lowmem.functional.quantization.report import comparison_table
+from lightning_lowmem.functional.quantization.search import expand_units, search_float_fallback, size_and_latency, tied_units
+from lightning_lowmem.model_io import BatchCallError, has_forward_batch, model_inputs
 from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
 __all__ = ["PostTrainingQuantization", "load_quantized_checkpoint", "quantize_like_checkpoint"]
 
-def _expand(units: dict[str, list[str]], chosen: Sequence[str]) -> list[str]:
-    return [name for unit in chosen for name in units[unit]]
 
-
-class PostTrainingQuantization(L.Callback):
+class PostTrainingQuantization(QuantizationCallback):
     """Quantize the model's ``nn.Linear`` / ``Conv1D`` layers and ``nn.Embedding`` tables with torchao at the end
     of ``fit``.
 
@@ -98,6 +92,13 @@ class PostTrainingQuantization(L.Callback):
         compile: ``int8_static`` only: compile the int8 graph for inference (oneDNN kernels; the first
             call of each input shape compiles). Default: ``False``.
 
+    Override points: :meth:`quantize` (the whole conversion; callable on demand, e.g. before ``test``),
+    :meth:`evaluate` (the metric of the model with exactly some layers quantized, for the tolerance
+    search; default: your ``validation_step`` in a throw-away Trainer), :meth:`measure` (the size /
+    latency columns). The transforms live in :mod:`lightning_lowmem.functional.quantization` (``ptq``,
+    ``calibration``, ``search``, ``report``); checkpoint loading goes through the state-dict matcher shared
+    with ``QuantizationAwareTraining``.
+
     Raises:
         ValueError: unknown ``mode`` / ``monitor_mode``, ``tolerance`` without ``monitor`` or < 0,
             ``int8_static`` without ``module_name`` or with ``embeddings=True``, ``module_name`` /
@@ -152,34 +153,18 @@ class PostTrainingQuantization(L.Callback):
         if isinstance(skip_modules, str):
             raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
         _include_embeddings(mode, embeddings)  # validates it
-        self.mode = mode
+        super().__init__(mode)
         self.skip_modules = list(skip_modules)
-        self.filter_fn = filter_fn
-        self.embeddings = embeddings
-        self.monitor = monitor
-        self.tolerance = tolerance
-        self.monitor_mode = monitor_mode
-        self.group_size = group_size
-        self.latency_batches = latency_batches
-        self.module_name = module_name
-        self.calibration_batches = calibration_batches
-        self.compile = compile
+        self.filter_fn, self.embeddings, self.group_size = filter_fn, embeddings, group_size
+        self.monitor, self.tolerance, self.monitor_mode = monitor, tolerance, monitor_mode
+        self.latency_batches, self.module_name = latency_batches, module_name
+        self.calibration_batches, self.compile = calibration_batches, compile
         self.quantized: list[str] = []
-        self.conv1d: list[str] = []
         self.tied: list[list[str]] = []
         self.summary: dict[str, Any] = {}
-        self._hook_handle: Any = None
-        self._replaced_io: Any = None
         self._call_checked = False
         self._time_latency = latency_batches > 0
-        self._last_static: tuple[tuple[str, ...], QuantizationReport] | None = None
-
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(mode=self.mode)
-
-    # --- checkpoints -----------------------------------------------------------------------------------
+        self._static = StaticChild(module_name, compile) if module_name is not None else None
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -198,33 +183,17 @@ class PostTrainingQuantization(L.Callback):
                 ) from None
         if not self.quantized:  # names of the float model (an int8_static child is a graph afterwards)
             check_patterns(pl_module, self.skip_modules, "skip_modules", self._candidates(pl_module, skip=False))
-        if self._hook_handle is None:
-            self._hook_handle = pl_module.register_load_state_dict_pre_hook(self._prepare_before_load)
-        if self._replaced_io is None:  # so that `ckpt_path=` may hold quantized tensors of older checkpoints
-            self._replaced_io = _quantized_checkpoints.swap_in(trainer)
-
-    def _prepare_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """The layers whose incoming weights are quantized take them (any mode), so they load in place."""
-        names, conv1d = _quantized_checkpoints.prepare_for_load(module, state_dict, prefix)
-        self.quantized = sorted(set(self.quantized) | set(names))
-        self.conv1d = sorted(set(self.conv1d) | set(conv1d))
-        self.tied = [group for group in tied_groups(module) if set(group) <= set(self.quantized)]
+        self.attach_load_hooks(trainer, pl_module)  # so that `ckpt_path=` may hold quantized weights
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._hook_handle is not None:
-            self._hook_handle.remove()
-            self._hook_handle = None
-        _quantized_checkpoints.swap_back(trainer, self._replaced_io)
-        self._replaced_io = None
+    def on_quantized_weights_loaded(self, module: nn.Module, names: list[str]) -> None:
+        self.quantized = sorted(set(self.quantized) | set(names))
+        self.tied = [group for group in tied_groups(module) if set(group) <= set(self.quantized)]
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self.quantized:
-            _quantized_checkpoints.record_checkpoint(
-                checkpoint, f"PostTrainingQuantization(mode={self.mode!r})", self.state_dict(),
-                instruct=self.mode == "int8_static",
-            )  # fmt: skip
+            self.record_checkpoint(checkpoint, self.state_dict(), instruct=self.mode == "int8_static")
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -263,8 +232,6 @@ class PostTrainingQuantization(L.Callback):
         self._time_latency = False
         warnings.warn(f"PostTrainingQuantization: the latency column is not timed: {err}", LowMemWarning, stacklevel=3)
 
-    # --- quantization ----------------------------------------------------------------------------------
-
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.quantize(trainer, pl_module)
@@ -283,22 +250,23 @@ class PostTrainingQuantization(L.Callback):
             return None
         loader = self._loader(trainer)
         batch = next(iter(loader)) if loader is not None else None
-        before = self._measure(pl_module, batch)
-        calibration = None
+        before = self.measure(pl_module, batch)
+        calls = None
         if self.mode == "int8_static":
             if loader is None:
                 raise ValueError("mode='int8_static' calibrates on validation (or training) batches; no loader is attached.")
-            assert self.module_name is not None
-            calibration = _ptq_static.calibration_calls(pl_module, self.module_name, loader, self.calibration_batches)
+            device = device_of(pl_module)
+            batches = (move_data_to_device(item, device) for item in loader)
+            calls = self._static.calibrate(pl_module, batches, self.calibration_batches)
         result = None
         chosen = candidates
-        units = self._units(pl_module, candidates)  # a tied group is one candidate of the search
+        units = tied_units(pl_module, candidates)  # a tied group is one candidate of the search
         if self.monitor is not None and self.tolerance is not None:
             if loader is None:
                 raise ValueError(f"`monitor`={self.monitor!r} needs a validation loader to evaluate on; none is attached.")
             result = search_float_fallback(
                 list(units),
-                lambda names: self._evaluate(trainer, pl_module, loader, _expand(units, names), calibration),
+                lambda names: self.evaluate(trainer, pl_module, loader, expand_units(units, names), calls),
                 tolerance=self.tolerance,
                 higher_is_better=self.monitor_mode == "max",
             )
@@ -312,12 +280,12 @@ class PostTrainingQuantization(L.Callback):
                     stacklevel=2,
                 )
                 self.summary = {"met": False, "before": before, "after": None, "kept_float": candidates}
-                rank_zero_info(self._table(before, None, candidates))
+                rank_zero_info(comparison_table(self.mode, before, None, candidates))
                 return None
-            chosen = _expand(units, result.quantized)
+            chosen = expand_units(units, result.quantized)
         if self.mode == "int8_static":
-            report = self._quantize_static(pl_module, chosen, calibration)
-            self._set_child(pl_module, report.module)
+            report = self._static.build(pl_module, chosen, calls)
+            self._static.install(pl_module, report.module)
         else:
             report = quantize_(
                 pl_module, self.mode, filter_fn=lambda _, fqn: fqn in chosen, group_size=self.group_size, embeddings=self.embeddings
@@ -325,13 +293,13 @@ class PostTrainingQuantization(L.Callback):
         self.quantized = sorted(set(self.quantized) | set(report.converted))
         self.conv1d = sorted(set(self.conv1d) | set(report.conv1d))
         self.tied = [list(group) for group in report.tied]
-        after = self._measure(pl_module, batch)
+        after = self.measure(pl_module, batch)
         if result is not None:
             after["metric"] = result.metric
         kept = [name for name in candidates if name not in chosen]
         self.summary = {"met": True, "before": before, "after": after, "kept_float": kept, "report": report}
         rank_zero_info(report.summary())
-        rank_zero_info(self._table(before, after, kept))
+        rank_zero_info(comparison_table(self.mode, before, after, kept))
         if trainer.logger is not None:
             trainer.logger.log_metrics(
                 {"lowmem/quantization/size_ratio": before["bytes"] / max(1, after["bytes"]),
@@ -349,100 +317,38 @@ class PostTrainingQuantization(L.Callback):
                 return loader
         return None
 
-    def _measure(self, pl_module: L.LightningModule, batch: Any) -> dict[str, Any]:
-        """Size, and the latency of running the model on ``batch`` the way the package always calls it."""
-        figures: dict[str, Any] = {"bytes": state_bytes(pl_module)["parameters"], "latency_s": float("nan")}
+    def measure(self, pl_module: L.LightningModule, batch: Any) -> dict[str, Any]:
+        """``{"bytes", "latency_s"}`` of ``pl_module`` run on ``batch`` (``nan``: not timed)."""
         if batch is None or not self._time_latency:
-            return figures
-        was_training = pl_module.training
-        pl_module.eval()
+            return size_and_latency(pl_module)
         try:
-            batch = move_data_to_device(batch, _ptq_static.device_of(pl_module))
-            run = functools.partial(forward_batch, pl_module)
-            figures["latency_s"] = measure_latency(run, (batch,), repeats=self.latency_batches, warmup=2)
+            batch = move_data_to_device(batch, device_of(pl_module))
+            return size_and_latency(pl_module, batch, repeats=self.latency_batches, warmup=2)
         except BatchCallError as err:
             self._skip_latency(err)
-        finally:
-            pl_module.train(was_training)
-        return figures
-
-    # --- which layers: in-place candidates, tied groups as one unit; int8_static: the child's Linear/Conv --
-
-    def _units(self, pl_module: L.LightningModule, candidates: list[str]) -> dict[str, list[str]]:
-        """Search unit (first layer of a tied group, or the layer) -> the layers it stands for."""
-        group_of = {name: group for group in tied_groups(pl_module) for name in group}
-        units: dict[str, list[str]] = {}
-        seen: set[str] = set()
-        for name in candidates:
-            if name not in seen:
-                units[name] = [n for n in group_of.get(name, [name]) if n in candidates]
-                seen.update(units[name])
-        return units
-
-    def _set_child(self, pl_module: L.LightningModule, child: nn.Module) -> nn.Module:
-        """Install ``child`` as the submodule ``module_name``; returns the one it replaced."""
-        assert self.module_name is not None
-        return set_submodule(pl_module, self.module_name, child)
+            return size_and_latency(pl_module)
 
     def _candidates(self, pl_module: L.LightningModule, skip: bool = True) -> list[str]:
         skip_modules, filter_fn = (self.skip_modules, self.filter_fn) if skip else ((), None)
         if self.mode == "int8_static":
-            assert self.module_name is not None
-            return _ptq_static.static_candidates(pl_module, self.module_name, skip_modules, filter_fn)
+            return self._static.candidates(pl_module, skip_modules, filter_fn)
         return quantizable_layers(
             pl_module, self.mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=self.group_size,
             embeddings=self.embeddings,
         )  # fmt: skip
 
-    def _quantize_static(
-        self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[Any], *, compile: bool | None = None
-    ) -> QuantizationReport:
-        assert self.module_name is not None
-        compile = self.compile if compile is None else compile
-        evaluated, self._last_static = self._last_static, None
-        if evaluated is not None and evaluated[0] == tuple(names):  # the search already built it: no second export
-            report = evaluated[1]
-            if compile:
-                from lightning_lowmem.functional.quantization.compile import compile_inference
-
-                report.module = compile_inference(report.module)
-            return report
-        return _ptq_static.quantize_child(pl_module, self.module_name, names, calibration, compile=compile)
-
-    @contextmanager
-    def _quantized_for_evaluation(self, pl_module: L.LightningModule, names: Sequence[str], calibration: list[Any] | None) -> Iterator[None]:
-        """``pl_module`` with exactly ``names`` quantized inside the block; float again after it (the same
-        layer objects and weight Parameters: Conv1D layers and ties come back as they were)."""
+    def _quantized_for_evaluation(self, pl_module: L.LightningModule, names: Sequence[str], calls: Any) -> ContextManager[Any]:
+        """``pl_module`` with exactly ``names`` quantized inside the block; float again after it."""
         if self.mode == "int8_static":
-            if not names:
-                yield
-                return
-            assert calibration is not None
-            report = self._quantize_static(pl_module, names, calibration, compile=False)
-            self._last_static = (tuple(names), report)
-            previous = self._set_child(pl_module, report.module)
-            try:
-                yield
-            finally:
-                self._set_child(pl_module, previous)
-            return
-        originals = {name: (pl_module.get_submodule(name), pl_module.get_submodule(name).weight) for name in names}
-        _quantize_layers(pl_module, self.mode, list(names), group_size=self.group_size)
-        try:
-            yield
-        finally:
-            for name, (layer, weight) in originals.items():
-                if pl_module.get_submodule(name) is not layer:
-                    set_submodule(pl_module, name, layer)  # the Conv1D an nn.Linear stood in for
-                layer.weight = weight
-                layer.__dict__.pop("extra_repr", None)  # torchao patches the instance's extra_repr
+            return self._static.evaluating(pl_module, names, calls)
+        return temporarily_quantized(pl_module, self.mode, names, group_size=self.group_size)
 
-    def _evaluate(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, loader: Any, names: Sequence[str], calibration: Any
+    def evaluate(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loader: Any, names: Sequence[str], calls: Any
     ) -> float:
         """``monitor`` of ``pl_module`` with exactly ``names`` quantized; the float weights come back after."""
-        with self._quantized_for_evaluation(pl_module, names, calibration):
-            accelerator = "gpu" if _ptq_static.device_of(pl_module).type == "cuda" else "cpu"
+        with self._quantized_for_evaluation(pl_module, names, calls):
+            accelerator = "gpu" if device_of(pl_module).type == "cuda" else "cpu"
             evaluator = L.Trainer(
                 accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, callbacks=[],
@@ -457,24 +363,3 @@ class PostTrainingQuantization(L.Callback):
                 "Log it in validation_step with self.log(...)."
             )
         return float(metrics[self.monitor])
-
-    def _table(self, before: dict[str, Any], after: dict[str, Any] | None, kept: list[str]) -> str:
-        rows = [f"PostTrainingQuantization ({self.mode})", f"{'':10} {'size':>12} {'latency/batch':>14} {'metric':>10}"]
-        for label, figures in (("float", before), ("quantized", after)):
-            if figures is None:
-                rows.append(f"{label:10} {'(not applied: tolerance not met)':>38}")
-                continue
-            metric, latency = figures.get("metric"), figures["latency_s"]
-            rows.append(
-                f"{label:10} {format_bytes(figures['bytes']):>12} "
-                f"{(f'{latency * 1e3:.3f} ms' if latency == latency else '-'):>14} "  # nan: not timed
-                f"{(f'{metric:.4f}' if metric is not None else '-'):>10}"
-            )
-        rows.append(f"layers kept in float: {kept or 'none'}")
-        slower = after is not None and after["latency_s"] > before["latency_s"]  # nan compares False
-        if slower:
-            rows.append(
-                f"note: quantized runs {after['latency_s'] / before['latency_s']:.1f}x SLOWER than float here: eager torchao "
-                "int8 dispatches per op (smaller, not faster); on CPU use mode='int8_static' with compile=True for speed"
-            )
-        return "\n".join(rows)

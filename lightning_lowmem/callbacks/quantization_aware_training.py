@@ -5,16 +5,13 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.callbacks import _quantized_checkpoints
+from lightning_lowmem.callbacks._quantization_base import QuantizationCallback
+from lightning_lowmem.functional.quantization.layers import is_conv1d
 from lightning_lowmem.functional.quantization.ptq import dequantize_
-from lightning_lowmem.functional.quantization.report import QuantizationReport, warn_if_mostly_float
-from lightning_lowmem.functional.quantization.layers import is_conv1d, tied_groups
-from lightning_lowmem.functional.quantization.modes import apply_config
 from lightning_lowmem.functional.quantization.qat import (
     QAT_MODES,
     convert_qat_,
@@ -23,12 +20,12 @@ from lightning_lowmem.functional.quantization.qat import (
     qat_layers,
     set_fake_quant_enabled,
 )
-from lightning_lowmem.functional.quantization.serialization import is_quantized_tensor
+from lightning_lowmem.functional.quantization.report import QuantizationReport, warn_if_mostly_float
 
 __all__ = ["QuantizationAwareTraining"]
 
 
-class QuantizationAwareTraining(L.Callback):
+class QuantizationAwareTraining(QuantizationCallback):
     """Train with fake-quantized ``nn.Linear`` weights, then convert to real quantized weights.
 
     The layers are swapped for torchao ``FakeQuantizedLinear`` in ``setup`` (the same weight
@@ -62,6 +59,12 @@ class QuantizationAwareTraining(L.Callback):
         filter_fn: ``filter_fn(layer, fqn) -> bool``. Default: ``None``.
         group_size: group length of the int4 modes. Default: ``32``.
 
+    Override points: :meth:`prepare` (``setup``: swap in the fake-quantized layers, returns their names),
+    :meth:`convert` (fit end: real quantized weights, returns a ``QuantizationReport``),
+    :meth:`requantize_config` (the torchao config a float checkpoint loaded into a converted model is
+    quantized with again). The transforms live in :mod:`lightning_lowmem.functional.quantization.qat`;
+    checkpoint loading goes through the state-dict matcher shared with ``PostTrainingQuantization``.
+
     Raises:
         ValueError: unknown ``mode``, negative ``start_step`` / ``freeze_bn_step``.
 
@@ -69,6 +72,8 @@ class QuantizationAwareTraining(L.Callback):
 
         >>> callback = QuantizationAwareTraining("intx4_weight_only", start_step=10)
     """
+
+    requantize_float_loads = True
 
     def __init__(
         self,
@@ -89,7 +94,7 @@ class QuantizationAwareTraining(L.Callback):
             raise ValueError(f"`freeze_bn_step` must be None or an int >= 0, got {freeze_bn_step!r}.")
         if isinstance(skip_modules, str):
             raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
-        self.mode = mode
+        super().__init__(mode)
         self.start_step = start_step
         self.freeze_bn_step = freeze_bn_step
         self.convert_on_fit_end = convert_on_fit_end
@@ -98,42 +103,18 @@ class QuantizationAwareTraining(L.Callback):
         self.group_size = group_size
         self.prepared: list[str] = []
         self.converted: list[str] = []
-        self.conv1d: list[str] = []
         self.report: QuantizationReport | None = None
         self._fake_quant_on: bool | None = None
-        self._handles: list[Any] = []
-        self._reconvert: list[str] = []
-        self._replaced_io: Any = None
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(mode=self.mode)
+    # --- override points: *what* is done ---------------------------------------------------------------
 
-    @property
-    def _writer(self) -> str:
-        return f"QuantizationAwareTraining(mode={self.mode!r})"
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if not self._handles:
-            self._handles = [
-                pl_module.register_load_state_dict_pre_hook(self._match_before_load),
-                pl_module.register_load_state_dict_post_hook(self._reconvert_after_load),
-            ]
-        if self._replaced_io is None:  # so that `ckpt_path=` may hold converted weights of older checkpoints
-            self._replaced_io = _quantized_checkpoints.swap_in(trainer)
-        if stage != "fit":
-            return
-        if self.converted:  # fit called again: continue training from the quantized weights
-            dequantize_(pl_module)
-            self.converted = []
+    def prepare(self, pl_module: nn.Module) -> list[str]:
+        """Swap the chosen layers for fake-quantized ones (same weight Parameters); returns their names."""
         chosen = qat_layers(pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size)
         conv1d = [name for name in chosen if is_conv1d(pl_module.get_submodule(name))]
         prepared = prepare_qat_(
             pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size
         )
-        self.prepared = sorted(set(self.prepared) | set(prepared))
         self.conv1d = sorted(set(self.conv1d) | set(conv1d))
         if prepared:
             rank_zero_info(
@@ -141,6 +122,33 @@ class QuantizationAwareTraining(L.Callback):
                 + (f", {len(conv1d)} Conv1D -> nn.Linear" if conv1d else "")
                 + f", from global step {self.start_step}"
             )
+        return prepared
+
+    def convert(self, pl_module: nn.Module) -> QuantizationReport:
+        """Turn the fake-quantized layers into real quantized weights."""
+        report = convert_qat_(pl_module, self.mode, group_size=self.group_size)
+        report.conv1d = [name for name in self.conv1d if name in report.converted]
+        return report
+
+    @override
+    def requantize_config(self) -> Any:
+        return qat_base_config(self.mode, self.group_size)
+
+    @override
+    def on_quantized_weights_loaded(self, module: nn.Module, names: list[str]) -> None:
+        self.converted = sorted(set(self.converted) | set(names))
+
+    # --- when ----------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.attach_load_hooks(trainer, pl_module)  # so that `ckpt_path=` may hold converted weights
+        if stage != "fit":
+            return
+        if self.converted:  # fit called again: continue training from the quantized weights
+            dequantize_(pl_module)
+            self.converted = []
+        self.prepared = sorted(set(self.prepared) | set(self.prepare(pl_module)))
         # the step is known only once Lightning restored a checkpoint: decided again in on_train_start
         self._set_fake_quant(pl_module, trainer.global_step >= self.start_step)
 
@@ -148,38 +156,6 @@ class QuantizationAwareTraining(L.Callback):
         if self._fake_quant_on is not enabled:
             set_fake_quant_enabled(pl_module, enabled)
             self._fake_quant_on = enabled
-
-    def _match_before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Make each layer's weight kind (float / quantized) match the incoming one before loading."""
-        names, conv1d = _quantized_checkpoints.prepare_for_load(module, state_dict, prefix)
-        self.converted = sorted(set(self.converted) | set(names))
-        self.conv1d = sorted(set(self.conv1d) | set(conv1d))
-        floats: dict[int, nn.Parameter] = {}
-        for fqn, layer in module.named_modules():
-            weight = getattr(layer, "weight", None)
-            incoming = state_dict.get(f"{prefix}{fqn}.weight")
-            if incoming is None or not is_quantized_tensor(weight) or is_quantized_tensor(incoming):
-                continue
-            # a float checkpoint of a converted model (e.g. test(ckpt_path="best")): load float, convert again after
-            if id(weight) not in floats:
-                floats[id(weight)] = nn.Parameter(weight.dequantize().to(torch.float32))
-            layer.weight = floats[id(weight)]
-            layer.__dict__.pop("extra_repr", None)
-            self._reconvert.append(fqn)
-
-    def _reconvert_after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
-        if not self._reconvert:
-            return
-        groups = [group for group in tied_groups(module) if set(group) & set(self._reconvert)]
-        in_groups = {name for group in groups for name in group}
-        config = qat_base_config(self.mode, self.group_size)
-        apply_config(module, config, [name for name in self._reconvert if name not in in_groups])
-        for group in groups:  # quantized once, shared again
-            head = next((name for name in group if isinstance(module.get_submodule(name), nn.Linear)), group[0])
-            apply_config(module, config, [head], type(module.get_submodule(head)))
-            for name in group:
-                module.get_submodule(name).weight = module.get_submodule(head).weight
-        self._reconvert = []
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -198,25 +174,18 @@ class QuantizationAwareTraining(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.convert_on_fit_end:
             return
-        self.report = convert_qat_(pl_module, self.mode, group_size=self.group_size)
-        self.report.conv1d = [name for name in self.conv1d if name in self.report.converted]
+        self.report = self.convert(pl_module)
         self.converted = list(self.report.converted)
         self._fake_quant_on = None
         rank_zero_info(f"QuantizationAwareTraining: {self.report.summary()}")
         warn_if_mostly_float(pl_module, self.report)
 
-    @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        _quantized_checkpoints.swap_back(trainer, self._replaced_io)
-        self._replaced_io = None
+    # --- resumable state -----------------------------------------------------------------------------------
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self.prepared or self.converted:
-            _quantized_checkpoints.record_checkpoint(checkpoint, self._writer, {"group_size": self.group_size, **self.state_dict()})
+            self.record_checkpoint(checkpoint, {"group_size": self.group_size, **self.state_dict()})
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ the vocabulary does not depend on the Python version that supplies the corpus.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import math
 import sysconfig
@@ -132,18 +133,31 @@ def stdlib_files(include: list[str] | None = None, exclude: list[str] | None = N
     ``test/`` and ``site-packages`` are always excluded. Patterns match the path relative to the
     stdlib root, e.g. ``"email/*"`` or ``"json/*"``.
     """
-    root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith(("test/", "site-packages/")) or "/test/" in rel or "/tests/" in rel or "idle_test" in rel:
-            continue
+    for path, rel in _stdlib_sources():
         if include and not any(fnmatch.fnmatch(rel, pattern) for pattern in include):
             continue
         if exclude and any(fnmatch.fnmatch(rel, pattern) for pattern in exclude):
             continue
         files.append(path)
     return files
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_sources() -> tuple[tuple[Path, str], ...]:
+    """``(path, path relative to the stdlib root)`` of every stdlib ``.py`` file but tests, sorted.
+
+    Walked once per process (a few tenths of a second: the walk passes through ``site-packages``); every
+    data module of a run reads this list.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sources = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(("test/", "site-packages/")) or "/test/" in rel or "/tests/" in rel or "idle_test" in rel:
+            continue
+        sources.append((path, rel))
+    return tuple(sources)
 
 
 def load_corpus(max_chars: int, include: list[str] | None = None, exclude: list[str] | None = None) -> torch.Tensor:

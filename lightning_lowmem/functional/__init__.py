@@ -1,6 +1,8 @@
 """Pure ``nn.Module`` transforms, no Lightning import: the techniques the callbacks, the strategies and the
 planner apply. One package per technique that has several files (``quantization``, ``pruning``,
-``optimizers``, ``lora``); one module otherwise (``checkpointing``, ``compression``, ``fsdp``).
+``optimizers``, ``lora``); one module otherwise (``checkpointing``, ``compression``, ``fsdp``,
+``microbatch``). ``config`` holds the one vocabulary of a technique mix (a frozen config per technique,
+composed into ``TrainingConfig``); ``applied`` the :func:`apply` that applies one, with its undo handle.
 
 The public transforms are re-exported here and imported on first use (torchao and torch-pruning load only
 with the feature that needs them).
@@ -22,6 +24,19 @@ from typing import TYPE_CHECKING
 from lightning_lowmem._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
+    # one vocabulary for a technique mix, and the function that applies it
+    "TrainingConfig": "lightning_lowmem.functional.config",
+    "PrecisionConfig": "lightning_lowmem.functional.config",
+    "CheckpointingConfig": "lightning_lowmem.functional.config",
+    "CompressionConfig": "lightning_lowmem.functional.config",
+    "OptimizerConfig": "lightning_lowmem.functional.config",
+    "MicrobatchConfig": "lightning_lowmem.functional.config",
+    "LoRAConfig": "lightning_lowmem.functional.config",
+    "QuantizationConfig": "lightning_lowmem.functional.config",
+    "ShardingConfig": "lightning_lowmem.functional.config",
+    "apply": "lightning_lowmem.functional.applied",
+    "Applied": "lightning_lowmem.functional.applied",
+    "split_batch": "lightning_lowmem.functional.microbatch",
     # checkpointing / compression / sharding
     "checkpoint_": "lightning_lowmem.functional.checkpointing",
     "uncheckpoint_": "lightning_lowmem.functional.checkpointing",
@@ -52,6 +67,19 @@ __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checkers
+    from lightning_lowmem.functional.applied import Applied, apply
+    from lightning_lowmem.functional.config import (
+        CheckpointingConfig,
+        CompressionConfig,
+        LoRAConfig,
+        MicrobatchConfig,
+        OptimizerConfig,
+        PrecisionConfig,
+        QuantizationConfig,
+        ShardingConfig,
+        TrainingConfig,
+    )
+    from lightning_lowmem.functional.microbatch import split_batch
     from lightning_lowmem.functional.checkpointing import checkpoint_, uncheckpoint_
     from lightning_lowmem.functional.compression import compress_activations
     from lightning_lowmem.functional.fsdp import fully_shard_

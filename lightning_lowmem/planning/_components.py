@@ -30,8 +30,6 @@ from torch import nn
 
 from lightning_lowmem import _compat
 from lightning_lowmem.planning._fake_step import (
-    AUTOCAST_DTYPES,
-    TRUE_DTYPES,
     OptimizerScalars,
     apply_model_techniques,
     build_lookup_tables,
@@ -107,8 +105,8 @@ def probe_model(
     full estimate's second step. With ``limit_bytes`` the run stops as soon as more bytes than that are
     alive: a candidate that cannot fit is known without running the rest of its step.
     """
-    true_dtype = TRUE_DTYPES.get(config.precision)
-    autocast_dtype = AUTOCAST_DTYPES.get(config.precision)
+    true_dtype = config.precision.true_dtype
+    autocast_dtype = config.precision.autocast_dtype
     tracker = StorageTracker(device="cpu", round_bytes=_round(device), by_module=False)
     fake_mode = _compat.fake_tensor_mode()
     model = fake_module(module, true_dtype, fake_mode)

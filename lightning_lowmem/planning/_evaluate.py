@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
 from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
 from lightning_lowmem.planning.estimate import (
@@ -77,7 +78,7 @@ class CandidateEvaluator:
         :attr:`reserve_optimizers`, is alive: the report's peak is then a lower bound above the limit
         (``report.meta["method"] == "lower bound"``).
         """
-        if config in self._full or config.optimizer.endswith("_in_backward"):
+        if config in self._full or config.optimizer.in_backward:
             return self.full(config)
         probe, limit = self._probe(config, limit_bytes)
         if probe.stopped_at is not None or (limit is not None and probe.peak_bytes > limit):
@@ -92,7 +93,7 @@ class CandidateEvaluator:
 
     def model_side_fits(self, config: TrainingConfig, limit_bytes: int) -> bool:
         """Whether ``config``'s model side alone (no optimizer state) stays within ``limit_bytes``."""
-        if config.optimizer.endswith("_in_backward"):
+        if config.optimizer.in_backward:
             return self.predict(config).peak_bytes <= limit_bytes
         probe, limit = self._probe(config, limit_bytes)
         return probe.stopped_at is None and limit is not None and probe.peak_bytes <= limit
@@ -107,7 +108,7 @@ class CandidateEvaluator:
                 loss_fn=self.user_loss_fn,
                 device=self.device,
                 config=config,
-                optimizer_kwargs=self.optimizer_kwargs(config.optimizer),
+                optimizer_kwargs=self.optimizer_kwargs(config.optimizer.name),
                 loop=self.loop,
             )
             report.meta["method"] = "full"
@@ -118,8 +119,7 @@ class CandidateEvaluator:
     def _probe(self, config: TrainingConfig, limit_bytes: int | None) -> tuple[ModelProbe, int | None]:
         """The model-side run of ``config`` and the limit its model side alone must stay within: ``limit_bytes``
         less the smallest state of :attr:`reserve_optimizers` (known once its precision / LoRA ran once)."""
-        key = (config.precision, config.activation_checkpointing, config.activation_compression,
-               config.micro_batch_size, config.lora)  # fmt: skip
+        key = (config.precision, config.checkpointing, config.compression, config.microbatch, config.lora)
         limit = None if limit_bytes is None else limit_bytes - self._reserve(config)
         cached = self._probes.get(key)
         if cached is not None and (cached.stopped_at is None or (limit is not None and limit <= cached.stopped_at)):
@@ -142,11 +142,13 @@ class CandidateEvaluator:
             return 0  # profiled when the search first predicts them (a low-bit one imports torchao: seconds)
         return min(self._profiles[(name, trainable)].state_bytes for name in names)
 
-    def _profile(self, name: str, trainable: Any) -> OptimizerProfile:
-        key = (name, trainable)
+    def _profile(self, optimizer: OptimizerConfig, trainable: Any) -> OptimizerProfile:
+        name = optimizer.name
+        key = (name, trainable) if not optimizer.hyperparameters else (name, optimizer.hyperparameters, trainable)
         if key not in self._profiles:
             self.profiles += 1
-            kwargs = device_optimizer_kwargs(name, self.device, self.optimizer_kwargs(name))
+            kwargs = {**optimizer.kwargs, **self.optimizer_kwargs(name)}
+            kwargs = device_optimizer_kwargs(name, self.device, kwargs)
             self._profiles[key] = profile_optimizer(name, trainable, device=self.device, kwargs=kwargs)
         return self._profiles[key]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import warnings
 from typing import Any, Callable
 
@@ -25,9 +24,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_lowmem.functional.applied import step_context
+from lightning_lowmem.functional.microbatch import split_batch
+
 LOOPS = ("torch", "lightning")
-TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
-AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class EstimationError(RuntimeError):
@@ -81,39 +81,13 @@ def tensor_leaves(batch: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
 
 
-def split_batch(batch: Any, micro_batch_size: int) -> list[Any]:
-    sizes = {leaf.shape[0] for leaf in tensor_leaves(batch) if leaf.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(f"cannot split the batch into micro-batches: tensors disagree on dim 0 sizes {sorted(sizes)}")
-    total = sizes.pop()
-    chunks = math.ceil(total / micro_batch_size)
-    return [
-        tree_map(
-            lambda t: t[i * micro_batch_size : (i + 1) * micro_batch_size] if isinstance(t, torch.Tensor) and t.dim() else t,
-            batch,
-        )
-        for i in range(chunks)
-    ]
-
-
 # ----------------------------------------------------------------------------- techniques
-def apply_model_techniques(model: nn.Module, config: Any) -> None:
-    """LoRA and activation checkpointing on ``model`` (a throwaway copy), as the callbacks apply them."""
-    if config.activation_checkpointing is not None or config.activation_compression:
-        # as the callbacks do (model_io.disable_kv_cache_), on this throwaway copy: a Hugging Face model's
-        # training-time KV cache would keep what checkpointing / compression free
-        for sub in model.modules():
-            config_ = getattr(sub, "config", None)
-            if isinstance(getattr(config_, "use_cache", None), bool):
-                config_.use_cache = False
-    if config.lora:
-        from lightning_lowmem.functional.lora.adapters import apply_lora_
+def apply_model_techniques(model: nn.Module, config: Any) -> Any:
+    """``config``'s model side on ``model`` (a throwaway copy) with :func:`lightning_lowmem.functional.apply`,
+    as the callbacks and strategies apply it; returns the :class:`~lightning_lowmem.functional.Applied`."""
+    from lightning_lowmem.functional.applied import apply
 
-        apply_lora_(model, **dict(config.lora))
-    if config.activation_checkpointing is not None:
-        from lightning_lowmem.functional.checkpointing import checkpoint_
-
-        checkpoint_(model, config.activation_checkpointing)
+    return apply(model, config)
 
 
 def device_optimizer_kwargs(name: str, device: str, user_kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -355,6 +329,7 @@ def train_step(
     loop: str = "torch",
 ) -> None:
     """One training step in the order ``loop`` (see the module docstring)."""
+    # the same split as AutoMicrobatch / the strategies' planned micro-batches (functional.microbatch)
     micro_batches = split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
     count = len(micro_batches)
     if fake and count > 3:
@@ -362,16 +337,13 @@ def train_step(
         # previous loss freed) and allocates the same: the second shows them all; the last may be smaller
         micro_batches = [micro_batches[0], micro_batches[1], micro_batches[-1]]
     lightning = loop == "lightning"
-    in_backward = config.optimizer.endswith("_in_backward")  # its steps run inside backward
+    in_backward = config.optimizer.in_backward  # its steps run inside backward
     held: list[torch.Tensor] = []
     if lightning and count > 1:
         optimizer.zero_grad(set_to_none=True)  # AutoMicrobatch zeroes before its first micro-batch
     for micro_batch in micro_batches:
         with contextlib.ExitStack() as stack:
-            if config.activation_compression:
-                from lightning_lowmem.functional.compression import compress_activations
-
-                stack.enter_context(compress_activations(config.activation_compression))
+            stack.enter_context(step_context(config))  # activation compression, as training runs it
             with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
                 loss = loss_fn(model, micro_batch)
             if lightning and count == 1:

@@ -5,26 +5,26 @@ The real step (forward, loss, backward, optimizer step) runs on a copy of the mo
 7B-parameter model "runs" on a laptop. The memory core's tracker counts the fake storages exactly as it
 counts real ones, so the estimate shares its categories with :func:`measure_memory`.
 
-Techniques are applied with the same functional transforms the callbacks use (checkpointing,
-compression, optimizers, LoRA), so the estimate cannot drift from what training does.
+Techniques are applied with :func:`lightning_lowmem.functional.apply`, as the callbacks and the
+strategies apply them (checkpointing, compression, optimizers, LoRA, micro-batches), so the estimate cannot
+drift from what training does. ``TrainingConfig`` lives in :mod:`lightning_lowmem.functional.config` (it is
+re-exported here).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from lightning_lowmem import _compat
+from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
 from lightning_lowmem.planning._fake_step import (
     EstimationError,
     LOOPS,
-    AUTOCAST_DTYPES,
-    TRUE_DTYPES,
     apply_model_techniques,
     build_lookup_tables,
     build_optimizer,
@@ -43,7 +43,6 @@ from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
 
 __all__ = ["PRECISIONS", "EstimationError", "TrainingConfig", "estimate_memory"]
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 CUDA_CONTEXT_BYTES = 500 * 2**20
 """Typical CUDA context + kernels per process (driver memory, invisible to the caching allocator;
@@ -52,67 +51,6 @@ CUDA_CONTEXT_BYTES = 500 * 2**20
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 """cuBLAS workspace torch allocates through the caching allocator on the first matmul (Hopper default;
 8 MiB on older GPUs). Counted by ``torch.cuda.max_memory_allocated``."""
-
-
-@dataclass(frozen=True)
-class TrainingConfig:
-    """One technique mix: what a training step is estimated (or planned) with.
-
-    Attributes:
-        precision: one of ``PRECISIONS`` (Lightning's names). Default: ``"32-true"``.
-        activation_checkpointing: a policy for ``functional.checkpointing.checkpoint_`` (``"auto"``,
-            a class name, a pattern or every-k int) or ``None``. Default: ``None``.
-        activation_compression: ``"bf16"``, ``"int8"`` or ``None``. Default: ``None``.
-        optimizer: a name for ``functional.optimizers.build_optimizer``. Default: ``"adamw"``.
-        micro_batch_size: split each batch into micro-batches of this size (gradient accumulation
-            keeps the effective batch), or ``None``. Default: ``None``.
-        lora: keyword arguments for ``functional.lora.apply_lora_`` (e.g. ``{"r": 8}``;
-            ``{"r": 8, "quantize_base": "int8"}`` for QLoRA) or ``None``. Default: ``None``.
-    """
-
-    precision: str = "32-true"
-    activation_checkpointing: str | int | None = None
-    activation_compression: str | None = None
-    optimizer: str = "adamw"
-    micro_batch_size: int | None = None
-    lora: tuple[tuple[str, Any], ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"`precision`={self.precision!r} is unknown; choose one of {list(PRECISIONS)}")
-        if self.activation_compression not in (None, "bf16", "int8", "cpu"):
-            raise ValueError(
-                f"`activation_compression`={self.activation_compression!r} is unknown; choose None, 'bf16', 'int8' or 'cpu'"
-            )
-        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int) or self.micro_batch_size <= 0):
-            raise ValueError(f"`micro_batch_size` must be a positive int or None, got {self.micro_batch_size!r}")
-        if isinstance(self.lora, dict):
-            object.__setattr__(self, "lora", tuple(sorted(self.lora.items())))
-
-    def describe(self) -> str:
-        """A short human label, e.g. ``bf16-true + ckpt(auto) + int8 acts + adamw8bit + mb 4``."""
-        parts = [self.precision]
-        if self.lora:
-            lora = dict(self.lora)
-            parts.append(("q" if lora.get("quantize_base") else "") + f"lora(r={lora.get('r', 8)})")
-        if self.activation_checkpointing is not None:
-            parts.append(f"ckpt({self.activation_checkpointing})")
-        if self.activation_compression:
-            parts.append(f"{self.activation_compression} acts")
-        parts.append(self.optimizer)
-        if self.micro_batch_size:
-            parts.append(f"mb {self.micro_batch_size}")
-        return " + ".join(parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "precision": self.precision,
-            "activation_checkpointing": self.activation_checkpointing,
-            "activation_compression": self.activation_compression,
-            "optimizer": self.optimizer,
-            "micro_batch_size": self.micro_batch_size,
-            "lora": dict(self.lora) if self.lora else None,
-        }
 
 
 # the step machinery lives in _fake_step (shared with the planner); tests and benchmarks run these for real
@@ -182,7 +120,10 @@ def estimate_memory(
         activation_checkpointing, activation_compression, micro_batch_size, lora: techniques, see
             :class:`TrainingConfig`. Default: off.
         optimizer_kwargs: extra optimizer arguments (``lr`` ...). Default: none.
-        config: a :class:`TrainingConfig` that replaces the technique arguments above.
+        config: a :class:`~lightning_lowmem.functional.config.TrainingConfig` (or a dict of its shorthands)
+            that replaces the technique arguments above; its ``precision=None`` takes ``precision``, its
+            ``optimizer=None`` the module's configured one, its ``sharding`` replaces ``sharding`` /
+            ``world_size``. Default: ``None``.
         loop: the order of a step. ``"lightning"``: Lightning's automatic optimization, which zeroes
             gradients between ``training_step`` and backward, so the previous step's gradients live
             through the forward (with micro-batches, ``AutoMicrobatch`` zeroes them first).
@@ -213,16 +154,28 @@ def estimate_memory(
         True
     """
     if config is None:
-        if optimizer is None:
-            optimizer, optimizer_kwargs = as_configured(module, optimizer_kwargs)
         config = TrainingConfig(
             precision=precision,
             activation_checkpointing=activation_checkpointing,
             activation_compression=activation_compression,
             optimizer=optimizer,
             micro_batch_size=micro_batch_size,
-            lora=tuple(sorted(lora.items())) if lora else None,
+            lora=lora or None,
         )
+    elif isinstance(config, dict):
+        config = TrainingConfig(**config)
+    elif not isinstance(config, TrainingConfig):
+        raise TypeError(f"`config` must be a TrainingConfig or a dict of its arguments, got {type(config).__name__}: {config!r}")
+    if config.precision is None:  # "as configured": the `precision` argument
+        config = config.replace(precision=precision)
+    if config.optimizer is None:  # the module's configure_optimizers' own
+        name, optimizer_kwargs = as_configured(module, optimizer_kwargs)
+        config = config.replace(optimizer=name)  # its arguments as configured: kept apart, unvalidated
+    optimizer_kwargs = {**config.optimizer.kwargs, **(optimizer_kwargs or {})}
+    if config.sharding is not None:
+        if sharding is not None and sharding != config.sharding.kind:
+            raise ValueError(f"`sharding`={sharding!r} disagrees with `config.sharding`={config.sharding!r}; give it once")
+        sharding, world_size = config.sharding.kind, config.sharding.world_size
     if device not in ("cpu", "cuda"):
         raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")
     if not isinstance(module, nn.Module):
@@ -232,12 +185,13 @@ def estimate_memory(
     loop = resolve_loop(module, loss_fn, loop)
     loss_fn = loss_fn or default_loss
     sharded = ShardedStep(sharding, world_size, device=device)  # validates world_size / sharding
-    true_dtype = TRUE_DTYPES.get(config.precision)
-    autocast_dtype = sharded.autocast_dtype(config.precision, AUTOCAST_DTYPES.get(config.precision))
-    in_backward = config.optimizer.endswith("_in_backward")
+    precision_ = config.precision
+    true_dtype = precision_.true_dtype
+    autocast_dtype = sharded.autocast_dtype(precision_.preset, precision_.autocast_dtype)
+    in_backward = config.optimizer.in_backward
     tracker = StorageTracker(device="cpu", round_bytes=cuda_block_bytes if device == "cuda" else None, by_module=False)
 
-    build_lookup_tables(config.optimizer)
+    build_lookup_tables(config.optimizer.name)
     fake_mode = _compat.fake_tensor_mode()
     with data_dependent_errors_explained(module, config, steps):
         model = fake_module(module, true_dtype, fake_mode)
@@ -245,11 +199,11 @@ def estimate_memory(
             warnings.simplefilter("ignore")
             model.train()
             apply_model_techniques(model, config)
-            sharded.shard(model, config.precision)
+            sharded.shard(model, precision_.preset)
             batch = fake_batch(batch, true_dtype)
             params = [p for p in model.parameters() if p.requires_grad]
-            kwargs = device_optimizer_kwargs(config.optimizer, device, optimizer_kwargs)
-            opt = build_optimizer(config.optimizer, params, kwargs)
+            kwargs = device_optimizer_kwargs(config.optimizer.name, device, optimizer_kwargs)
+            opt = build_optimizer(config.optimizer.name, params, kwargs)
             tracker.modules = [model]
             tracker.optimizers = [opt]
             # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors

@@ -62,19 +62,20 @@ _PRECISION_RANK = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 1, "bf16-true": 2,
 
 def expected_slowdown(config: TrainingConfig, batch_size: int | None = None) -> float:
     """The prior step-time factor of ``config`` (see :data:`SLOWDOWN`)."""
-    factor = SLOWDOWN.get(f"precision:{config.precision}", 1.0)
+    precision = config.precision_preset or "32-true"
+    factor = SLOWDOWN.get(f"precision:{precision}", 1.0)
     # precision changes numerics: a tiny tie-breaker so full precision wins when both fit
-    factor *= 1.0 + 0.001 * _PRECISION_RANK.get(config.precision, 0)
+    factor *= 1.0 + 0.001 * _PRECISION_RANK.get(precision, 0)
     if config.activation_checkpointing is not None:
         factor *= SLOWDOWN["checkpointing"]
     if config.activation_compression:
         factor *= SLOWDOWN[f"compression:{config.activation_compression}"]
-    factor *= SLOWDOWN.get(f"optimizer:{config.optimizer}", 1.05)
+    factor *= SLOWDOWN.get(f"optimizer:{config.optimizer_name}", 1.05)
     if config.micro_batch_size and batch_size:
         splits = -(-batch_size // config.micro_batch_size)
         factor *= 1.0 + SLOWDOWN["micro_batch_per_split"] * (splits - 1)
-    if config.lora:
-        factor *= SLOWDOWN["qlora" if dict(config.lora).get("quantize_base") else "lora"]
+    if config.lora is not None:
+        factor *= SLOWDOWN["qlora" if config.lora.quantize_base else "lora"]
     return factor
 
 
@@ -108,7 +109,7 @@ def _stages(
     compressions: Iterable[str | None] | None,
     optimizers: Iterable[str] | None,
     micro_batch_sizes: Iterable[int | None] | None,
-    loras: Iterable[dict[str, Any] | None] | None,
+    loras: Iterable[Any] | None,
 ) -> list[list[TrainingConfig]]:
     """The search space in stages: whole batches first; micro-batches only when no whole-batch mix fits
     (unless ``micro_batch_sizes`` is given: then one stage)."""
@@ -118,19 +119,13 @@ def _stages(
     optimizers = list(optimizers or _default_optimizers(optimizer))
     loras = list(loras if loras is not None else [None])
 
-    def space(sizes: list[int | None]) -> list[TrainingConfig]:
-        return [
-            TrainingConfig(
-                precision=p,
-                activation_checkpointing=c,
-                activation_compression=z,
-                optimizer=o,
-                micro_batch_size=m,
-                lora=tuple(sorted(lo.items())) if lo else None,
-            )
+    def space(sizes: list[Any]) -> list[TrainingConfig]:
+        configs = (
+            TrainingConfig(precision=p, checkpointing=c, compression=z, optimizer=o, microbatch=m, lora=lo or None)
             for p, c, z, o, m, lo in itertools.product(precisions, checkpointing, compressions, optimizers, sizes, loras)
-            if not (m and o.endswith("_in_backward"))  # it steps on every backward: no gradient accumulation
-        ]
+        )
+        # an optimizer-in-backward steps on every backward: no gradient accumulation
+        return [config for config in configs if not (config.microbatch is not None and config.optimizer.in_backward)]
 
     if micro_batch_sizes is not None:
         return [space(list(micro_batch_sizes))]
@@ -144,12 +139,14 @@ def _stages(
 def _leanness(config: TrainingConfig) -> tuple:
     """Sort key: larger = expected to use less memory (every technique at its strongest setting)."""
     return (
-        config.lora is not None and bool(dict(config.lora).get("quantize_base")),
+        config.lora is not None and bool(config.lora.quantize_base),
         config.lora is not None,
-        _PRECISION_RANK.get(config.precision, 0),
-        config.activation_checkpointing is not None,
+        _PRECISION_RANK.get(config.precision_preset or "32-true", 0),
+        config.checkpointing is not None,
         {"int8": 3, "cpu": 2, "bf16": 1}.get(config.activation_compression or "", 0),
-        {"adamw4bit": 4, "adamw8bit": 3, "adafactor": 2, "sgd": 1}.get(config.optimizer.removesuffix("_in_backward"), 0),
+        {"adamw4bit": 4, "adamw8bit": 3, "adafactor": 2, "sgd": 1}.get(
+            (config.optimizer_name or "").removesuffix("_in_backward"), 0
+        ),
         -(config.micro_batch_size or 10**9),
     )
 
@@ -176,6 +173,7 @@ def plan_memory(
     micro_batch_sizes: Iterable[int | None] | None = None,
     loras: Iterable[dict[str, Any] | None] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
+    config: TrainingConfig | None = None,
     max_estimates: int = 60,
     include_overheads: bool = False,
     loop: str = "auto",
@@ -218,6 +216,10 @@ def plan_memory(
             {None}. A given ``micro_batch_sizes`` list is searched together with the other axes.
         optimizer_kwargs: arguments of the configured optimizer (e.g. ``{"momentum": 0.9}``); they
             apply to candidates of its family that accept them. Default: none.
+        config: a :class:`TrainingConfig` whose set techniques stay fixed (each becomes a one-value axis;
+            its optimizer's hyperparameters join ``optimizer_kwargs``); ``None`` fields (``precision=None``,
+            ``optimizer=None``, techniques off) are searched as without it. This is how
+            ``LowMemoryStrategy(memory_budget=)`` keeps the options set explicitly. Default: ``None``.
         max_estimates: stop searching after this many runs on fake tensors (model-side runs and full
             estimates; the fastest fitting candidate found so far is chosen). Default: 60.
         include_overheads: also subtract the CUDA context / workspace from the budget (set when the
@@ -251,6 +253,14 @@ def plan_memory(
         raise ValueError(f"`margin` must be in [0, 1), got {margin}")
     if isinstance(max_estimates, bool) or not isinstance(max_estimates, int) or max_estimates < 1:
         raise ValueError(f"`max_estimates` must be an int >= 1, got {max_estimates!r}")
+    if config is not None:
+        precision, optimizer, optimizer_kwargs, fixed = _fixed_axes(config, precision, optimizer, optimizer_kwargs)
+        precisions = precisions if precisions is not None else fixed.get("precisions")
+        checkpointing = checkpointing if checkpointing is not None else fixed.get("checkpointing")
+        compressions = compressions if compressions is not None else fixed.get("compressions")
+        optimizers = optimizers if optimizers is not None else fixed.get("optimizers")
+        micro_batch_sizes = micro_batch_sizes if micro_batch_sizes is not None else fixed.get("micro_batch_sizes")
+        loras = loras if loras is not None else fixed.get("loras")
     batch_size = _batch_size(batch)
     unknown_optimizer = False
     if optimizer is None:
@@ -280,7 +290,7 @@ def plan_memory(
         return {key: value for key, value in (optimizer_kwargs or {}).items() if key in accepted}
 
     evaluator = CandidateEvaluator(module, batch, loss_fn=loss_fn, device=device, loop=loop, optimizer_kwargs=kwargs_for)
-    evaluator.reserve_optimizers = sorted({config.optimizer for stage in stages for config in stage})
+    evaluator.reserve_optimizers = sorted({c.optimizer.name for stage in stages for c in stage})
     evaluated: dict[TrainingConfig, Candidate] = {}
     tried: list[Candidate] = []
 
@@ -358,8 +368,8 @@ def plan_memory(
         usable_bytes=usable,
         device=device,
         baseline=baseline,
-        optimizer_kwargs={} if _family(chosen.config.optimizer) == family
-        else {"lr": DEFAULT_LR[_family(chosen.config.optimizer)]},
+        optimizer_kwargs={} if _family(chosen.config.optimizer.name) == family
+        else {"lr": DEFAULT_LR[_family(chosen.config.optimizer.name)]},
     )  # fmt: skip
     if unknown_optimizer:
         plan.notes.append("configure_optimizers' optimizer is not one the estimator knows: estimated as AdamW, kept.")
@@ -375,6 +385,32 @@ def plan_memory(
     plan.seconds = time.perf_counter() - started
     log.info("plan_memory: %s chosen in %.1f s (%s)", chosen.config.describe(), plan.seconds, plan.notes[-1])
     return plan
+
+
+def _fixed_axes(
+    config: TrainingConfig, precision: str, optimizer: str | None, optimizer_kwargs: dict[str, Any] | None
+) -> tuple[str, str | None, dict[str, Any] | None, dict[str, list[Any]]]:
+    """What ``plan_memory(config=...)`` keeps fixed: each technique ``config`` sets, as a one-value axis."""
+    if not isinstance(config, TrainingConfig):
+        raise TypeError(f"`config` must be a TrainingConfig, got {type(config).__name__}: {config!r}")
+    if config.sharding is not None or config.quantization is not None:
+        raise ValueError(
+            f"plan_memory plans one process's training mix; `config` sets {config.describe()!r}. Estimate a sharded or "
+            "quantized mix with estimate_memory(config=...)."
+        )
+    fixed: dict[str, list[Any]] = {}
+    if config.precision is not None:
+        precision = config.precision.preset
+        fixed["precisions"] = [precision]
+    if config.optimizer is not None:
+        optimizer = config.optimizer.name
+        optimizer_kwargs = {**config.optimizer.kwargs, **(optimizer_kwargs or {})}
+        fixed["optimizers"] = [optimizer]
+    for axis, value in (("checkpointing", config.checkpointing), ("compressions", config.compression),
+                        ("micro_batch_sizes", config.microbatch), ("loras", config.lora)):  # fmt: skip
+        if value is not None:
+            fixed[axis] = [value]
+    return precision, optimizer, optimizer_kwargs, fixed
 
 
 def _model_side_can_fit(stage: list[TrainingConfig], evaluator: Any, limit: int) -> bool:

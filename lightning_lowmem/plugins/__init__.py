@@ -1,18 +1,19 @@
-"""Lightning plugins: :class:`CompressedCheckpointIO` (imported lazily, it needs Lightning)."""
+"""Lightning plugins: :class:`CompressedCheckpointIO`, re-exported from its home :mod:`lightning_lowmem.checkpoints`
+(imported lazily, it needs Lightning)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+from lightning_lowmem._lazy import lazy_exports
 
 _EXPORTS = {
-    "CompressedCheckpointIO": "compressed_checkpoint_io",
-    "CheckpointCorruptError": "compressed_checkpoint_io",
+    "CompressedCheckpointIO": "lightning_lowmem.checkpoints.compressed_io",
+    "CheckpointCorruptError": "lightning_lowmem.checkpoints.file_format",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["CheckpointCorruptError", "CompressedCheckpointIO"]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'lightning_lowmem.plugins' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"lightning_lowmem.plugins.{_EXPORTS[name]}"), name)
+if TYPE_CHECKING:
+    from lightning_lowmem.checkpoints.compressed_io import CompressedCheckpointIO
+    from lightning_lowmem.checkpoints.file_format import CheckpointCorruptError

@@ -1,5 +1,8 @@
-"""The memory options ``LowMemoryStrategy`` and ``LowMemoryDDPStrategy`` share: validated once, applied
-through the package's functional transforms and callbacks (no second implementation here)."""
+"""The memory options the low-memory strategies share: turned into one
+:class:`~lightning_lowmem.functional.config.TrainingConfig` (validated there, once), planned by
+``memory_budget`` into another, and applied with :func:`lightning_lowmem.functional.apply` plus the
+strategy's own hooks (``setup_optimizers`` converts the optimizer, ``training_step`` runs compression and
+the micro-batch loop). No callback is created, set up or added to the Trainer."""
 
 from __future__ import annotations
 
@@ -14,16 +17,20 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_lowmem.functional.compression import COMPRESSION_MODES, DEFAULT_MIN_BYTES, CompressionStats
+from lightning_lowmem.functional.compression import CompressionStats
+from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
 from lightning_lowmem.warnings import LowMemWarning
 
-PRECISION_PRESETS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+PRECISION_PRESETS = PRECISIONS
 
 
 def validate_precision(precision: str | None) -> None:
-    if precision is not None and precision not in PRECISION_PRESETS:
-        raise ValueError(f"`precision`={precision!r} is not a known preset; choose one of {list(PRECISION_PRESETS)}")
+    """Raise for an unknown preset (:class:`~lightning_lowmem.functional.config.PrecisionConfig` decides)."""
+    if precision is not None:
+        from lightning_lowmem.functional.config import PrecisionConfig
+
+        PrecisionConfig(precision)
 
 
 def precision_plugin(preset: str | None, device_type: str | None = None) -> Any:
@@ -69,7 +76,7 @@ def set_expandable_segments(enabled: bool = True) -> bool:
 
 
 class _LowMemoryOptions:
-    """Validation and application of the options both strategies share.
+    """The options both strategies share, as one :class:`TrainingConfig` (``self.config``).
 
     A mixin placed before a Lightning strategy class: its hook overrides run the options, then
     ``super()`` (the Lightning strategy).
@@ -86,6 +93,11 @@ class _LowMemoryOptions:
         super().setup(trainer)  # type: ignore[misc]
 
     @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)  # type: ignore[misc]
+        self._convert_optimizers(trainer)
+
+    @override
     def process_dataloader(self, dataloader: Any) -> Any:
         return self._wrap_dataloader(super().process_dataloader(dataloader))  # type: ignore[misc]
 
@@ -95,6 +107,13 @@ class _LowMemoryOptions:
         if not self._loader_checked and module is not None and module.trainer.training:
             self._check_loader_memory(batch)
         return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._microbatch is not None:
+            trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+            self._microbatch.begin_batch(batch_idx, trainer.accumulate_grad_batches)
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -121,63 +140,71 @@ class _LowMemoryOptions:
         expandable_segments: bool | None,
         prefetch: bool,
     ) -> None:
-        validate_precision(precision)
-        if activation_compression is not None and activation_compression not in COMPRESSION_MODES:
+        # the settings a planned checkpointing / compression gets (validated even when those are off)
+        self._technique_settings = TrainingConfig(
+            precision=None, optimizer=None, activation_checkpointing="auto", nested_checkpointing=nested_checkpointing,
+            activation_compression="int8", compression_min_bytes=compression_min_bytes,
+        )  # fmt: skip
+        self.config = TrainingConfig(
+            precision=precision,  # None: the Trainer's
+            activation_checkpointing=activation_checkpointing,
+            nested_checkpointing=nested_checkpointing if activation_checkpointing is not None else None,
+            activation_compression=activation_compression,
+            compression_min_bytes=compression_min_bytes if activation_compression is not None else None,
+            optimizer=optimizer,  # None: configure_optimizers' own
+            optimizer_kwargs=optimizer_kwargs if optimizer is not None else None,
+        )
+        """What the strategy applies: the options set explicitly (``None`` fields: not set), then the plan."""
+        self.explicit = self.config  # the options as given: what `memory_budget` keeps fixed
+        if zero_optimizer is True and self.config.optimizer is not None and self.config.optimizer.in_backward:
             raise ValueError(
-                f"`activation_compression`={activation_compression!r} is unknown; choose None, 'bf16', 'int8' or 'cpu'"
+                f"`optimizer`={self.config.optimizer.name!r} steps inside backward and cannot be sharded: use "
+                "zero_optimizer=False or an optimizer that steps after backward (e.g. 'adamw', 'adamw8bit')."
             )
-        if isinstance(compression_min_bytes, bool) or not isinstance(compression_min_bytes, int) or compression_min_bytes < 0:
-            raise ValueError(f"`compression_min_bytes` must be an int >= 0 (bytes), got {compression_min_bytes!r}")
-        if activation_checkpointing is not None:
-            from lightning_lowmem.functional.checkpointing import _validate_policy
-
-            _validate_policy(activation_checkpointing)
-        if optimizer is not None:  # validates the name; kept for the swap in setup
-            from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
-
-            MemoryEfficientOptimizer(optimizer, **(optimizer_kwargs or {}))
-            if zero_optimizer and optimizer.lower().endswith("_in_backward"):
-                raise ValueError(
-                    f"`optimizer`={optimizer!r} steps inside backward and cannot be sharded: use zero_optimizer=False "
-                    "or an optimizer that steps after backward (e.g. 'adamw', 'adamw8bit')."
-                )
-        for name, value in (
-            ("zero_optimizer", zero_optimizer), ("prefetch", prefetch), ("nested_checkpointing", nested_checkpointing)
-        ):
+        for name, value in (("zero_optimizer", zero_optimizer), ("prefetch", prefetch)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False, got {type(value).__name__}: {value!r}")
         if expandable_segments is not None and not isinstance(expandable_segments, bool):
             raise TypeError(f"`expandable_segments` must be True, False or None, got {expandable_segments!r}")
         self.memory_budget = memory_budget
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, name="memory_budget")
-        self.precision_preset = precision
-        self.optimizer_name = optimizer.lower() if optimizer is not None else None
-        self.optimizer_kwargs = dict(optimizer_kwargs or {})
-        self.activation_checkpointing = activation_checkpointing
-        self.nested_checkpointing = nested_checkpointing
-        self.activation_compression = activation_compression
-        self.compression_min_bytes = compression_min_bytes
+        self._optimizer_kwargs = dict(optimizer_kwargs or {})  # also the planner's, for the configured optimizer
         self.compression_stats = CompressionStats()  # cumulative over the run
         self.zero_optimizer = zero_optimizer
         self.expandable_segments = expandable_segments
         self.prefetch = prefetch
-        self.plan: Any = None  # the memory plan chosen for `memory_budget` (a memory.plan.Plan)
-        self.checkpointed: list[str] = []
-        self._explicit = {
-            key: value
-            for key, value in (
-                ("precision", precision),
-                ("optimizer", self.optimizer_name),
-                ("activation_checkpointing", activation_checkpointing),
-                ("activation_compression", activation_compression),
-            )
-            if value is not None
-        }
-        self._optimizer_swap: Any = None
-        self._microbatch: Any = None  # AutoMicrobatch run for a plan with micro-batches
-        self._microbatch_owner: list[Any] = []  # the trainer's callback list it was added to
+        self.plan: Any = None  # the memory plan chosen for `memory_budget` (a planning.plan.Plan)
+        self.applied: Any = None  # the functional.Applied handle of the model-side techniques
+        self._microbatch: Any = None  # functional.microbatch.MicrobatchLoop for a plan with micro-batches
+        self._converted: list[Any] = []  # optimizers built from `config.optimizer`
+        self._guarded = False
         self._loader_checked = False
-        self._kv_cache_held = False
+
+    # ------------------------------------------------------------------ the config, in the flat vocabulary
+    @property
+    def precision_preset(self) -> str | None:
+        return self.config.precision_preset
+
+    @property
+    def optimizer_name(self) -> str | None:
+        return self.config.optimizer_name
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return self.config.optimizer.kwargs if self.config.optimizer is not None else dict(self._optimizer_kwargs)
+
+    @property
+    def activation_checkpointing(self) -> Any:
+        return self.config.activation_checkpointing
+
+    @property
+    def activation_compression(self) -> str | None:
+        return self.config.activation_compression
+
+    @property
+    def checkpointed(self) -> list[str]:
+        """Names of the submodules wrapped with activation checkpointing."""
+        return list(self.applied.checkpointed) if self.applied is not None else []
 
     # ------------------------------------------------------------------ setup / teardown
     def _setup_environment_options(self) -> None:
@@ -186,7 +213,10 @@ class _LowMemoryOptions:
             set_expandable_segments(self.expandable_segments)
 
     def _setup_options(self, trainer: Any) -> None:
-        """Before the model moves / is wrapped: plan, then apply precision, checkpointing, optimizer."""
+        """Before the model moves / is wrapped: plan, then apply the config (precision plugin, model side,
+        micro-batches); the optimizer is converted in ``setup_optimizers``."""
+        from lightning_lowmem.functional.applied import apply
+
         module = self.lightning_module  # type: ignore[attr-defined]
         fitting = trainer.state.fn == TrainerFn.FITTING
         device_type = self.root_device.type  # type: ignore[attr-defined]
@@ -194,23 +224,22 @@ class _LowMemoryOptions:
             self._plan(trainer, module, device_type)
         if self.precision_preset is not None and self.precision_preset.endswith("-mixed"):
             self.precision_plugin = precision_plugin(self.precision_preset, device_type)  # autocast on this device
-        if self.activation_checkpointing is not None and not self.checkpointed:
-            from lightning_lowmem.functional.checkpointing import checkpoint_
+        if self.applied is None:
+            # compression (its KV-cache hold) only while fitting; checkpointing for every stage, as before
+            model_side = self.config if fitting else self.config.replace(compression=None)
+            self.applied = apply(module, model_side.replace(optimizer=None, microbatch=None))
+        if fitting and self.config.microbatch is not None and self._microbatch is None:
+            from lightning_lowmem.functional.microbatch import MicrobatchLoop
 
-            self.checkpointed = checkpoint_(
-                module, self.activation_checkpointing, nested=self.nested_checkpointing
-            ).wrapped
-        if fitting and self.activation_compression is not None and not self._kv_cache_held:
-            from lightning_lowmem.model_io import disable_kv_cache_
+            self._microbatch = MicrobatchLoop(self.config.microbatch.size, info=rank_zero_info, owner=type(self).__name__)
+            self._microbatch.wrap(module)
+            rank_zero_info(f"{type(self).__name__}: micro-batches of {self.config.microbatch.size} samples")
+        if fitting and self.config.optimizer is not None:
+            from lightning_lowmem.checkpoints import guard_module_loading
 
-            disable_kv_cache_(module, "activation compression")  # a training-time KV cache keeps keys/values whole
-            self._kv_cache_held = True
-        if fitting and self.optimizer_name is not None and self._optimizer_swap is None:
-            from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
-
-            self._optimizer_swap = MemoryEfficientOptimizer(self.optimizer_name, **self.optimizer_kwargs)
-            self._optimizer_swap.setup(trainer, module, "fit")  # wraps configure_optimizers
-        elif fitting and self.precision_preset == "bf16-true" and self.optimizer_name is None:
+            guard_module_loading(trainer, module)  # check what wrote a checkpoint before Lightning loads it
+            self._guarded = True
+        elif fitting and self.precision_preset == "bf16-true":
             rank_zero_info(
                 "LowMemoryStrategy: precision='bf16-true' keeps the optimizer configure_optimizers returns; "
                 "optimizer='adamw_bf16_sr' (stochastic rounding) keeps small updates that bf16 weights would lose."
@@ -218,10 +247,28 @@ class _LowMemoryOptions:
         if self.prefetch and device_type != "cuda":
             rank_zero_info(f"LowMemoryStrategy: prefetch=True is a no-op on {device_type} (it overlaps host-to-GPU copies).")
 
+    def _convert_optimizers(self, trainer: Any) -> None:
+        """Replace the optimizers ``configure_optimizers`` returned by ``config.optimizer`` (same param groups,
+        ``lr`` / ``weight_decay`` kept unless set), re-binding their LR schedulers."""
+        if self.config.optimizer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        from lightning_lowmem.functional.optimizers.convert import convert_optimizers
+
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]  # type: ignore[attr-defined]
+        converted = convert_optimizers(
+            {"optimizers": list(self.optimizers), "schedulers": schedulers},  # type: ignore[attr-defined]
+            self.config.optimizer,
+            info=lambda message: rank_zero_info(f"{type(self).__name__}: {message}"),
+        )
+        self.optimizers = converted.configured["optimizers"]
+        self._converted = converted.replaced
+        if self._microbatch is not None:
+            self._microbatch.check_optimizers(self.optimizers)
+
     def _plan(self, trainer: Any, module: Any, device_type: str) -> None:
         import time
 
-        from lightning_lowmem.strategies.budget import plan_for_budget
+        from lightning_lowmem.strategies.budget import applied_plan, plan_for_budget
 
         batch = self._first_training_batch(trainer)
         if batch is None:
@@ -248,33 +295,19 @@ class _LowMemoryOptions:
             self.memory_budget,  # type: ignore[arg-type]
             device="cuda" if device_type == "cuda" else "cpu",
             precision=configured,
-            optimizer=self.optimizer_name,  # None: configure_optimizers' own
-            fixed=self._explicit,
-            optimizer_kwargs=self.optimizer_kwargs,
+            config=self.explicit,
+            settings=self._technique_settings,
+            optimizer_kwargs=self._optimizer_kwargs,
             progress=progress,
         )
-        config = plan.config
-        baseline_optimizer = plan.baseline.config.optimizer if plan.baseline is not None else config.optimizer
-        if config.precision != configured:
-            self.precision_preset = config.precision
-            self.precision_plugin = precision_plugin(config.precision, device_type)
-        self.activation_checkpointing = config.activation_checkpointing
-        self.activation_compression = config.activation_compression
-        if config.optimizer != baseline_optimizer:
-            self.optimizer_name = config.optimizer
-            self.optimizer_kwargs = {**plan.optimizer_kwargs, **self.optimizer_kwargs}  # a new family's lr
-        if config.micro_batch_size is not None:  # whole batches cannot fit: run them in micro-batches
-            from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch
-
-            self._microbatch = AutoMicrobatch(micro_batch_size=config.micro_batch_size)
-            self._microbatch.setup(trainer, module, "fit")  # Lightning's setup hooks ran already
-            trainer.callbacks.append(self._microbatch)  # its batch hooks and on_fit_start run from here on
-            self._microbatch_owner = trainer.callbacks
+        self.config = applied_plan(plan, self.explicit, configured, self._optimizer_kwargs)  # what is planned is what runs
+        if self.config.precision is not None and self.config.precision_preset != configured:
+            self.precision_plugin = precision_plugin(self.config.precision_preset, device_type)
         self.plan = plan
         baseline = plan.baseline.predicted_peak_bytes if plan.baseline is not None else None
         rank_zero_info(
-            f"LowMemoryStrategy: memory_budget={format_bytes(plan.budget_bytes)} -> [{config.describe()}], predicted "
-            f"peak {format_bytes(plan.predicted_peak_bytes)}"
+            f"LowMemoryStrategy: memory_budget={format_bytes(plan.budget_bytes)} -> [{plan.config.describe()}], "
+            f"predicted peak {format_bytes(plan.predicted_peak_bytes)}"
             + (f" (as configured: {format_bytes(baseline)})" if baseline is not None else "")
             + (f", optimizer arguments {plan.optimizer_kwargs}" if plan.optimizer_kwargs else "")
             + f"; planned in {time.perf_counter() - started:.1f} s"
@@ -296,32 +329,27 @@ class _LowMemoryOptions:
 
     def _release_options(self) -> None:
         module = self.lightning_module  # type: ignore[attr-defined]
-        if self.checkpointed and module is not None:
-            from lightning_lowmem.functional.checkpointing import uncheckpoint_
-
-            uncheckpoint_(module, self.checkpointed)
-        self.checkpointed = []
-        if self._kv_cache_held and module is not None:
-            from lightning_lowmem.model_io import restore_kv_cache_
-
-            restore_kv_cache_(module, "activation compression")
-        self._kv_cache_held = False
-        if self._optimizer_swap is not None:
-            self._optimizer_swap.teardown(None, module, "fit")  # restores configure_optimizers
-            self._optimizer_swap = None
+        if self.applied is not None:
+            self.applied.undo()  # checkpointing unwrapped, the KV cache restored
+            self.applied = None
         if self._microbatch is not None:
-            self._microbatch.teardown(None, module, "fit")  # restores training_step (idempotent)
-            if self._microbatch in self._microbatch_owner:
-                self._microbatch_owner.remove(self._microbatch)
+            self._microbatch.unwrap()  # restores training_step / optimizer_zero_grad
             self._microbatch = None
+        if self._guarded and module is not None:
+            from lightning_lowmem.checkpoints import unguard_module_loading
+
+            unguard_module_loading(module)
+            self._guarded = False
+        for optimizer in self._converted:
+            if hasattr(optimizer, "remove_hooks"):  # an optimizer-in-backward's gradient hooks
+                optimizer.remove_hooks()
+        self._converted = []
 
     # ------------------------------------------------------------------ per step
     def _compression_context(self) -> Any:
-        if self.activation_compression is None:
+        if self.applied is None or self.config.compression is None:
             return contextlib.nullcontext()
-        from lightning_lowmem.functional.compression import compress_activations
-
-        return compress_activations(self.activation_compression, self.compression_min_bytes, self.compression_stats)
+        return self.applied.step_context(self.compression_stats)
 
     def _check_loader_memory(self, batch: Any) -> None:
         """On the first training batch: warn when the DataLoader's queue holds a lot of memory."""

@@ -2,29 +2,24 @@
 
 The strategy takes one training batch and calls :func:`~lightning_lowmem.planning.plan.plan_memory` -- the
 same function, with the same defaults, as ``plan_memory`` itself and ``lowmem estimate --budget`` -- for
-the cheapest :class:`~lightning_lowmem.planning.estimate.TrainingConfig` whose estimated peak fits, and
-applies it with the same transforms as the explicit options. What the user set explicitly
-(``precision``, ``activation_checkpointing``, ``activation_compression``, ``optimizer``) is kept fixed;
-the planner searches the rest. The optimizer ``configure_optimizers`` returns is the baseline: an AdamW /
-Adam may become 8-bit AdamW (same learning rate), nothing else changes family. Micro-batching is the
-last resort (only when no whole-batch mix fits), run with
-:class:`~lightning_lowmem.callbacks.auto_microbatch.AutoMicrobatch`; never with an optimizer-in-backward.
+the cheapest technique mix whose estimated peak fits, and yields the :class:`~lightning_lowmem.functional.config.TrainingConfig` the strategy then applies
+(:func:`applied_plan`), exactly as it applies explicit options. What the user set explicitly
+(``precision``, ``activation_checkpointing``, ``activation_compression``, ``optimizer``: the strategy's
+``explicit`` config) is kept fixed; the planner searches the rest, with the strategy's
+``nested_checkpointing`` / ``compression_min_bytes`` on the techniques it tries. The optimizer
+``configure_optimizers`` returns is the baseline: an AdamW / Adam may become 8-bit AdamW (same learning
+rate), nothing else changes family. Micro-batching is the last resort (only when no whole-batch mix
+fits), run by the strategy with :class:`~lightning_lowmem.functional.microbatch.MicrobatchLoop`
+(``AutoMicrobatch``'s loop); never with an optimizer-in-backward.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from lightning_lowmem.planning.estimate import PRECISIONS
+from lightning_lowmem.functional.config import PRECISIONS, CompressionConfig, OptimizerConfig, TrainingConfig
 
-__all__ = ["plan_for_budget", "planner_axes"]
-
-
-def planner_axes(fixed: dict[str, Any]) -> dict[str, list[Any]]:
-    """The :func:`plan_memory` axes that keep the strategy's explicit options fixed."""
-    names = {"precision": "precisions", "activation_checkpointing": "checkpointing",
-             "activation_compression": "compressions", "optimizer": "optimizers"}  # fmt: skip
-    return {names[key]: [value] for key, value in fixed.items() if key in names}
+__all__ = ["applied_plan", "plan_for_budget"]
 
 
 def plan_for_budget(
@@ -34,8 +29,8 @@ def plan_for_budget(
     *,
     device: str,
     precision: str,
-    optimizer: str | None,
-    fixed: dict[str, Any],
+    config: TrainingConfig,
+    settings: TrainingConfig | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     progress: Callable[[Any, int, int], None] | None = None,
 ) -> Any:
@@ -47,11 +42,12 @@ def plan_for_budget(
         budget: the strategy's ``memory_budget`` as the user gave it (bytes or a string).
         device: ``"cuda"`` or ``"cpu"``.
         precision: the precision the run is configured with (the plan's baseline).
-        optimizer: the strategy's ``optimizer`` option, or ``None``: the one ``configure_optimizers``
-            returns (the plan's baseline, see :func:`plan_memory`).
-        fixed: the options the user set explicitly: keys among ``precision``,
-            ``activation_checkpointing``, ``activation_compression``, ``optimizer``.
-        optimizer_kwargs: the strategy's ``optimizer_kwargs``. Default: none.
+        config: the options set explicitly (``None`` fields: searched; ``optimizer=None``: the one
+            ``configure_optimizers`` returns is the baseline, see :func:`plan_memory`).
+        settings: a config whose ``checkpointing`` / ``compression`` carry the settings (``nested``,
+            ``min_bytes``) of the techniques the planner tries. Default: the defaults.
+        optimizer_kwargs: arguments of the configured optimizer, when ``config.optimizer`` is ``None``.
+            Default: none.
         progress: passed to :func:`plan_memory`. Default: ``None``.
 
     Returns:
@@ -65,17 +61,44 @@ def plan_for_budget(
 
     if precision not in PRECISIONS:
         precision = "32-true"
+    axes: dict[str, list[Any]] = {}
+    if settings is not None and config.checkpointing is None and settings.checkpointing is not None:
+        axes["checkpointing"] = [None, settings.checkpointing]  # plan_memory's default axis, as the run applies it
+    if settings is not None and config.compression is None and settings.compression is not None:
+        min_bytes = settings.compression.min_bytes
+        axes["compressions"] = [None, CompressionConfig("bf16", min_bytes), CompressionConfig("int8", min_bytes)]
     try:
-        return plan_memory(module, batch, budget, device=device, precision=precision, optimizer=optimizer,
-                           optimizer_kwargs=optimizer_kwargs, progress=progress, **planner_axes(fixed))  # fmt: skip
+        return plan_memory(module, batch, budget, device=device, precision=precision, config=config,
+                           optimizer_kwargs=None if config.optimizer is not None else optimizer_kwargs,
+                           progress=progress, **axes)  # fmt: skip
     except ValueError as err:
-        if optimizer is not None and "in_backward" in optimizer:
+        if config.optimizer is not None and config.optimizer.in_backward:
             raise ValueError(
                 f"LowMemoryStrategy(memory_budget={budget!r}) cannot train {type(module).__name__} within the budget: "
-                f"{err} Micro-batches are not tried with optimizer={optimizer!r} (it steps on every backward): a "
-                "smaller DataLoader batch_size lowers the activations."
+                f"{err} Micro-batches are not tried with optimizer={config.optimizer.name!r} (it steps on every "
+                "backward): a smaller DataLoader batch_size lowers the activations."
             ) from err
         raise ValueError(
             f"LowMemoryStrategy(memory_budget={budget!r}) cannot train {type(module).__name__} within the budget, "
             f"not even in micro-batches of 1 sample: {err}"
         ) from err
+
+
+def applied_plan(
+    plan: Any, explicit: TrainingConfig, configured_precision: str, optimizer_kwargs: dict[str, Any] | None = None
+) -> TrainingConfig:
+    """The :class:`TrainingConfig` a strategy applies for ``plan``: the chosen mix, with ``precision`` left to
+    the Trainer when the plan keeps the configured one, and the optimizer left as configured unless the plan
+    changes it (a new one gets the plan's learning rate and the explicit arguments it accepts)."""
+    from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+
+    chosen = plan.config
+    precision = chosen.precision if chosen.precision_preset != configured_precision else explicit.precision
+    optimizer = explicit.optimizer
+    baseline = plan.baseline.config.optimizer_name if plan.baseline is not None else chosen.optimizer_name
+    if chosen.optimizer_name != baseline:
+        accepted = set(optimizer_arguments(chosen.optimizer_name))
+        given = {**(optimizer_kwargs or {}), **(explicit.optimizer.kwargs if explicit.optimizer else {})}
+        kept = {k: v for k, v in given.items() if k in accepted}
+        optimizer = OptimizerConfig(chosen.optimizer_name, {**plan.optimizer_kwargs, **kept})  # a new family's lr
+    return chosen.replace(precision=precision, optimizer=optimizer)

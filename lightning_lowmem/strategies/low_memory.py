@@ -1,17 +1,20 @@
 """`LowMemoryStrategy` / `LowMemoryDDPStrategy`: a run's memory settings in one Lightning strategy.
 
 Registered in Lightning's ``StrategyRegistry`` as ``"lowmem"``, ``"lowmem_ddp"`` and
-``"lowmem_ddp_spawn"`` (``import lightning_lowmem`` is enough). What each option does:
+``"lowmem_ddp_spawn"`` (``import lightning_lowmem`` is enough). The options are sugar for one
+:class:`~lightning_lowmem.functional.config.TrainingConfig` (``strategy.config``), applied with
+:func:`lightning_lowmem.functional.apply` and the strategy's own hooks; no callback is added to the
+Trainer. What each option does:
 
 * ``precision``: a Lightning preset applied as Lightning's own precision plugin; ``"bf16-true"``
   pairs with ``optimizer="adamw_bf16_sr"`` (stochastic rounding of the update).
 * ``optimizer``: replace the optimizer ``configure_optimizers`` returns by a name from
   ``functional.optimizers`` (e.g. ``"adamw8bit"``), same param groups / ``lr`` / ``weight_decay``,
-  through the ``MemoryEfficientOptimizer`` callback's code.
+  in ``setup_optimizers`` (``functional.optimizers.convert``, as ``MemoryEfficientOptimizer`` does).
 * ``activation_checkpointing`` / ``activation_compression``: ``functional.checkpointing.checkpoint_``
   on the model, ``functional.compression.compress_activations`` around every training step.
 * ``memory_budget``: before training, one batch is taken from the train dataloader and
-  ``memory.plan.plan_memory`` picks the cheapest mix of the options above whose estimated peak fits;
+  ``planning.plan.plan_memory`` picks the cheapest mix of the options above whose estimated peak fits;
   options set explicitly stay fixed. An impossible budget fails before the first step.
 * ``expandable_segments``: the CUDA caching allocator setting, written before CUDA initialises.
 * ``prefetch``: on CUDA, the next batch is copied from pinned memory on a side stream while this one
@@ -21,7 +24,8 @@ Registered in Lightning's ``StrategyRegistry`` as ``"lowmem"``, ``"lowmem_ddp"``
   checkpoints hold the full state, so a run resumes on any number of processes.
 
 When no mix fits whole batches, ``memory_budget`` also plans micro-batches (B/2, B/4, ..., 1) and runs
-them with ``AutoMicrobatch`` (same effective batch and optimizer steps); not with optimizer-in-backward.
+them with ``AutoMicrobatch``'s loop (``functional.microbatch.MicrobatchLoop``: same effective batch and
+optimizer steps); not with optimizer-in-backward.
 """
 
 from __future__ import annotations

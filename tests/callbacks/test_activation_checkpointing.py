@@ -98,7 +98,7 @@ def test_bad_policy_raises_at_construction(policy, error, match):
 
 
 def test_bad_nested_raises_at_construction():
-    with pytest.raises(TypeError, match="`nested` must be a bool, got int: 1"):
+    with pytest.raises(TypeError, match="`nested` must be True or False, got int: 1"):
         ActivationCheckpointing(policy="Block", nested=1)
 
 

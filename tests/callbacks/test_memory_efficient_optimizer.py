@@ -86,7 +86,7 @@ def test_typo_fails_at_construction_with_did_you_mean():
         MemoryEfficientOptimizer("adamw_8bit")
     with pytest.raises(ValueError, match=r"`betas` must be two numbers in \[0, 1\), e.g. \[0.9, 0.999\], got \(0.9, 1.5\)"):
         MemoryEfficientOptimizer("adamw8bit", betas=(0.9, 1.5))
-    with pytest.raises(ValueError, match=r"MemoryEfficientOptimizer\('sgd'\) refuses \{.*'nesterov': True.*Nesterov"):
+    with pytest.raises(ValueError, match=r"OptimizerConfig\('sgd'\) refuses \{.*'nesterov': True.*Nesterov"):
         MemoryEfficientOptimizer("sgd", momentum=0.0, optimizer_kwargs={"nesterov": True})
     with pytest.raises(ValueError, match=r"`lr` is given twice \(0.1 in optimizer_kwargs, 0.2\)"):
         MemoryEfficientOptimizer("adamw", lr=0.2, optimizer_kwargs={"lr": 0.1})

@@ -130,11 +130,15 @@ def test_checkpoint_restores_quantized_model(mode, tiny_trainer_kwargs, tmp_path
 
 
 def with_torchao_zero_points(path, out_path):
-    """Rewrite a saved checkpoint as torchao's defaults store it: an all-zero zero point per int8 row."""
+    """Rewrite a saved checkpoint as torchao's defaults store it: an all-zero zero point per int8 row (pickled
+    portably, as the callbacks write it)."""
+    from lightning_lowmem.functional.quantization.serialization import make_portable
+
     checkpoint = torch.load(path, weights_only=True)
     for value in checkpoint["state_dict"].values():
         if type(value).__name__ == "Int8Tensor":
             value.zero_point = torch.zeros_like(value.scale, dtype=torch.int8)
+            make_portable(value)
     torch.save(checkpoint, out_path)
     return str(out_path)
 
@@ -152,7 +156,7 @@ def test_trainer_ckpt_path_restores_quantized_model(tiny_trainer_kwargs, tmp_pat
         assert type(fresh.fc1.weight).__name__ == "Int8Tensor" and fresh.fc1.weight.zero_point is None
         assert torch.equal(fresh(inputs), module(inputs)) and results[0]["val_err"] > 0
         assert callback.quantized == ["fc1", "fc2"]
-        assert type(checker.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"  # put back at teardown
+        assert type(checker.strategy.checkpoint_io).__name__ == "TorchCheckpointIO"  # never swapped
         expected = module(inputs)
         trainer.validate(module, ckpt_path=ckpt_path, verbose=False)  # into the already quantized model
         assert torch.equal(module(inputs), expected) and module.fc2.weight.zero_point is None
@@ -298,11 +302,11 @@ def test_embeddings_argument_errors_and_yaml():
 
 def test_table_says_when_quantized_is_slower():
     """Issue 20: eager int8_dynamic measured 14.7x slower than float with nothing said."""
-    table = PostTrainingQuantization("int8_dynamic")._table(
-        {"bytes": 4000, "latency_s": 0.22e-3}, {"bytes": 1000, "latency_s": 3.2e-3}, []
-    )
+    from lightning_lowmem.functional.quantization.report import comparison_table
+
+    table = comparison_table("int8_dynamic", {"bytes": 4000, "latency_s": 0.22e-3}, {"bytes": 1000, "latency_s": 3.2e-3}, [])
     assert "14.5x SLOWER than float" in table and "int8_static" in table and "compile=True" in table
-    faster = PostTrainingQuantization("int8_dynamic")._table({"bytes": 4000, "latency_s": 2e-3}, {"bytes": 1000, "latency_s": 1e-3}, [])
+    faster = comparison_table("int8_dynamic", {"bytes": 4000, "latency_s": 2e-3}, {"bytes": 1000, "latency_s": 1e-3}, [])
     assert "SLOWER" not in faster
 
 

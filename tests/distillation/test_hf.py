@@ -18,7 +18,7 @@ from lightning_lowmem.distillation import DistillationModule, build_teacher_cach
 from lightning_lowmem.distillation.cache import batch_keys  # noqa: E402
 from lightning_lowmem.memory import state_bytes  # noqa: E402
 from lightning_lowmem.model_io import BatchCallError  # noqa: E402
-from tests.hf_zoo import hf_batch, hf_data, hf_module  # noqa: E402
+from tests.hf_zoo import hf_batch, hf_data  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*self.log.*")
@@ -200,15 +200,6 @@ def test_attention_mask_alone_keeps_padding_out_of_an_unlabelled_batch():
     assert torch.equal(module.training_step(batch, 0), clean)
     with pytest.raises(ValueError, match=r"`targets` are required for the hard-label term when `alpha`=0.5 < 1"):
         DistillationModule(student, teacher, alpha=0.5).training_step(batch, 0)
-
-
-def test_conv1d_to_linear_docstring_runs():
-    import doctest
-
-    from lightning_lowmem.distillation import teacher
-
-    result = doctest.testmod(teacher, extraglobs={"torch": torch, "nn": nn})
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_a_student_without_its_own_loss_gets_a_warning_about_the_unshifted_hard_term():

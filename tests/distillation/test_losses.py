@@ -165,12 +165,3 @@ def test_kd_loss_mask_selects_positions_in_both_terms():
     torch.testing.assert_close(kd_loss(student, teacher, None, alpha=0.25, mask=mask, hard_loss=hard), 0.25 * soft + 0.75 * hard)
     with pytest.raises(ValueError, match=r"`mask` shape \(2, 4\) does not match the positions \(2, 5\)"):
         kd_loss(student, teacher, targets, mask=mask[:, :4])
-
-
-@pytest.mark.parametrize("module_name", ["lightning_lowmem.distillation.losses", "lightning_lowmem.distillation.batches"])
-def test_docstring_examples_run(module_name):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module_name), extraglobs={"torch": torch, "nn": nn})
-    assert result.attempted > 0 and result.failed == 0

@@ -22,13 +22,13 @@ def _real_peak(module: nn.Module, batch, config: TrainingConfig, loop: str = "li
     from lightning_lowmem.functional.optimizers.registry import build_optimizer
     from lightning_lowmem.planning.estimate import _apply_model_techniques, _train_step, default_loss
 
-    dtype = {"bf16-true": torch.bfloat16}.get(config.precision)
-    autocast = {"bf16-mixed": torch.bfloat16}.get(config.precision)
+    dtype = {"bf16-true": torch.bfloat16}.get(config.precision_preset)
+    autocast = {"bf16-mixed": torch.bfloat16}.get(config.precision_preset)
     if dtype is not None:
         module = module.to(dtype)
         batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
     _apply_model_techniques(module, config)
-    optimizer = build_optimizer(config.optimizer, [p for p in module.parameters() if p.requires_grad])
+    optimizer = build_optimizer(config.optimizer.name, [p for p in module.parameters() if p.requires_grad])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _train_step(module, batch, default_loss, optimizer, config, autocast, loop=loop)
@@ -135,7 +135,7 @@ def test_real_module_is_untouched():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"precision": "fp8"}, ValueError, "`precision`='fp8' is unknown"),
+        ({"precision": "fp8"}, ValueError, "`precision`='fp8' is not a known preset"),
         ({"device": "tpu"}, ValueError, "`device`='tpu' is not supported"),
         ({"steps": 0}, ValueError, "`steps` must be an int >= 1, got 0"),
         ({"activation_compression": "zip"}, ValueError, "`activation_compression`='zip' is unknown"),

@@ -51,11 +51,11 @@ def _allocator_peak(model, batch, config: TrainingConfig) -> int:
         clear()
     torch.cuda.empty_cache()
     leftover = torch.cuda.memory_allocated()  # tensors an earlier test left alive (constant during the step)
-    dtype = torch.bfloat16 if config.precision == "bf16-true" else None
+    dtype = torch.bfloat16 if config.precision_preset == "bf16-true" else None
     model = model.cuda().to(dtype) if dtype else model.cuda()
     batch = tree_map(lambda t: t.cuda().to(dtype) if dtype and t.is_floating_point() else t.cuda(), batch)
     _apply_model_techniques(model, config)
-    optimizer = build_optimizer(config.optimizer, [p for p in model.parameters() if p.requires_grad])
+    optimizer = build_optimizer(config.optimizer.name, [p for p in model.parameters() if p.requires_grad])
     _train_step(model, batch, default_loss, optimizer, config, None)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -110,5 +110,5 @@ def test_budget_plans_with_the_configured_optimizer(tiny_trainer_kwargs):
     plain = estimate_memory(model, nano_batch(8, 64, 96), device="cpu", optimizer="sgd", optimizer_kwargs={"momentum": 0.9})
     strategy = LowMemoryStrategy(memory_budget=int(0.7 * plain.peak_bytes))
     monitor = _fit(model, nano_loader(batches=2, batch_size=8, block_size=64, vocab_size=96), strategy, tiny_trainer_kwargs)
-    assert {c.config.optimizer for c in strategy.plan.candidates} == {"sgd"}
+    assert {c.config.optimizer_name for c in strategy.plan.candidates} == {"sgd"}
     assert type(monitor.last_report) and isinstance(model.trainer.optimizers[0], torch.optim.SGD)

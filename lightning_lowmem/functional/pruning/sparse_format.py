@@ -1,4 +1,8 @@
-"""Bitmask + values packing of mostly-zero tensors (for checkpoints and sparse export).
+"""Bitmask + values packing of mostly-zero tensors: lightning_lowmem's one sparse format.
+
+``CompressedCheckpointIO`` (:mod:`lightning_lowmem.checkpoints`) packs checkpoints with it and
+:func:`to_sparse_state_dict` exports state dicts with it; :func:`from_sparse_state_dict` also reads the
+marker-less layout that ``to_sparse_state_dict`` wrote before there was one format.
 
 A tensor with ``N`` elements of which a share ``s`` is zero is stored as a ``uint8`` bitmask of ``N / 8``
 bytes (bit set = non-zero) plus its ``(1 - s) * N`` non-zero values, in their dtype. For a 90%-sparse
@@ -11,7 +15,7 @@ bit-for-bit (``-0.0`` comes back as ``0.0``, which ``torch.equal`` treats as equ
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -74,7 +78,7 @@ def should_pack(tensor: Any, min_sparsity: float = 0.3, min_numel: int = 1024) -
         return False
     if tensor.device.type == "meta":
         return False
-    zeros = int((tensor == 0).sum())
+    zeros = tensor.numel() - int(torch.count_nonzero(tensor))  # no bool temporary, unlike (tensor == 0).sum()
     return zeros >= min_sparsity * tensor.numel()
 
 
@@ -167,54 +171,67 @@ def pack_sparse_tree(obj: Any, min_sparsity: float = 0.3, min_numel: int = 1024)
                 count += 1
             memo[key] = result
             return result
-        if isinstance(value, dict) and not is_packed_sparse(value):
-            return _rebuild_mapping(value, visit)
-        if isinstance(value, list):
-            return [visit(item) for item in value]
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(visit(item) for item in value)
+        if isinstance(value, dict) and not is_packed_sparse(value) or isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+            return _rebuild(value, visit)
         return value
 
     return visit(obj), count
 
 
-def _rebuild_mapping(mapping: dict[Any, Any], visit: Any) -> Any:
-    """Visit the values of a dict subclass (OrderedDict, AttributeDict) keeping its type when possible."""
-    items = [(key, visit(item)) for key, item in mapping.items()]
+def _rebuild(container: Any, visit: Any) -> Any:
+    """``container`` (a dict of any subclass, a list, a tuple) with its values visited: the very same object when no
+    value changed (a dense checkpoint is saved as it is), else a copy keeping the dict's type and attributes (the
+    ``_metadata`` of a ``state_dict()``)."""
+    values = list(container.values() if isinstance(container, dict) else container)
+    visited = [visit(value) for value in values]
+    if all(new is old for new, old in zip(visited, values)):
+        return container
+    if isinstance(container, list):
+        return visited
+    if isinstance(container, tuple):
+        return tuple(visited)
+    items = zip(container.keys(), visited)
     try:
-        rebuilt = type(mapping)()
+        rebuilt = type(container)()
         rebuilt.update(items)
-        return rebuilt
     except TypeError:
-        return dict(items)
+        return dict(zip(container.keys(), visited))
+    if getattr(container, "__dict__", None):
+        rebuilt.__dict__.update(container.__dict__)
+    return rebuilt
 
 
-def unpack_sparse_tree(obj: Any) -> Any:
-    """Inverse of :func:`pack_sparse_tree`: dense tensors everywhere, shared packs unpacked once."""
+def unpack_sparse_tree(obj: Any, device: Callable[[str], torch.device] | None = None) -> Any:
+    """Inverse of :func:`pack_sparse_tree`: dense tensors everywhere, shared packs unpacked once.
+
+    Args:
+        obj: a nested dict / list / tuple.
+        device: ``device(saved_device) -> torch.device`` places each tensor (``saved_device`` is where it was
+            when packed, e.g. ``"cuda:0"``). Default: ``None`` (CPU).
+    """
     memo: dict[int, torch.Tensor] = {}
 
     def visit(value: Any) -> Any:
         if is_packed_sparse(value):
             if id(value) not in memo:
-                memo[id(value)] = unpack_sparse(value)
+                memo[id(value)] = unpack_sparse(value, None if device is None else device(value.get("device", "cpu")))
             return memo[id(value)]
-        if isinstance(value, dict):
-            return _rebuild_mapping(value, visit)
-        if isinstance(value, list):
-            return [visit(item) for item in value]
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(visit(item) for item in value)
+        if isinstance(value, dict) or isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+            return _rebuild(value, visit)
         return value
 
     return visit(obj)
 
 
 def to_sparse_state_dict(state_dict: dict[str, torch.Tensor], min_sparsity: float = 0.5) -> dict[str, Any]:
-    """Pack tensors with at least ``min_sparsity`` zeros as bitmask + non-zero values (loads with ``weights_only=True``).
+    """``state_dict`` with every float tensor of at least ``min_sparsity`` zeros packed (:func:`pack_sparse`).
 
-    Each packed entry becomes ``{"shape": [...], "bitmask": uint8 (numel/8 bytes), "values": 1-D tensor}``. A
-    tensor under several keys (tied weights) is packed once: the keys share one entry, which ``torch.save``
-    stores once and :func:`from_sparse_state_dict` turns back into one shared tensor.
+    The one sparse format, the same as ``CompressedCheckpointIO`` writes: the result ``torch.save``-s and loads
+    with ``weights_only=True``; a tensor under several keys (tied weights) is packed once and shared.
+
+    Args:
+        state_dict: name -> tensor.
+        min_sparsity: share of zeros from which a tensor is packed. Default: 0.5.
 
     Example::
 
@@ -222,35 +239,28 @@ def to_sparse_state_dict(state_dict: dict[str, torch.Tensor], min_sparsity: floa
         >>> torch.equal(from_sparse_state_dict(to_sparse_state_dict(sd))["w"], sd["w"])
         True
     """
-    packed: dict[str, Any] = {}
-    memo: dict[tuple[Any, ...], Any] = {}
-    for key, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.numel() < 8:
-            packed[key] = tensor
-            continue
-        data = tensor_key(tensor)
-        if data not in memo:
-            nonzero = (tensor != 0).flatten().cpu()
-            dense = 1.0 - float(nonzero.float().mean()) < min_sparsity
-            memo[data] = tensor if dense else {
-                "shape": list(tensor.shape), "bitmask": _pack_bits(nonzero), "values": tensor.flatten().cpu()[nonzero].clone()
-            }  # fmt: skip
-        packed[key] = memo[data]
-    return packed
+    return pack_sparse_tree(state_dict, min_sparsity, min_numel=8)[0]
 
 
 def from_sparse_state_dict(packed: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`to_sparse_state_dict` (keys that shared one packed entry share one tensor again)."""
-    state_dict: dict[str, torch.Tensor] = {}
-    memo: dict[int, torch.Tensor] = {}
-    for key, value in packed.items():
-        if isinstance(value, dict) and {"shape", "bitmask", "values"} <= value.keys():
+    """Inverse of :func:`to_sparse_state_dict` (keys that shared one packed entry share one tensor again).
+
+    Also reads the marker-less ``{"shape", "bitmask", "values"}`` entries that ``to_sparse_state_dict`` wrote
+    before lightning_lowmem had one sparse format (same bitmask and values, no marker, no device).
+
+    Raises:
+        ValueError: a packed entry is corrupt (its bitmask and values disagree).
+    """
+    memo: dict[int, dict[str, Any]] = {}
+
+    def upgrade(value: Any) -> Any:
+        if isinstance(value, dict) and value.keys() == _LEGACY_KEYS and not is_packed_sparse(value):
             if id(value) not in memo:
-                shape = torch.Size(value["shape"])
-                dense = torch.zeros(shape.numel(), dtype=value["values"].dtype)
-                dense[_unpack_bits(value["bitmask"], shape.numel())] = value["values"]
-                memo[id(value)] = dense.view(shape)
-            state_dict[key] = memo[id(value)]
-        else:
-            state_dict[key] = value
-    return state_dict
+                memo[id(value)] = {SPARSE_MARKER: True, "device": "cpu", **value}
+            return memo[id(value)]
+        return value
+
+    return unpack_sparse_tree({key: upgrade(value) for key, value in packed.items()})
+
+
+_LEGACY_KEYS = {"shape", "bitmask", "values"}

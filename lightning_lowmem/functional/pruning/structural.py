@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -21,7 +22,14 @@ from torch import nn
 from lightning_lowmem.model_io import output_logits
 from lightning_lowmem.warnings import NoEffectWarning
 
-__all__ = ["StructuralPruningReport", "pruned_shapes", "prune_structural_", "restore_shapes_"]
+__all__ = [
+    "StructuralPruningReport",
+    "example_row",
+    "pruned_shapes",
+    "prune_structural_",
+    "restore_shapes_",
+    "shrink_to_state_dict_",
+]
 
 # residual-stream layers: removing their channels would cut the width every block shares
 _RESIDUAL_TYPES = (nn.Embedding, nn.LayerNorm)
@@ -329,3 +337,35 @@ def restore_shapes_(model: nn.Module, shapes: dict[str, Sequence[int]]) -> nn.Mo
                 size = tensor.shape[dim] * (getattr(sub, "groups", 1) if attr == "in_channels" else 1)
                 setattr(sub, attr, size)
     return model
+
+
+def shrink_to_state_dict_(module: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> dict[str, list[int]]:
+    """Give an unpruned ``module`` the smaller shapes of a structurally pruned ``state_dict`` (under
+    ``prefix``), so its weights load; anything but a shrink (another model) is left for ``load_state_dict``'s
+    size-mismatch error. Returns the shapes changed. Made to be a ``load_state_dict`` pre-hook.
+
+    Example::
+
+        >>> small = nn.Sequential(nn.Linear(8, 4))
+        >>> shrink_to_state_dict_(nn.Sequential(nn.Linear(8, 16)), small.state_dict())
+        {'0.weight': [4, 8], '0.bias': [4]}
+    """
+    current = {name: list(t.shape) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+    shapes = {key[len(prefix):]: list(value.shape) for key, value in state_dict.items()
+              if key.startswith(prefix) and isinstance(value, torch.Tensor)}  # fmt: skip
+    changed = {name: shape for name, shape in shapes.items() if name in current and current[name] != shape}
+    shrunk = all(len(shape) == len(current[name]) and all(a <= b for a, b in zip(shape, current[name]))
+                 for name, shape in changed.items())  # fmt: skip
+    if changed and shrunk:
+        restore_shapes_(module, changed)
+        return changed
+    return {}
+
+
+def example_row(batch: Any) -> Any:
+    """One row of a training batch's model inputs (``batch[0]`` of a tuple; every tensor of a dict batch),
+    detached: the example :func:`prune_structural_` traces the graph with."""
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    if isinstance(x, Mapping):  # Hugging Face dict batch / BatchEncoding: the model is called with keywords
+        return {k: v[:1].detach().clone() for k, v in x.items() if isinstance(v, torch.Tensor)}
+    return x[:1].detach().clone()

@@ -12,6 +12,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.quantization.serialization import keep_portable_
+
 __all__ = [
     "MODES",
     "apply_config",
@@ -131,12 +133,14 @@ def _needs_group(mode: str) -> bool:
 
 def apply_config(module: nn.Module, config: Any, names: Sequence[str], layer_type: type = nn.Linear) -> None:
     """Apply the torchao ``config`` to exactly the layers ``names`` of type ``layer_type``; drop the
-    all-zero zero points torchao leaves beside symmetric int8 weights (:func:`drop_zero_points_`)."""
+    all-zero zero points torchao leaves beside symmetric int8 weights (:func:`drop_zero_points_`); make the
+    module's state dicts portable (:func:`~lightning_lowmem.functional.quantization.serialization.keep_portable_`)."""
     from torchao.quantization import quantize_ as torchao_quantize_
 
     chosen = set(names)
     torchao_quantize_(module, config, filter_fn=lambda layer, fqn: fqn in chosen and isinstance(layer, layer_type))
     drop_zero_points_(module, names)
+    keep_portable_(module)  # its state dicts load under Lightning's callable map_location, whoever saves them
 
 
 def drop_zero_points_(module: nn.Module, names: Sequence[str] | None = None) -> int:

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ from lightning_lowmem.functional.quantization.layers import (
     convert_conv1d_,
     is_conv1d,
     matches_any,
+    set_submodule,
     tied_groups,
 )
 from lightning_lowmem.functional.quantization.modes import (  # re-exported: part of this module's API
@@ -84,6 +86,7 @@ __all__ = [
     "quantizable_layers",
     "quantize_",
     "search_float_fallback",
+    "temporarily_quantized",
 ]
 
 def _eligible(layer: nn.Module, mode: str, with_embeddings: bool, group_size: int) -> bool:
@@ -306,3 +309,31 @@ def quantized_copy(module: nn.Module, mode: str, names: Sequence[str], *, group_
     clone = copy.deepcopy(module)
     _quantize_layers(clone, mode, names, group_size=group_size)
     return clone
+
+
+@contextmanager
+def temporarily_quantized(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32) -> Iterator[nn.Module]:
+    """``module`` with exactly ``names`` quantized inside the block; float again after it (the same layer
+    objects and weight Parameters: Conv1D layers and ties come back as they were). What the accuracy search
+    evaluates.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(64, 64))
+        >>> weight = model[0].weight
+        >>> with temporarily_quantized(model, "int8_weight_only", ["0"]):
+        ...     type(model[0].weight) is nn.Parameter
+        False
+        >>> model[0].weight is weight
+        True
+    """
+    originals = {name: (module.get_submodule(name), module.get_submodule(name).weight) for name in names}
+    _quantize_layers(module, mode, list(names), group_size=group_size)
+    try:
+        yield module
+    finally:
+        for name, (layer, weight) in originals.items():
+            if module.get_submodule(name) is not layer:
+                set_submodule(module, name, layer)  # the Conv1D an nn.Linear stood in for
+            layer.weight = weight
+            layer.__dict__.pop("extra_repr", None)  # torchao patches the instance's extra_repr

@@ -2,11 +2,14 @@
 
 Nothing here quantizes: :func:`search_float_fallback` only decides which layers to quantize from the
 metric an ``evaluate`` callback reports, so it works for any quantization mode (and is unit-tested on
-plain numbers). Re-exported from :mod:`lightning_lowmem.functional.quantization.ptq`.
+plain numbers); :func:`tied_units` makes a tied group one candidate of that search, and
+:func:`size_and_latency` gives the before/after figures. Re-exported from
+:mod:`lightning_lowmem.functional.quantization.ptq`.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -15,7 +18,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["ToleranceSearchResult", "measure_latency", "search_float_fallback"]
+from lightning_lowmem.functional.quantization.layers import tied_groups
+from lightning_lowmem.memory.measure import state_bytes
+from lightning_lowmem.model_io import forward_batch
+
+__all__ = [
+    "ToleranceSearchResult", "expand_units", "measure_latency", "search_float_fallback", "size_and_latency", "tied_units"
+]  # fmt: skip
 
 
 @torch.inference_mode()
@@ -91,3 +100,50 @@ def search_float_fallback(
         if drop(metric) <= tolerance:
             return ToleranceSearchResult(True, baseline, metric, quantized, kept_float, sensitivity, tried)
     return ToleranceSearchResult(False, baseline, baseline, [], candidates, sensitivity, tried)
+
+
+def tied_units(module: nn.Module, candidates: Sequence[str]) -> dict[str, list[str]]:
+    """Search unit (first layer of a tied group, or the layer) -> the candidate layers it stands for: a tied
+    group is quantized (or kept float) as one.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False), nn.Linear(8, 2))
+        >>> model[1].weight = model[0].weight
+        >>> tied_units(model, ["0", "1", "2"])
+        {'0': ['0', '1'], '2': ['2']}
+    """
+    group_of = {name: group for group in tied_groups(module) for name in group}
+    units: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for name in candidates:
+        if name not in seen:
+            units[name] = [n for n in group_of.get(name, [name]) if n in candidates]
+            seen.update(units[name])
+    return units
+
+
+def expand_units(units: dict[str, list[str]], chosen: Sequence[str]) -> list[str]:
+    """The layers the search units ``chosen`` stand for (see :func:`tied_units`)."""
+    return [name for unit in chosen for name in units[unit]]
+
+
+def size_and_latency(module: nn.Module, batch: Any = None, *, repeats: int = 10, warmup: int = 2) -> dict[str, Any]:
+    """``{"bytes": parameter bytes, "latency_s": median seconds per batch}`` of ``module``, run in eval mode
+    on ``batch`` (on its device) the way the package always calls it
+    (:func:`~lightning_lowmem.model_io.forward_batch`); no ``batch``: latency is ``nan`` (not timed).
+
+    Raises:
+        BatchCallError: the model cannot be called on ``batch`` (names the override point).
+    """
+    figures: dict[str, Any] = {"bytes": state_bytes(module)["parameters"], "latency_s": float("nan")}
+    if batch is None:
+        return figures
+    was_training = module.training
+    module.eval()
+    try:
+        run = functools.partial(forward_batch, module)
+        figures["latency_s"] = measure_latency(run, (batch,), repeats=repeats, warmup=warmup)
+    finally:
+        module.train(was_training)
+    return figures

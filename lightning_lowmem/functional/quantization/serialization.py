@@ -24,11 +24,12 @@ import dataclasses
 import enum
 import functools
 import importlib
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["is_quantized_tensor", "make_portable", "rebuild_quantized_tensor", "register_safe_globals"]
+__all__ = ["is_quantized_tensor", "keep_portable_", "make_portable", "rebuild_quantized_tensor", "register_safe_globals"]
 
 _ALLOWED_ROOT = "torchao."
 
@@ -48,7 +49,7 @@ class _NotPortable(TypeError):
 
 
 def _qualname(obj: type) -> str:
-    return f"{obj.__module__}:{obj.__qualname__}"
+    return sys.intern(f"{obj.__module__}:{obj.__qualname__}")  # one object: pickled once per file, then memo references
 
 
 def _encode(value: Any) -> Any:
@@ -156,6 +157,34 @@ def make_portable(tensor: torch.Tensor) -> bool:
         return False
     tensor.__reduce_ex__ = functools.partial(_portable_reduce, tensor)  # type: ignore[method-assign]
     return True
+
+
+def keep_portable_(module: torch.nn.Module) -> None:
+    """Make every ``state_dict()`` holding ``module`` carry its torchao tensors portably (:func:`make_portable`),
+    also where no callback's ``on_save_checkpoint`` runs (``trainer.save_checkpoint(path, weights_only=True)``,
+    ``ModelCheckpoint(save_weights_only=True)``, ``torch.save(model.state_dict())``), so Lightning's callable
+    ``map_location`` loads them. A state-dict post hook on ``module`` (idempotent; it travels with the module);
+    ``keep_vars=True`` state dicts (the parameters themselves) are left alone.
+
+    Example::
+
+        >>> import io
+        >>> from lightning_lowmem.functional.quantization.ptq import quantize_
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+        >>> _ = quantize_(model, "int8_weight_only")  # calls keep_portable_(model)
+        >>> buffer = io.BytesIO(); torch.save(model.state_dict(), buffer); _ = buffer.seek(0)
+        >>> type(torch.load(buffer, map_location=lambda storage, loc: storage, weights_only=True)["0.weight"]).__name__
+        'Int8Tensor'
+    """
+    if not module.__dict__.get("_lowmem_portable_state_dict"):
+        module.register_state_dict_post_hook(_make_state_dict_portable)
+        module.__dict__["_lowmem_portable_state_dict"] = True
+
+
+def _make_state_dict_portable(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for key, value in state_dict.items():
+        if key.startswith(prefix) and is_quantized_tensor(value) and not isinstance(value, torch.nn.Parameter):
+            make_portable(value)
 
 
 def register_safe_globals() -> None:

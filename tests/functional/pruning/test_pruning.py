@@ -174,21 +174,6 @@ def test_bad_input(tiny_mlp, kwargs, error, match):
         prune_(tiny_mlp, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "module_name",
-    ["lightning_lowmem.functional.pruning.unstructured", "lightning_lowmem.functional.pruning.masks",
-     "lightning_lowmem.functional.pruning.structural", "lightning_lowmem.schedules",
-     "lightning_lowmem.callbacks.scheduled_pruning"],
-)
-def test_docstring_examples_run(module_name):
-    import doctest
-    import importlib
-
-    module = importlib.import_module(module_name)
-    result = doctest.testmod(module, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
-
-
 def _tied_model() -> nn.Sequential:
     torch.manual_seed(0)
     table, head = nn.Embedding(50, 16), nn.Linear(16, 50, bias=False)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import doctest
 import io
 
 import pytest
 import torch
 
-from lightning_lowmem.functional.pruning import sparse_format
 from lightning_lowmem.functional.pruning.sparse_format import (
     is_packed_sparse,
     pack_sparse,
@@ -86,10 +84,6 @@ def test_corrupt_pack_raises():
     assert not is_packed_sparse(torch.zeros(1))
 
 
-def test_docstring_examples_run():
-    assert doctest.testmod(sparse_format, extraglobs={"torch": torch}).failed == 0
-
-
 def test_tree_packs_a_tied_weight_once_from_a_real_state_dict():
     table = torch.nn.Embedding(64, 32)
     head = torch.nn.Linear(32, 64, bias=False)
@@ -102,3 +96,46 @@ def test_tree_packs_a_tied_weight_once_from_a_real_state_dict():
     assert count == 1 and packed["0.weight"] is packed["1.weight"]
     restored = unpack_sparse_tree(packed)
     assert restored["0.weight"] is restored["1.weight"] and torch.equal(restored["1.weight"], table.weight)
+
+
+def _old_layout(tensor):
+    """What ``to_sparse_state_dict`` wrote before the one format: no marker, no device."""
+    flat = tensor.flatten()
+    nonzero = flat != 0
+    bits = torch.zeros(-(-flat.numel() // 8) * 8, dtype=torch.uint8)
+    bits[: flat.numel()] = nonzero.to(torch.uint8)
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    return {"shape": list(tensor.shape), "bitmask": (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8),
+            "values": flat[nonzero].clone()}
+
+
+def test_state_dict_export_writes_the_one_format_and_old_files_still_load(tmp_path):
+    from lightning_lowmem.functional.pruning import from_sparse_state_dict, to_sparse_state_dict
+
+    weight, bias = _sparse((16, 24), 0.8), torch.randn(16)
+    packed = to_sparse_state_dict({"w": weight, "tied": weight, "b": bias})
+    assert is_packed_sparse(packed["w"]) and packed["tied"] is packed["w"] and packed["b"] is bias
+    assert torch.equal(unpack_sparse_tree(packed)["w"], weight)  # the format CompressedCheckpointIO reads
+    old = _old_layout(weight)
+    torch.save({"w": old, "tied": old, "b": bias, "step": 3}, tmp_path / "old.pt")
+    restored = from_sparse_state_dict(torch.load(tmp_path / "old.pt", weights_only=True))
+    assert torch.equal(restored["w"], weight) and restored["tied"] is restored["w"] and torch.equal(restored["b"], bias)
+    assert restored["step"] == 3
+    broken = {**old, "values": old["values"][:-1]}
+    with pytest.raises(ValueError, match=r"packed sparse tensor of shape \[16, 24\] is corrupt"):
+        from_sparse_state_dict({"w": broken})
+
+
+def test_tree_keeps_unchanged_containers_and_a_state_dicts_metadata():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    dense = {"state_dict": model.state_dict(), "epoch": 1}
+    assert pack_sparse_tree(dense)[0] is dense  # nothing packed: saved as it is, byte for byte torch.save's
+    with torch.no_grad():
+        model[0].weight.zero_()
+    state = model.state_dict()
+    packed, count = pack_sparse_tree({"state_dict": state})
+    assert count == 1 and is_packed_sparse(packed["state_dict"]["0.weight"])
+    # failed before: the rebuilt OrderedDict lost `_metadata` (module versions that load_state_dict reads)
+    assert packed["state_dict"]._metadata == state._metadata
+    restored = unpack_sparse_tree(packed)["state_dict"]
+    assert restored._metadata == state._metadata and torch.equal(restored["0.weight"], state["0.weight"])

@@ -36,7 +36,7 @@ Example::
     >>> check(checkpoint, {})
     Traceback (most recent call last):
     ...
-    lightning_lowmem.checkpoints.CheckpointMismatchError: this checkpoint was written with MyCallback (format 'sparse', version 1), which the loading side lacks: add callbacks=[MyCallback()].
+    lightning_lowmem.checkpoints.records.CheckpointMismatchError: this checkpoint was written with MyCallback (format 'sparse', version 1), which the loading side lacks: add callbacks=[MyCallback()].
 """
 
 from __future__ import annotations

@@ -1,23 +1,22 @@
-"""CompressedCheckpointIO: exact round trips, size on a 90%-sparse charlm, corrupt files, crash safety."""
+"""CompressedCheckpointIO (lightning_lowmem.checkpoints): exact round trips, size on a 90%-sparse charlm, corrupt files, crash safety."""
 
 from __future__ import annotations
 
-import doctest
 import io
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import lightning as L
 import pytest
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 import torch
 from torch import nn
 
-from lightning_lowmem.plugins import compressed_checkpoint_io
-from lightning_lowmem.plugins.compressed_checkpoint_io import CheckpointCorruptError, CompressedCheckpointIO
+from lightning_lowmem.checkpoints import compressed_io, file_format
+from lightning_lowmem.checkpoints.compressed_io import CheckpointCorruptError, CompressedCheckpointIO
 
 
 def _tensors(obj, prefix=""):
@@ -124,9 +123,9 @@ def test_missing_file(tmp_path):
 
 _WRITER = """
 import sys, time, torch
-from lightning_lowmem.plugins import compressed_checkpoint_io as cio
+from lightning_lowmem.checkpoints import compressed_io as cio, file_format
 
-def stalled(path, pieces, fsync=False, _real=cio._atomic_write):
+def stalled(path, pieces, fsync=False, _real=file_format.atomic_write):
     def slow():
         written = 0
         for piece in pieces:
@@ -140,7 +139,7 @@ def stalled(path, pieces, fsync=False, _real=cio._atomic_write):
             yield piece
     return _real(path, slow(), fsync)
 
-cio._atomic_write = stalled
+file_format.atomic_write = stalled
 big = {"state_dict": {"w": torch.randn(512, 512), "pruned": torch.zeros(512, 512)}, "epoch": 2}
 cio.CompressedCheckpointIO().save_checkpoint(big, sys.argv[1])
 """
@@ -202,7 +201,7 @@ def test_trainer_checkpoints_and_resume_match_torch_checkpoint_io(tmp_path, tiny
     packed_path, packed = _fit_and_resume({**kwargs, "default_root_dir": str(tmp_path / "packed")},
                                           [CompressedCheckpointIO()])
     with open(packed_path, "rb") as handle:  # 2x64 weights, mostly zero-free: chunks stored, some compressed
-        assert handle.read(len(compressed_checkpoint_io.PREFIX) + 8) == compressed_checkpoint_io.PREFIX + b"LOWMEMCK"
+        assert handle.read(len(file_format.PREFIX) + 8) == file_format.PREFIX + b"LOWMEMCK"
     expected = _tensors(torch.load(plain_path, weights_only=True))
     got = _tensors(CompressedCheckpointIO().load_checkpoint(packed_path))
     assert expected.keys() == got.keys() and len(expected) > 6  # weights and AdamW state
@@ -230,10 +229,6 @@ def test_storage_options_rejected(tmp_path):
         CompressedCheckpointIO().save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
 
 
-def test_docstring_example_runs():
-    assert doctest.testmod(compressed_checkpoint_io, extraglobs={"torch": torch, "os": os}).failed == 0
-
-
 @pytest.mark.parametrize("cut_from_end", [1, 22, 400, 0.3])
 def test_truncated_plain_file_anywhere_raises_corrupt(tmp_path, cut_from_end):
     path = tmp_path / "plain.ckpt"
@@ -248,7 +243,7 @@ def test_truncated_plain_file_anywhere_raises_corrupt(tmp_path, cut_from_end):
 def test_plain_torch_load_of_a_compressed_file_names_the_plugin(tmp_path, tiny_trainer_kwargs):
     path = tmp_path / "packed.ckpt"
     CompressedCheckpointIO().save_checkpoint(_checkpoint(), path)
-    assert path.read_bytes().startswith(compressed_checkpoint_io.PREFIX)
+    assert path.read_bytes().startswith(file_format.PREFIX)
     # failed before: "Weights only load failed ... Re-running with weights_only=False will likely succeed" (it did not)
     with pytest.raises(Exception, match=r"Unsupported global: GLOBAL lightning_lowmem\.plugins\.compressed_checkpoint_io"
                                         r"\.written_by_CompressedCheckpointIO"):
@@ -263,8 +258,8 @@ def test_plain_torch_load_of_a_compressed_file_names_the_plugin(tmp_path, tiny_t
 def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):
     torch.manual_seed(0)
     dense = {"state_dict": {f"w{i}": torch.randn(512, 512) for i in range(5)}, "epoch": 1}  # 5 MiB of mantissas
-    torch.save(dense, tmp_path / "dense.ckpt")
-    plain = (tmp_path / "dense.ckpt").read_bytes()  # what TorchCheckpointIO writes there
+    TorchCheckpointIO().save_checkpoint(dense, tmp_path / "dense.ckpt")
+    plain = (tmp_path / "dense.ckpt").read_bytes()
     checkpoint_io = CompressedCheckpointIO()
     checkpoint_io.save_checkpoint(dense, tmp_path / "dense.ckpt")
     stats = checkpoint_io.last_save_stats
@@ -276,7 +271,7 @@ def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):
     mixed = {"state_dict": {**dense["state_dict"], "zeros": torch.zeros(512, 512)}}
     checkpoint_io.save_checkpoint(mixed, tmp_path / "mixed.ckpt")
     assert checkpoint_io.last_save_stats["sparse_tensors"] == 1
-    assert (tmp_path / "mixed.ckpt").read_bytes().startswith(compressed_checkpoint_io.PREFIX)
+    assert (tmp_path / "mixed.ckpt").read_bytes().startswith(file_format.PREFIX)
     assert torch.equal(checkpoint_io.load_checkpoint(tmp_path / "mixed.ckpt")["state_dict"]["w3"], dense["state_dict"]["w3"])
 
 
@@ -317,3 +312,15 @@ def test_quantized_weights_load_under_lightnings_callable_map_location(tmp_path)
     weight = loaded["state_dict"]["0.weight"]
     assert type(weight).__name__ == type(model[0].weight).__name__ and weight.device.type == "cpu"
     assert torch.equal(weight.dequantize(), model[0].weight.dequantize())
+
+
+def test_one_class_behind_every_import_path():
+    import lightning_lowmem
+    from lightning_lowmem import checkpoints, plugins
+    from lightning_lowmem.plugins import compressed_checkpoint_io as old_module
+
+    assert lightning_lowmem.CompressedCheckpointIO is checkpoints.CompressedCheckpointIO is plugins.CompressedCheckpointIO
+    assert old_module.CompressedCheckpointIO is compressed_io.CompressedCheckpointIO
+    assert lightning_lowmem.CheckpointCorruptError is plugins.CheckpointCorruptError is file_format.CheckpointCorruptError
+    # what a plain torch.load of a compressed file calls, by the path written in the file's first bytes
+    assert old_module.written_by_CompressedCheckpointIO is file_format.written_by_CompressedCheckpointIO

@@ -3,8 +3,6 @@ that make checkpoints trustworthy run."""
 
 from __future__ import annotations
 
-import doctest
-import importlib
 
 import pytest
 
@@ -26,18 +24,3 @@ def test_record_and_check():
     check({}, {})  # a checkpoint without records: nothing to check
     with pytest.raises(TypeError, match=r"`format` must be a non-empty string, got ''"):
         record(checkpoint, writer="X", format="")
-
-
-@pytest.mark.parametrize(
-    "module",
-    [
-        "lightning_lowmem.checkpoints",
-        "lightning_lowmem.functional.optimizers.state",
-        "lightning_lowmem.functional.optimizers.registry",
-        "lightning_lowmem.functional.optimizers.in_backward",
-        "lightning_lowmem.callbacks.memory_efficient_optimizer",
-    ],
-)
-def test_docstring_examples_run(module):
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0

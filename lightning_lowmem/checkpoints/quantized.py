@@ -1,70 +1,57 @@
-"""Quantized checkpoints through Lightning: what the quantization callbacks record, how a model takes the
-quantized weights of a checkpoint before they load, and a ``CheckpointIO`` swap for older files.
+"""Quantized checkpoints: what the quantization callbacks record, how a model takes the quantized weights of
+a checkpoint before they load, and :func:`load_quantized_checkpoint`.
 
-Writing (:func:`record_checkpoint`, from ``on_save_checkpoint``): every checkpoint the quantization
-callbacks write records what wrote it, ``checkpoint["lowmem_quantization"]`` (writer, mode, layers,
-Conv1D layers turned into ``nn.Linear``, tied groups). Its torchao tensors are made portable
-(:mod:`~lightning_lowmem.functional.quantization.serialization`: they load under any ``map_location``
-and with ``weights_only=True`` after ``import lightning_lowmem``). When the state dict cannot load into a
-plain float model (quantized weights, or Conv1D weights stored as ``nn.Linear``), it also holds one
-extra entry whose *key is the instruction*: a Trainer without the callback, or ``load_from_checkpoint``
-without a hook, fails on that unexpected key with the message "written by lightning_lowmem
-PostTrainingQuantization(...): add it to the Trainer's callbacks, or load the file with
-load_quantized_checkpoint" before any weight is used.
+Writing (:func:`record_checkpoint`, from the callbacks' ``on_save_checkpoint``): every checkpoint the
+quantization callbacks write records what wrote it, ``checkpoint["lowmem_quantization"]`` (writer, mode,
+layers, Conv1D layers turned into ``nn.Linear``, tied groups). Its torchao tensors are made portable
+(:mod:`~lightning_lowmem.functional.quantization.serialization`: they load under any ``map_location``, Lightning's
+callable default included, and with ``weights_only=True`` after ``import lightning_lowmem``), so a Trainer
+with Lightning's own ``TorchCheckpointIO`` or with ``CompressedCheckpointIO`` resumes from them. When the state
+dict cannot load into a plain float model (quantized weights, or Conv1D weights stored as ``nn.Linear``), it
+also holds one extra entry whose *key is the instruction*: a Trainer without the callback, or
+``load_from_checkpoint`` without a hook, fails on that unexpected key with the message "written by
+lightning_lowmem PostTrainingQuantization(...): add it to the Trainer's callbacks, or load the file with
+lightning_lowmem.checkpoints.load_quantized_checkpoint" before any weight is used.
 
 Reading (:func:`prepare_for_load`, from the callbacks' load-state-dict pre-hooks, :func:`quantize_like_checkpoint`
 and :func:`load_quantized_checkpoint`): the recorded Conv1D layers become ``nn.Linear``, and every layer
 whose incoming weight is a torchao tensor takes that tensor as its weight (any format, any mode; layers
 that shared a weight when saved share it again), so ``load_state_dict`` then copies in place.
 
-Checkpoints written before this format (torchao-pickled weights) need ``map_location`` not to be a
-callable: the callbacks swap Lightning's plain ``TorchCheckpointIO`` for one passing ``"cpu"`` while a
-stage runs, and put it back at teardown.
+Checkpoints written before the portable format (torchao-pickled weights) cannot be rebuilt under a callable
+``map_location``: load them with ``Trainer(plugins=[CompressedCheckpointIO()])`` or
+:func:`load_quantized_checkpoint`, whose reader (:func:`~lightning_lowmem.checkpoints.reading.read_checkpoint`)
+rebuilds them on CPU. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
-from typing_extensions import override
 
-from lightning_lowmem.functional.quantization.ptq import drop_zero_point
+from lightning_lowmem.checkpoints.reading import read_checkpoint
 from lightning_lowmem.functional.quantization.layers import convert_conv1d_, is_conv1d, set_submodule
-from lightning_lowmem.functional.quantization.serialization import is_quantized_tensor, make_portable
+from lightning_lowmem.functional.quantization.ptq import drop_zero_point
+from lightning_lowmem.functional.quantization.serialization import is_quantized_tensor, keep_portable_, make_portable
 
-__all__ = ["CHECKPOINT_KEY", "load_quantized_checkpoint", "prepare_for_load", "quantize_like_checkpoint"]
+if TYPE_CHECKING:
+    import lightning as L
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "load_quantized_checkpoint",
+    "pop_instruction",
+    "prepare_for_load",
+    "quantize_like_checkpoint",
+    "record_checkpoint",
+]
 
 CHECKPOINT_KEY = "lowmem_quantization"
 #: the state-dict key of the instruction entry starts with this
 INSTRUCTION_PREFIX = "lowmem_quantization:"
-
-
-class CpuMapCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose default ``map_location`` is ``"cpu"`` rather than a callable."""
-
-    @override
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=weights_only)
-
-
-def swap_in(trainer: L.Trainer) -> TorchCheckpointIO | None:
-    """Replace the strategy's plain ``TorchCheckpointIO`` (only that: a user's own plugin is kept).
-    Returns the replaced plugin, for :func:`swap_back`, or ``None``."""
-    original = trainer.strategy.checkpoint_io
-    if type(original) is not TorchCheckpointIO:
-        return None
-    trainer.strategy.checkpoint_io = CpuMapCheckpointIO()
-    return original
-
-
-def swap_back(trainer: L.Trainer, original: TorchCheckpointIO | None) -> None:
-    if original is not None and isinstance(trainer.strategy.checkpoint_io, CpuMapCheckpointIO):
-        trainer.strategy.checkpoint_io = original
 
 
 # --- writing ---------------------------------------------------------------------------------------------
@@ -74,7 +61,7 @@ def instruction_key(writer: str) -> str:
     """The state-dict key that tells a loader without lightning_lowmem's hooks what to add."""
     return (
         f"{INSTRUCTION_PREFIX} written by lightning_lowmem {writer}: add it to the Trainer's callbacks, or load the "
-        "file with lightning_lowmem.callbacks.post_training_quantization.load_quantized_checkpoint"
+        "file with lightning_lowmem.checkpoints.load_quantized_checkpoint"
     )
 
 
@@ -152,6 +139,8 @@ def prepare_for_load(module: nn.Module, state_dict: dict[str, Any], prefix: str 
         layer.weight = adopted[key]
         layer.__dict__.pop("extra_repr", None)
         names.append(fqn)
+    if names:
+        keep_portable_(module)  # saved again without a callback's hook (weights_only=True): still portable
     return names, conv1d
 
 
@@ -199,25 +188,38 @@ def quantize_like_checkpoint(module: nn.Module, checkpoint: dict[str, Any]) -> l
 
 
 def load_quantized_checkpoint(
-    model_class: type[L.LightningModule], checkpoint_path: str, *, map_location: Any = "cpu", weights_only: bool | None = None, **kwargs: Any
+    model_class: type[L.LightningModule],
+    checkpoint_path: Any,
+    *,
+    map_location: Any = "cpu",
+    weights_only: bool | None = None,
+    **kwargs: Any,
 ) -> L.LightningModule:
     """Rebuild a LightningModule from a checkpoint saved by ``PostTrainingQuantization`` (or
-    ``QuantizationAwareTraining``).
+    ``QuantizationAwareTraining``), written by Lightning's ``TorchCheckpointIO`` or by ``CompressedCheckpointIO``.
 
-    Builds ``model_class(**hyper_parameters, **kwargs)``, gives its layers the checkpoint's quantized
-    weights (and its recorded Conv1D layers the ``nn.Linear`` form), then loads the state dict (a float
-    checkpoint loads as float).
+    Reads the file with :func:`~lightning_lowmem.checkpoints.reading.read_checkpoint`, builds
+    ``model_class(**hyper_parameters, **kwargs)``, gives its layers the checkpoint's quantized weights (and its
+    recorded Conv1D layers the ``nn.Linear`` form), then loads the state dict (a float checkpoint loads as float).
 
     Args:
         model_class: the LightningModule class (it must save its hyper-parameters).
-        checkpoint_path: the ``.ckpt`` file.
-        map_location: passed to ``torch.load``. Default: ``"cpu"``.
-        weights_only: passed to ``torch.load``; ``True`` works after ``import lightning_lowmem``.
-            Default: ``None`` (torch's default).
+        checkpoint_path: the ``.ckpt`` file (local or any fsspec URL).
+        map_location: where tensors go, as for ``torch.load`` (a callable too). Default: ``"cpu"``.
+        weights_only: as for ``torch.load``; ``True`` works after ``import lightning_lowmem``.
+            Default: ``None`` (``True``, torch's default).
         **kwargs: override hyper-parameters.
+
+    Raises:
+        ValueError: the checkpoint was saved after ``mode="int8_static"``.
+        CheckpointCorruptError: the file is truncated or damaged.
+
+    Example::
+
+        model = load_quantized_checkpoint(HFLanguageModel, "quantized.ckpt")
     """
-    checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=weights_only)
-    _refuse_static(checkpoint.get(CHECKPOINT_KEY), repr(checkpoint_path))
+    checkpoint = read_checkpoint(checkpoint_path, map_location=map_location, weights_only=weights_only is not False)
+    _refuse_static(checkpoint.get(CHECKPOINT_KEY), repr(str(checkpoint_path)))
     model = model_class(**{**checkpoint.get("hyper_parameters", {}), **kwargs})
     quantize_like_checkpoint(model, checkpoint)
     model.load_state_dict(checkpoint["state_dict"])

@@ -1,25 +1,29 @@
-"""``PostTrainingQuantization(mode="int8_static")``: the child module it replaces by a calibrated int8 graph.
+"""Static int8 of one child module: choose its layers, record its calibration calls, build its int8 graph.
 
-A LightningModule cannot replace itself, so static int8 exports one submodule, ``module_name`` (e.g. the
-``model`` its ``forward`` calls). These helpers choose that child's layers, record the calls (positional
-and keyword inputs) it receives while the package runs the model on validation batches, and build the
-int8 graph of a copy of it. The callback decides when; nothing here holds state.
+A LightningModule cannot replace itself, so ``PostTrainingQuantization(mode="int8_static")`` exports one
+submodule, ``module_name`` (e.g. the ``model`` its ``forward`` calls). These helpers choose that child's
+layers, record the calls (positional and keyword inputs) it receives while the package runs the model on
+batches (already on the model's device), and build the int8 graph of a copy of it; :class:`StaticChild`
+bundles them with the one piece of state a run needs between the accuracy search and the conversion (the
+last graph built). The callback decides when.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
-from lightning.fabric.utilities import move_data_to_device
 from torch import nn
 
+from lightning_lowmem.functional.quantization.layers import is_conv1d, matches_any, set_submodule, tied_groups
 from lightning_lowmem.functional.quantization.report import QuantizationReport
-from lightning_lowmem.functional.quantization.layers import is_conv1d, matches_any, tied_groups
 from lightning_lowmem.model_io import BatchCallError, forward_batch
 from lightning_lowmem.warnings import NoEffectWarning
+
+__all__ = ["StaticChild", "calibration_calls", "device_of", "quantize_child", "static_candidates"]
 
 STATIC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
@@ -51,7 +55,7 @@ def static_candidates(
 
 def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[Any], batches: int) -> list[Any]:
     """The calls (positional and keyword inputs) the child ``module_name`` receives on the first ``batches``
-    batches of ``loader``, the model being run as the package always runs it
+    batches of ``loader`` (on the model's device), the model being run as the package always runs it
     (:func:`~lightning_lowmem.model_io.forward_batch`).
 
     Raises:
@@ -67,7 +71,6 @@ def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[A
         captured.append(ModelCall(tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}))
 
     handle = pl_module.get_submodule(module_name).register_forward_pre_hook(record, with_kwargs=True)
-    device = device_of(pl_module)
     was_training = pl_module.training
     pl_module.eval()
     try:
@@ -76,7 +79,7 @@ def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[A
                 if index >= batches:
                     break
                 try:
-                    forward_batch(pl_module, move_data_to_device(batch, device))
+                    forward_batch(pl_module, batch)
                 except BatchCallError as err:
                     raise BatchCallError(f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}") from None
     finally:
@@ -108,3 +111,69 @@ def quantize_child(
     if compile:
         report.module = compile_inference(report.module)
     return report
+
+
+class StaticChild:
+    """The child ``module_name`` of a model, replaced by its calibrated int8 graph: the state a static int8
+    run keeps between the accuracy search and the final conversion (the last graph built, so the chosen
+    configuration is not exported twice).
+
+    Args:
+        module_name: the submodule replaced (e.g. ``"model"``).
+        compile: wrap the final graph in :func:`~lightning_lowmem.functional.quantization.compile.compile_inference`.
+            Default: ``False``.
+
+    Example::
+
+        >>> model = nn.Sequential()
+        >>> model.add_module("model", nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+        >>> StaticChild("model").candidates(model, ["model.2"], None)
+        ['model.0']
+    """
+
+    def __init__(self, module_name: str, compile: bool = False) -> None:
+        self.module_name, self.compile = module_name, compile
+        self._last: tuple[tuple[str, ...], QuantizationReport] | None = None
+
+    def candidates(
+        self, module: nn.Module, skip_modules: Sequence[str] = (), filter_fn: Callable[[nn.Module, str], bool] | None = None
+    ) -> list[str]:
+        """See :func:`static_candidates`."""
+        return static_candidates(module, self.module_name, skip_modules, filter_fn)
+
+    def calibrate(self, module: nn.Module, batches: Iterable[Any], limit: int) -> list[Any]:
+        """See :func:`calibration_calls`."""
+        return calibration_calls(module, self.module_name, batches, limit)
+
+    def build(self, module: nn.Module, names: Sequence[str], calls: list[Any], *, compile: bool | None = None) -> QuantizationReport:
+        """The int8 graph of the child with exactly ``names`` quantized (``report.module``, to install); the
+        graph :meth:`evaluating` built last for the same ``names`` is reused."""
+        compile = self.compile if compile is None else compile
+        evaluated, self._last = self._last, None
+        if evaluated is not None and evaluated[0] == tuple(names):  # the search already built it: no second export
+            report = evaluated[1]
+            if compile:
+                from lightning_lowmem.functional.quantization.compile import compile_inference
+
+                report.module = compile_inference(report.module)
+            return report
+        return quantize_child(module, self.module_name, names, calls, compile=compile)
+
+    def install(self, module: nn.Module, graph: nn.Module) -> nn.Module:
+        """Install ``graph`` as the child; returns the module it replaced."""
+        return set_submodule(module, self.module_name, graph)
+
+    @contextmanager
+    def evaluating(self, module: nn.Module, names: Sequence[str], calls: list[Any]) -> Iterator[nn.Module]:
+        """``module`` with the child's int8 graph (exactly ``names`` quantized) inside the block, the float
+        child again after it; no ``names``: the float model."""
+        if not names:
+            yield module
+            return
+        report = self.build(module, names, calls, compile=False)
+        self._last = (tuple(names), report)
+        previous = self.install(module, report.module)
+        try:
+            yield module
+        finally:
+            self.install(module, previous)

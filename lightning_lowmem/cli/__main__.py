@@ -1,0 +1,5 @@
+"""``python -m lightning_lowmem.cli``: the ``lowmem`` command (for ``torchrun``, SLURM scripts and subprocesses)."""
+
+from lightning_lowmem.cli import main
+
+raise SystemExit(main())

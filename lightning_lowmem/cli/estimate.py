@@ -1,0 +1,276 @@
+"""``lowmem estimate``: a config's training step, estimated (``--budget``: planned) without allocating it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from lightning_lowmem.cli.errors import (
+    ConfigError,
+    did_you_mean,
+)
+from lightning_lowmem.cli.runner import _DropMessages, _lightning_cli, _print_error
+
+ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
+                       [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
+                       (--config CONFIG.yaml | --model CLASS_PATH [--data CLASS_PATH]) [...]
+
+Predict the peak memory of one training step without allocating it, and (with --budget) plan the
+cheapest technique mix that fits. Takes the same model / data / trainer options as `lowmem fit`; the
+precision and the memory callbacks of the config (ActivationCheckpointing, ActivationCompression,
+MemoryEfficientOptimizer, LowRankAdapters) are what is estimated.
+
+options:
+  --budget SIZE       plan for this memory, e.g. 8GiB or 512MB (default: the config's
+                      LowMemoryStrategy memory_budget, if any). The search is shown on stderr.
+  --device DEVICE     cuda or cpu (default: cuda when this machine has one, else cpu)
+  --batch-shape SPEC  the batch to estimate, instead of taking one from --data. Tensors are
+                      comma-separated shapes, integer (int64) unless a dtype is given:
+                        32x64,32x64                    a tuple (inputs, targets) of token ids
+                        64x1x8x8:float32,64            float images and int labels
+                        input_ids=4x128,attention_mask=4x128,labels=4x128
+                                                       a dict batch (Hugging Face models)
+  --json              machine-readable output
+  --real-weights      build the model for real (default: on the meta device, no weight memory)
+  --fine-tune         also plan LoRA / QLoRA candidates
+  --devices N         processes (GPUs) the step runs on; the batch is one process's batch
+  --strategy NAME     ddp, zero1 (lowmem_ddp + zero_optimizer) or fsdp (lowmem_fsdp): per-rank
+                      peaks, without the devices"""
+
+
+# ----------------------------------------------------------------------------- startup noise
+_DTYPES = {
+    "long": torch.int64, "int64": torch.int64, "int": torch.int64, "int32": torch.int32, "bool": torch.bool,
+    "float": torch.float32, "float32": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def parse_batch_shape(spec: str) -> Any:
+    """A batch of ``meta`` tensors from a ``--batch-shape`` spec (see ``lowmem estimate --help``).
+
+    Example::
+
+        >>> batch = parse_batch_shape("input_ids=4x128,labels=4x128")
+        >>> {k: tuple(v.shape) for k, v in batch.items()}
+        {'input_ids': (4, 128), 'labels': (4, 128)}
+        >>> [(tuple(t.shape), t.dtype) for t in parse_batch_shape("8x1x8x8:float32,8")]
+        [((8, 1, 8, 8), torch.float32), ((8,), torch.int64)]
+    """
+    items = [item.strip() for item in spec.split(",") if item.strip()]
+    if not items:
+        raise ConfigError(f"--batch-shape {spec!r} is empty; e.g. 32x64,32x64 or input_ids=4x128,labels=4x128")
+    named = ["=" in item for item in items]
+    if any(named) and not all(named):
+        raise ConfigError(f"--batch-shape {spec!r} mixes named (key=shape) and unnamed tensors; use one form")
+    tensors: list[tuple[str | None, torch.Tensor]] = []
+    for item in items:
+        key, _, shape_dtype = item.rpartition("=")
+        shape, _, dtype_name = shape_dtype.partition(":")
+        dtype = _DTYPES.get(dtype_name.strip().lower() or "int64")
+        if dtype is None:
+            raise ConfigError(
+                f"--batch-shape: dtype {dtype_name!r} in {item!r} is unknown{did_you_mean(dtype_name, _DTYPES)}; "
+                f"choose one of {', '.join(_DTYPES)}"
+            )
+        try:
+            dims = [int(d) for d in shape.lower().split("x")]
+        except ValueError:
+            dims = []
+        if not dims or any(d <= 0 for d in dims):
+            raise ConfigError(f"--batch-shape: {shape!r} in {item!r} is not a shape like 32x64 (positive sizes joined by x)")
+        tensors.append((key or None, torch.empty(dims, dtype=dtype, device="meta")))
+    if all(named):
+        return {key: tensor for key, tensor in tensors}
+    return tensors[0][1] if len(tensors) == 1 else tuple(tensor for _, tensor in tensors)
+
+
+def _first_batch(datamodule: Any) -> Any:
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    return next(iter(datamodule.train_dataloader()))
+
+
+def configured_techniques(cli: Any) -> dict[str, Any]:
+    """:class:`~lightning_lowmem.functional.config.TrainingConfig` arguments for what the config turns on: the
+    trainer's precision, the model's optimizer name and the memory callbacks' / strategy's configs (plus
+    ``memory_budget``). Unknown callbacks add nothing."""
+    from lightning_lowmem.functional.optimizers.registry import available_optimizers
+
+    trainer_config = cli.config.get("trainer") or {}
+    precision = str(trainer_config.get("precision") or "32-true")
+    found: dict[str, Any] = {"precision": {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(precision, precision)}
+    optimizer = getattr(getattr(cli.model, "hparams", {}), "get", lambda *_: None)("optimizer")
+    if isinstance(optimizer, str) and optimizer in available_optimizers():
+        found["optimizer"] = optimizer
+    callbacks = (cli.config_init.get("trainer") or {}).get("callbacks") or []
+    strategy = (cli.config_init.get("trainer") or {}).get("strategy")
+    for item in [*(callbacks if isinstance(callbacks, list) else [callbacks]), strategy]:
+        name = type(item).__name__
+        config = getattr(item, "config", None)  # the callbacks' / strategies' functional.config objects
+        if name == "ActivationCheckpointing":
+            found["checkpointing"] = config
+        elif name == "ActivationCompression":
+            found["compression"] = config
+        elif name == "MemoryEfficientOptimizer":
+            found["optimizer"] = config
+        elif name == "LowRankAdapters":
+            found["lora"] = config
+        elif name in ("LowMemoryStrategy", "LowMemoryDDPStrategy") and config is not None:
+            for field in ("checkpointing", "compression", "optimizer"):
+                if getattr(config, field) is not None:
+                    found[field] = getattr(config, field)
+            if getattr(item, "memory_budget", None) is not None:
+                found["memory_budget"] = item.memory_budget  # what `lowmem fit` would plan for
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def estimate_main(argv: list[str]) -> int:
+    """``lowmem estimate``: Rich table of the estimate, or of the candidates and the chosen plan."""
+    parser = argparse.ArgumentParser(prog="lowmem estimate", usage=ESTIMATE_USAGE, add_help=False)
+    parser.add_argument("--budget", default=None)
+    parser.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    parser.add_argument("--batch-shape", default=None)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--real-weights", action="store_true")
+    parser.add_argument("--fine-tune", action="store_true")
+    parser.add_argument("--devices", default=None)
+    parser.add_argument("--strategy", default=None)
+    parser.add_argument("-h", "--help", action="store_true")
+    own, rest = parser.parse_known_args(argv)
+    if own.help:
+        print(ESTIMATE_USAGE)
+        return 0
+    hint = "see `lowmem estimate --help`"
+    if not any(a.startswith(("--config", "--model", "-c")) for a in rest):
+        _print_error(
+            "lowmem estimate needs a model: give the same YAML as `lowmem fit` (--config path.yaml) or a model "
+            "class, e.g. lowmem estimate --model lightning_lowmem.demo.CharLM --data "
+            "lightning_lowmem.demo.CharLMDataModule --budget 8GiB",
+            hint,
+        )
+        return 2
+    try:
+        batch = parse_batch_shape(own.batch_shape) if own.batch_shape else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cli = _lightning_cli(rest, run=False, estimate_only=True, meta_model=not own.real_weights)
+        if batch is None and cli.datamodule is None:
+            raise ConfigError(
+                "lowmem estimate needs a batch: add --data CLASS_PATH (or a `data:` section) to take one from, or "
+                "--batch-shape, e.g. 32x64,32x64 or input_ids=4x128,attention_mask=4x128,labels=4x128"
+            )
+        techniques = configured_techniques(cli)
+    except ConfigError as err:
+        _print_error(str(err), hint)
+        return 2
+    if own.devices is not None or own.strategy is not None:
+        from lightning_lowmem.planning.sharding import check_sharding
+
+        strategy = (own.strategy or "ddp").removeprefix("lowmem_")
+        try:
+            devices = int(own.devices) if own.devices is not None else 1
+        except ValueError:
+            devices = own.devices
+        try:
+            check_sharding(devices, strategy)
+        except ValueError as err:
+            _print_error(str(err).replace("`world_size`", "--devices").replace("`sharding`", "--strategy"), hint)
+            return 2
+        if own.budget is not None:
+            _print_error("--budget plans one process; drop --devices / --strategy to plan, or --budget to estimate", hint)
+            return 2
+        techniques = {**techniques, "world_size": devices, "sharding": strategy}
+    if batch is None:
+        batch = _first_batch(cli.datamodule)
+    device = own.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return _report(cli.model, batch, techniques, device, own)
+
+
+def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from lightning_lowmem.memory import format_bytes
+    from lightning_lowmem.model_io import describe_batch
+    from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
+    from lightning_lowmem.planning.plan import plan_memory
+    from lightning_lowmem.planning.plan_report import rich_progress
+
+    console = Console()
+    where = device if device == "cuda" or torch.cuda.is_available() else "cpu (no CUDA device here; --device cuda plans for a GPU)"
+    budget = techniques.pop("memory_budget", None)
+    own.budget = own.budget if own.budget is not None else budget
+    config = TrainingConfig(**{"optimizer": None, **techniques})  # no optimizer set: configure_optimizers'
+    if own.budget is None:
+        report = estimate_memory(model, batch, device=device, config=config)
+        if own.json:
+            print(json.dumps(report.to_dict(), indent=2, default=str))
+            return 0
+        label = report.meta["label"]
+        if "per_rank" in report.meta:
+            console.print(_per_rank_table(report, f"Estimated per-rank training step on {where}: {label}"))
+        else:
+            console.print(report.to_table(title=f"Estimated training step on {where}: {label}"))
+        console.print(f"batch: {describe_batch(batch)}", markup=False)
+        return 0
+    loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
+    # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
+    # precision and optimizer are the baseline the search starts from
+    fixed = TrainingConfig(precision=None, optimizer=None, checkpointing=config.checkpointing,
+                           compression=config.compression, lora=config.lora)  # fmt: skip
+    wanted: dict[str, Any] = {"precision": config.precision_preset, "optimizer": config.optimizer_name}
+    if config.optimizer is not None and config.optimizer.hyperparameters:
+        wanted["optimizer_kwargs"] = config.optimizer.kwargs
+    # a candidate that cannot run on fake tensors is listed with its error in the plan table; torch
+    # also logs the failing op's traceback, which the table already summarises
+    fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_filter = _DropMessages(r"^failed while attempting to run meta for ")
+    fake_logger.addFilter(fake_filter)
+    try:
+        with rich_progress(Console(stderr=True)) as progress:
+            plan = plan_memory(model, batch, own.budget, device=device, loras=loras, progress=progress, config=fixed,
+                               **wanted)  # fmt: skip
+    except ValueError as err:
+        if own.json:
+            print(json.dumps({"error": str(err)}))
+        else:
+            console.print(str(err), style="bold red", markup=False)
+        return 1
+    finally:
+        fake_logger.removeFilter(fake_filter)
+    if own.json:
+        print(json.dumps(plan.to_dict(), indent=2, default=str))
+        return 0
+    console.print(plan.to_table())
+    console.print(
+        f"chosen: [bold]{plan.config.describe()}[/bold] -> predicted peak "
+        f"{format_bytes(plan.predicted_peak_bytes)} (budget {format_bytes(plan.budget_bytes)}, device {where}; "
+        f"planned in {plan.seconds:.1f} s)"
+    )
+    return 0
+
+
+def _per_rank_table(report: Any, title: str) -> Any:
+    """One row per rank: peak and breakdown (``estimate_memory(..., world_size=N, sharding=...)``)."""
+    from rich.table import Table
+
+    from lightning_lowmem.memory import format_bytes
+    from lightning_lowmem.memory.report import CATEGORIES
+
+    meta = report.meta
+    table = Table(title=f"{title} | {meta['sharding']} x {meta['world_size']} processes")
+    table.add_column("rank", justify="right")
+    for category in CATEGORIES:
+        table.add_column(category, justify="right")
+    table.add_column("peak", justify="right", style="bold")
+    for rank in meta["per_rank"]:
+        table.add_row(str(rank["rank"]), *(format_bytes(rank["breakdown"][c]) for c in CATEGORIES),
+                      format_bytes(rank["peak_bytes"]))  # fmt: skip
+    for name, value in report.overheads.items():
+        table.add_row(f"+ {name}", *[""] * len(CATEGORIES), format_bytes(value))
+    return table

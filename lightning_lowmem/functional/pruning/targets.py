@@ -1,0 +1,119 @@
+"""Which parameters a pruning run prunes, and the lottery-ticket rewind of those parameters.
+
+:func:`resolve_targets` turns ``ModelPruning``'s ``parameters_to_prune`` / ``parameter_names`` into
+``(fqn, module, parameter name)`` triples of the model *as it is now* (modules swapped by another
+transform since are found again by name, explicit pairs by their parameter); :func:`snapshot` and
+:func:`rewind_` keep and restore the unpruned weights (Frankle & Carbin's lottery ticket).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from lightning_lowmem.functional.pruning.masks import collect_prunable, get_mask
+
+__all__ = ["Target", "resolve_targets", "rewind_", "snapshot"]
+
+#: ``(qualified module name, module, parameter name)``
+Target = tuple[str, nn.Module, str]
+
+
+def resolve_targets(
+    module: nn.Module,
+    parameters_to_prune: Sequence[Any] = (),
+    parameter_names: Sequence[str] = ("weight", "bias"),
+    *,
+    names_given: bool = True,
+    structural: bool = False,
+    embeddings: bool = False,
+) -> list[Target]:
+    """The parameters to prune in ``module`` as it is now, one triple per parameter (a tied weight once).
+
+    Args:
+        module: the model.
+        parameters_to_prune: ``(module, "weight")`` pairs or ``"module.fqn.param"`` strings; empty = every
+            module's ``parameter_names`` (embeddings only with ``embeddings``). Default: ``()``.
+        parameter_names: names pruned in each module when ``parameters_to_prune`` is empty.
+            Default: ``("weight", "bias")``.
+        names_given: the user chose ``parameter_names``: a name no module has is an error (the default
+            ``("weight", "bias")`` fits bias-free models). Default: ``True``.
+        structural: with no ``parameters_to_prune``, only the layers structural removal can cut.
+            Default: ``False``.
+        embeddings: also embedding tables and the parameters tied to them. Default: ``False``.
+
+    Raises:
+        ValueError: a string entry naming no submodule, or a given parameter name no module has.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> [(fqn, name) for fqn, _, name in resolve_targets(model, ["2.weight"])]
+        [('2', 'weight')]
+    """
+    pairs = []
+    for item in parameters_to_prune:
+        if isinstance(item, str):  # "fqn.param" from YAML
+            fqn, _, pname = item.rpartition(".")
+            try:
+                pairs.append((module.get_submodule(fqn), pname))
+            except AttributeError:
+                names = [n for n, _ in module.named_parameters()]
+                close = difflib.get_close_matches(item, names, n=5, cutoff=0.5) or names[:5]
+                raise ValueError(
+                    f"`parameters_to_prune` entry {item!r} names no submodule of {type(module).__name__}; "
+                    f"entries are 'module.path.param' strings such as {close}"
+                ) from None
+        else:
+            pairs.append(tuple(item))
+    names = list(parameter_names)
+    if not pairs and structural:  # mask only the channels structural removal can cut
+        from lightning_lowmem.functional.pruning.structural import _default_candidates
+
+        pairs = [(layer, "weight") for _, layer in _default_candidates(module)]
+    if not pairs:  # ModelPruning prunes only the names each module has; error if a name exists nowhere
+        present = {n.rsplit(".", 1)[-1] for n, _ in module.named_parameters()}
+        missing = [n for n in names if n not in present]
+        if missing and names_given:
+            raise ValueError(
+                f"`parameter_names` contains {missing}, which no module has;"
+                f" parameter names present: {sorted(present)}"
+            )
+        names = [n for n in names if n in present]
+    return collect_prunable(module, names, None, pairs or None, embeddings=embeddings)
+
+
+def snapshot(targets: Sequence[Target]) -> dict[str, torch.Tensor]:
+    """A copy of each target's current values, keyed ``"fqn.param"`` (what :func:`rewind_` restores)."""
+    return {f"{fqn}.{pname}": getattr(sub, pname).detach().clone() for fqn, sub, pname in targets}
+
+
+@torch.no_grad()
+def rewind_(targets: Sequence[Target], original: dict[str, torch.Tensor], resample: bool = False) -> None:
+    """Rewind every target to its :func:`snapshot` value (``resample``: to a fresh ``reset_parameters()``
+    value instead), then zero its pruned entries again.
+
+    Example::
+
+        >>> layer = nn.Linear(3, 3)
+        >>> saved = snapshot([("", layer, "weight")])
+        >>> _ = layer.weight.data.add_(1.0)
+        >>> rewind_([("", layer, "weight")], saved)
+        >>> torch.equal(layer.weight, saved[".weight"])
+        True
+    """
+    for fqn, sub, pname in targets:
+        weight = getattr(sub, pname)
+        if resample and hasattr(sub, "reset_parameters"):
+            fresh = copy.deepcopy(sub)
+            fresh.reset_parameters()
+            weight.copy_(getattr(fresh, pname))
+        else:
+            weight.copy_(original[f"{fqn}.{pname}"])
+        mask = get_mask(sub, pname)
+        if mask is not None:
+            weight.mul_(mask)
