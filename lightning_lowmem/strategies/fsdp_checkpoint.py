@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_lowmem.checkpoints import SHARDED_HINT, is_sharded_checkpoint, reject_sharded_checkpoint
+from lightning_lowmem.checkpoints.records import SHARDED_HINT, is_sharded_checkpoint, reject_sharded_checkpoint
 
 __all__ = [
     "SHARDED_HINT",
