@@ -252,6 +252,13 @@ def test_estimate_per_rank_for_a_strategy_and_devices(capsys):
     expected = estimate_memory(CharLM(n_layer=2, n_embd=64, n_head=2, block_size=32), batch, device="cpu",
                                world_size=2, sharding="fsdp")  # fmt: skip
     assert report["peak_bytes"] == expected.peak_bytes and [r["rank"] for r in report["meta"]["per_rank"]] == [0, 1]
+    # with --budget (per GPU) the plan is per rank; --strategy fixes the sharding, else it is searched
+    assert main(["estimate", "--json", "--devices", "2", "--strategy", "fsdp", "--budget", "1GiB", *model_args]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert (chosen["config"]["sharding"], chosen["config"]["world_size"]) == ("fsdp", 2)
+    assert chosen["predicted_peak_bytes"] == expected.peak_bytes
+    assert main(["estimate", "--json", "--devices", "2", "--budget", "1GiB", *model_args]) == 0
+    assert json.loads(capsys.readouterr().out)["chosen"]["config"]["sharding"] == "ddp"  # least communication
     assert main(["estimate", "--devices", "0", "--strategy", "fsdp", *model_args]) == 2
     assert "--devices=0 must be an int >= 1" in capsys.readouterr().err
     assert main(["estimate", "--devices", "2", "--strategy", "fdsp", *model_args]) == 2

@@ -40,7 +40,8 @@ options:
   --fine-tune         also plan LoRA / QLoRA candidates
   --devices N         processes (GPUs) the step runs on; the batch is one process's batch
   --strategy NAME     ddp, zero1 (lowmem_ddp + zero_optimizer) or fsdp (lowmem_fsdp): per-rank
-                      peaks, without the devices"""
+                      peaks, without the devices. With --budget (per GPU) and --devices N the
+                      plan searches the sharding too, unless --strategy fixes it"""
 
 
 # ----------------------------------------------------------------------------- startup noise
@@ -182,10 +183,10 @@ def estimate_main(argv: list[str]) -> int:
         except ValueError as err:
             _print_error(str(err).replace("`world_size`", "--devices").replace("`sharding`", "--strategy"), hint)
             return 2
-        if own.budget is not None:
-            _print_error("--budget plans one process; drop --devices / --strategy to plan, or --budget to estimate", hint)
-            return 2
-        techniques = {**techniques, "world_size": devices, "sharding": strategy}
+        if own.budget is None and techniques.get("memory_budget") is None:
+            techniques = {**techniques, "world_size": devices, "sharding": strategy}
+        else:  # plan per GPU: the sharding is a search axis unless --strategy names one
+            own.sharding_axis = (devices, [strategy] if own.strategy is not None else None)
     if batch is None:
         batch = _first_batch(cli.datamodule)
     device = own.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -233,8 +234,9 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     fake_logger.addFilter(fake_filter)
     try:
         with rich_progress(Console(stderr=True)) as progress:
+            world_size, shardings = getattr(own, "sharding_axis", (1, None))
             plan = plan_memory(model, batch, own.budget, device=device, loras=loras, progress=progress, config=fixed,
-                               **wanted)  # fmt: skip
+                               world_size=world_size, shardings=shardings, **wanted)  # fmt: skip
     except ValueError as err:
         if own.json:
             print(json.dumps({"error": str(err)}))

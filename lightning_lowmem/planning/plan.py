@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.config.techniques import SHARDINGS, ShardingConfig
 from lightning_lowmem.planning._fake_step import tensor_leaves
 from lightning_lowmem.planning.estimate import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, EstimationError, TrainingConfig
 from lightning_lowmem.planning.plan_report import Candidate, Plan, peak_label
@@ -47,6 +48,9 @@ SLOWDOWN: dict[str, float] = {
     "micro_batch_per_split": 0.08,  # each extra micro-batch costs ~8% (smaller kernels, more launches)
     "lora": 0.9,  # no weight gradients for the frozen base
     "qlora": 1.1,  # dequantising the frozen base on every forward
+    "sharding:ddp": 1.0,
+    "sharding:zero1": 1.05,  # the updated parameters gathered from their owners after each step
+    "sharding:fsdp": 1.2,  # parameters gathered per unit in forward and backward, gradients reduce-scattered
 }
 """Prior step-time factors (relative to plain fp32 on a GPU) used to rank candidates. They order the
 search; they are not promises. Mixed / true half precision are ranked 1.0 although they are usually
@@ -76,6 +80,8 @@ def expected_slowdown(config: TrainingConfig, batch_size: int | None = None) -> 
         factor *= 1.0 + SLOWDOWN["micro_batch_per_split"] * (splits - 1)
     if config.lora is not None:
         factor *= SLOWDOWN["qlora" if config.lora.quantize_base else "lora"]
+    if config.sharding is not None:
+        factor *= SLOWDOWN[f"sharding:{config.sharding.kind}"]
     return factor
 
 
@@ -174,6 +180,8 @@ def plan_memory(
     loras: Iterable[dict[str, Any] | None] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     config: TrainingConfig | None = None,
+    world_size: int = 1,
+    shardings: Iterable[str] | None = None,
     max_estimates: int = 60,
     include_overheads: bool = False,
     loop: str = "auto",
@@ -220,6 +228,12 @@ def plan_memory(
             its optimizer's hyperparameters join ``optimizer_kwargs``); ``None`` fields (``precision=None``,
             ``optimizer=None``, techniques off) are searched as without it. This is how
             ``LowMemoryStrategy(memory_budget=)`` keeps the options set explicitly. Default: ``None``.
+        world_size: processes (GPUs) the step runs on; above 1 the plan is for one rank, ``budget`` is per GPU,
+            ``batch`` is one rank's batch, and the sharding is a search axis. Default: 1.
+        shardings: the sharding axis for ``world_size`` > 1, a subset of ``"ddp"``, ``"zero1"``, ``"fsdp"``
+            (ranked in that order of communication, see :data:`SLOWDOWN`). Sharded candidates are estimated in
+            full (:func:`estimate_memory` with ``world_size`` / ``sharding``: per-rank figures, the ranks
+            simulated in this process). Default: all three; a ``config`` with ``sharding`` fixes it.
         max_estimates: stop searching after this many runs on fake tensors (model-side runs and full
             estimates; the fastest fitting candidate found so far is chosen). Default: 60.
         include_overheads: also subtract the CUDA context / workspace from the budget (set when the
@@ -255,12 +269,21 @@ def plan_memory(
         raise ValueError(f"`max_estimates` must be an int >= 1, got {max_estimates!r}")
     if config is not None:
         precision, optimizer, optimizer_kwargs, fixed = _fixed_axes(config, precision, optimizer, optimizer_kwargs)
+        if config.sharding is not None:
+            if world_size not in (1, config.sharding.world_size):
+                raise ValueError(
+                    f"`world_size`={world_size} disagrees with `config`'s sharding ({config.sharding.kind} x"
+                    f"{config.sharding.world_size}); give one of them"
+                )
+            world_size = config.sharding.world_size
+            shardings = shardings if shardings is not None else [config.sharding.kind]
         precisions = precisions if precisions is not None else fixed.get("precisions")
         checkpointing = checkpointing if checkpointing is not None else fixed.get("checkpointing")
         compressions = compressions if compressions is not None else fixed.get("compressions")
         optimizers = optimizers if optimizers is not None else fixed.get("optimizers")
         micro_batch_sizes = micro_batch_sizes if micro_batch_sizes is not None else fixed.get("micro_batch_sizes")
         loras = loras if loras is not None else fixed.get("loras")
+    sharding_axis = _sharding_axis(world_size, shardings)
     batch_size = _batch_size(batch)
     unknown_optimizer = False
     if optimizer is None:
@@ -276,6 +299,8 @@ def plan_memory(
         batch_size, precision, optimizer, precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras
     )
     stages = [stage for stage in stages if stage] or [[TrainingConfig(precision=precision, optimizer=optimizer)]]
+    if sharding_axis:  # every mix on every sharding; sharded candidates are estimated per rank, in full
+        stages = [[c.replace(sharding=s) for c in stage for s in sharding_axis] for stage in stages]
     usable = int(budget_bytes * (1 - margin))
     family = _family(optimizer)
     overheads = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES if include_overheads and device == "cuda" else 0
@@ -305,7 +330,10 @@ def plan_memory(
             return known
         candidate = known or Candidate(config, expected_slowdown(config, batch_size))
         try:
-            candidate.report = evaluator.predict(config, None if complete else limit)
+            if config.sharding is not None:  # the per-axis parts know nothing of sharding: the per-rank estimate
+                candidate.report = evaluator.full(config)
+            else:
+                candidate.report = evaluator.predict(config, None if complete else limit)
             candidate.fits = fits(candidate.report)
         except EstimationError:
             raise
@@ -330,11 +358,13 @@ def plan_memory(
         )  # fmt: skip
         return candidate.fits
 
-    baseline = predict(TrainingConfig(precision=precision, optimizer=optimizer), 1, len(stages[0]), complete=True)
+    plain = TrainingConfig(precision=precision, optimizer=optimizer)
+    baseline = predict(plain.replace(sharding=sharding_axis[0]) if sharding_axis else plain, 1, len(stages[0]), complete=True)
     chosen: Candidate | None = None
     for stage in stages:
         ranked = sorted(stage, key=lambda c: expected_slowdown(c, batch_size))
-        if not predict(ranked[0], 1, len(ranked)).fits and not _model_side_can_fit(stage, evaluator, limit):
+        sharded = any(c.sharding is not None and c.sharding.kind != "ddp" for c in stage)
+        if not predict(ranked[0], 1, len(ranked)).fits and not sharded and not _model_side_can_fit(stage, evaluator, limit):
             continue  # not even the leanest model side fits: no candidate of this stage can
         for index, config in enumerate(ranked, start=1):
             if evaluator.probes + evaluator.full_estimates >= max_estimates:
@@ -393,9 +423,9 @@ def _fixed_axes(
     """What ``plan_memory(config=...)`` keeps fixed: each technique ``config`` sets, as a one-value axis."""
     if not isinstance(config, TrainingConfig):
         raise TypeError(f"`config` must be a TrainingConfig, got {type(config).__name__}: {config!r}")
-    if config.sharding is not None or config.quantization is not None:
+    if config.quantization is not None:
         raise ValueError(
-            f"plan_memory plans one process's training mix; `config` sets {config.describe()!r}. Estimate a sharded or "
+            f"plan_memory plans a training mix; `config` sets quantization ({config.describe()!r}). Estimate a "
             "quantized mix with estimate_memory(config=...)."
         )
     fixed: dict[str, list[Any]] = {}
@@ -411,6 +441,22 @@ def _fixed_axes(
         if value is not None:
             fixed[axis] = [value]
     return precision, optimizer, optimizer_kwargs, fixed
+
+
+def _sharding_axis(world_size: int, shardings: Iterable[str] | None) -> list[ShardingConfig]:
+    """The sharding axis: empty for one process, else each kind at ``world_size`` (validated)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size`={world_size!r} must be an int >= 1: the number of processes (GPUs)")
+    if world_size == 1:
+        if shardings is not None and list(shardings) not in ([], ["ddp"]):
+            raise ValueError(
+                f"`shardings`={list(shardings)!r} needs `world_size` > 1: one process has nothing to shard"
+            )
+        return []
+    kinds = list(dict.fromkeys(shardings if shardings is not None else SHARDINGS))
+    if not kinds:
+        raise ValueError("`shardings` is empty; give at least one of 'ddp', 'zero1', 'fsdp'")
+    return [ShardingConfig(kind, world_size) for kind in kinds]
 
 
 def _model_side_can_fit(stage: list[TrainingConfig], evaluator: Any, limit: int) -> bool:

@@ -157,3 +157,44 @@ def test_the_configured_optimizer_is_the_baseline():
     momentum = estimate_memory(model, (x, x.roll(-1, 1)), device="cpu")  # also estimate_memory's default
     assert momentum.breakdown["optimizer_state"] == 4 * sum(p.numel() for p in model.parameters())
     assert plan.predicted_peak_bytes == momentum.peak_bytes
+
+
+def test_the_sharding_axis_picks_the_least_communication_that_fits_per_gpu():
+    """With world_size=2 the plan is per rank: each budget gets the first of ddp < zero1 < fsdp whose per-rank
+    estimate fits, and the chosen figure is that estimate."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # left by an in-process Lightning run: the fake ranks need their own group
+        dist.destroy_process_group()
+    model = CharLM(n_layer=2, n_head=2, n_embd=128, block_size=32)
+    x = torch.randint(0, 256, (4, 32))
+    batch = (x, x.roll(-1, 1))
+    per_rank = {
+        kind: estimate_memory(model, batch, device="cpu", world_size=2, sharding=kind).peak_bytes
+        for kind in ("ddp", "zero1", "fsdp")
+    }
+    assert per_rank["fsdp"] < per_rank["zero1"] < per_rank["ddp"]
+    axes = dict(precisions=["32-true"], checkpointing=[None], compressions=[None], optimizers=["adamw"],
+                micro_batch_sizes=[None], margin=0.0, device="cpu", world_size=2)  # fmt: skip
+    for kind in ("ddp", "zero1", "fsdp"):
+        plan = plan_memory(model, batch, per_rank[kind], **axes)
+        assert (plan.config.sharding.kind, plan.config.sharding.world_size) == (kind, 2)
+        assert plan.predicted_peak_bytes == per_rank[kind]
+    assert plan_memory(model, batch, per_rank["ddp"], **{**axes, "shardings": ["fsdp"]}).config.sharding.kind == "fsdp"
+    with pytest.raises(ValueError, match=r"no configuration fits"):
+        plan_memory(model, batch, per_rank["fsdp"] - 1, **axes)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"world_size": 0}, r"`world_size`=0 must be an int >= 1"),
+        ({"shardings": ["fsdp"]}, r"`shardings`=\['fsdp'\] needs `world_size` > 1"),
+        ({"world_size": 2, "shardings": ["fdsp"]}, r"`sharding`='fdsp' is unknown"),
+        ({"world_size": 4, "config": TrainingConfig(sharding="fsdp", world_size=2)}, r"`world_size`=4 disagrees"),
+    ],
+)
+def test_bad_sharding_axis_arguments(model_and_batch, kwargs, match):
+    model, batch = model_and_batch
+    with pytest.raises(ValueError, match=match):
+        plan_memory(model, batch, "1GiB", device="cpu", **kwargs)
