@@ -13,12 +13,17 @@ from typing_extensions import override
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
 from lightning_lowmem.functional.applied import apply
 from lightning_lowmem.functional.config import LoRAConfig, TrainingConfig
-from lightning_lowmem.functional.lora.adapters import (
-    ADAPTER_SUFFIXES,
-    ALL_LINEAR,
-    LoraReport,
-    lora_layers,
-    merged_state_dict,
+from lightning_lowmem.functional.lora.adapters import ALL_LINEAR, LoraReport, lora_layers, merged_state_dict
+from lightning_lowmem.functional.lora.bookkeeping import (
+    adapter_entries,
+    check_same_settings,
+    check_weights_path,
+    checkpoint_record,
+    drop_frozen_,
+    load_base_weights_,
+    parameter_metrics,
+    settings_conflict,
+    wrap_summary,
 )
 from lightning_lowmem.functional.lora.files import lora_config
 
@@ -87,9 +92,8 @@ class LowRankAdapters(L.Callback):
     ) -> None:
         self.config = LoRAConfig(r, alpha, dropout, target, quantize_base, quantize_frozen)  # validates
         target = list(target) if isinstance(target, (list, tuple)) else target
-        for name, path in (("base_weights_path", base_weights_path), ("merged_weights_path", merged_weights_path)):
-            if path is not None and not isinstance(path, (str, os.PathLike)):
-                raise ValueError(f"`{name}` must be a file path or None, got {type(path).__name__}: {path!r}")
+        check_weights_path("base_weights_path", base_weights_path)
+        check_weights_path("merged_weights_path", merged_weights_path)
         self.r = r
         self.alpha = float(alpha)
         self.dropout = float(dropout)
@@ -111,10 +115,7 @@ class LowRankAdapters(L.Callback):
                 raise ValueError(f"the module already has adapters of rank {config['r']}, this callback has r={self.r}")
         else:
             if self.base_weights_path is not None:
-                if not os.path.isfile(self.base_weights_path):
-                    raise FileNotFoundError(f"`base_weights_path`={self.base_weights_path!r} is not a file")
-                payload = torch.load(self.base_weights_path, map_location="cpu", weights_only=True)
-                pl_module.load_state_dict(payload.get("state_dict", payload), strict=True)
+                load_base_weights_(pl_module, self.base_weights_path)
             device = trainer.strategy.root_device
             if self.quantize_base == "int4" and device.type == "cuda":
                 # torchao's int4 (tinygemm) packs weights for the device they are on: quantize where they will
@@ -122,12 +123,7 @@ class LowRankAdapters(L.Callback):
                 pl_module.to(device)
             # kept after fit (adapters are the trained result); functional.apply's handle could undo it
             self.report = apply(pl_module, TrainingConfig(precision=None, optimizer=None, lora=self.config)).lora
-            rank_zero_info(
-                f"LowRankAdapters: {len(self.report.wrapped)} layers wrapped (r={self.r}, alpha={self.alpha:g}"
-                f"{', base ' + self.quantize_base if self.quantize_base else ''}); trainable parameters "
-                f"{self.report.trainable_params:,} of {self.report.total_params:,} "
-                f"({100 * self.report.trainable_fraction:.2f}%)"
-            )
+            rank_zero_info(wrap_summary(self.report))
         if not self.save_base_weights:
             pl_module.strict_loading = False  # adapter-only checkpoints lack the (pretrained) base keys
 
@@ -135,21 +131,11 @@ class LowRankAdapters(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Runs after configure_optimizers and before optimizer state is restored on resume, so
         # dropping frozen parameters here keeps saved and restored param groups aligned.
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                kept = [p for p in group["params"] if p.requires_grad]
-                self.removed_from_optimizers += len(group["params"]) - len(kept)
-                group["params"] = kept
+        self.removed_from_optimizers += drop_frozen_(trainer.optimizers)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in pl_module.parameters())
-        metrics = {
-            f"{PREFIX}/trainable_params": float(trainable),
-            f"{PREFIX}/total_params": float(total),
-            f"{PREFIX}/trainable_fraction": trainable / max(total, 1),
-        }
+        metrics = parameter_metrics(pl_module, PREFIX)
         for logger in trainer.loggers:  # once per fit: a logger call, not pl_module.log's per-step repeat
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -160,31 +146,17 @@ class LowRankAdapters(L.Callback):
         """(writer, accept) for :func:`lightning_lowmem.checkpoints.check`: the same adapter settings only."""
 
         def accept(entry: dict[str, Any]) -> str | None:
-            if entry.get("version", 1) > FORMAT_VERSION:
-                return f"a newer lightning_lowmem wrote it (version {entry.get('version')}); upgrade lightning_lowmem."
-            different = {k: v for k, v in self._settings().items() if k in entry and entry[k] != v}
-            if different:
-                saved = ", ".join(f"{k}={entry[k]!r}" for k in different)
-                mine = ", ".join(f"{k}={v!r}" for k, v in different.items())
-                return f"its adapters have {saved} but this Trainer's LowRankAdapters has {mine}; use {entry.get('needs')}."
-            return None
+            return settings_conflict(entry, self._settings(), FORMAT_VERSION)
 
         return WRITER, accept
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        settings = self._settings()
-        defaults = {"alpha": 16.0, "quantize_base": None}
-        arguments = ", ".join(f"{k}={v!r}" for k, v in settings.items() if k not in defaults or v != defaults[k])
         target = self.report.wrapped if self.report else self.target
-        record(
-            checkpoint, writer=WRITER, format="full" if self.save_base_weights else "adapters-only",
-            version=FORMAT_VERSION, needs=f"callbacks=[LowRankAdapters({arguments})] (same target layers)",
-            target=list(target) if isinstance(target, (list, tuple)) else str(target), **settings,
-        )  # fmt: skip
+        entry = checkpoint_record(self._settings(), target, save_base_weights=self.save_base_weights, version=FORMAT_VERSION)
+        record(checkpoint, writer=WRITER, **entry)
         if not self.save_base_weights:
-            state = checkpoint["state_dict"]
-            checkpoint["state_dict"] = {k: v for k, v in state.items() if k.endswith(ADAPTER_SUFFIXES)}
+            checkpoint["state_dict"] = adapter_entries(checkpoint["state_dict"])
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -208,13 +180,7 @@ class LowRankAdapters(L.Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("lora_config", {})
-        for name in ("r", "alpha", "quantize_base"):
-            if name in saved and saved[name] != getattr(self, name):
-                raise ValueError(
-                    f"checkpoint adapters were trained with {name}={saved[name]!r} but this LowRankAdapters has "
-                    f"{name}={getattr(self, name)!r}; use the same settings to resume."
-                )
+        check_same_settings(state_dict.get("lora_config", {}), self._settings())
 
 
 __all__ = ["LowRankAdapters"]

@@ -13,10 +13,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from typing_extensions import override
 
 from lightning_lowmem import _compat
-from lightning_lowmem.memory import CATEGORIES, MemoryReport, format_bytes, state_bytes, track_memory
+from lightning_lowmem.memory import MemoryReport, track_memory
+from lightning_lowmem.memory.monitoring import (
+    cheap_figures,
+    check_intervals,
+    is_deep_step,
+    report_figures,
+    summary_table,
+    with_all_ranks,
+)
 
 PREFIX = "lowmem/memory"
-_PER_RANK_KEYS = ("peak", "max_allocated", "rss")
 
 
 class MemoryMonitor(L.Callback):
@@ -74,14 +81,7 @@ class MemoryMonitor(L.Callback):
         summary: bool = True,
     ) -> None:
         super().__init__()
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps <= 0):
-            raise ValueError(
-                f"`log_every_n_steps` must be a positive int (or None for the Trainer's), got {log_every_n_steps!r}"
-            )
-        if deep_every_n_steps is not None and (not isinstance(deep_every_n_steps, int) or deep_every_n_steps < 0):
-            raise ValueError(
-                f"`deep_every_n_steps` must be an int >= 0 (0 disables deep steps) or None, got {deep_every_n_steps!r}"
-            )
+        check_intervals(log_every_n_steps, deep_every_n_steps)
         self.log_every_n_steps = log_every_n_steps
         self.deep_every_n_steps = deep_every_n_steps
         self.snapshot_on_oom = snapshot_on_oom
@@ -130,17 +130,10 @@ class MemoryMonitor(L.Callback):
             rank_zero_warn(f"CUDA out of memory: allocator snapshot written to {path} (view at pytorch.org/memory_viz)")
 
     # ------------------------------------------------------------------ per step
-    def _is_deep_step(self, step: int) -> bool:
-        if self.deep_every_n_steps == 0:
-            return False
-        if step == 1:
-            return True
-        return bool(self.deep_every_n_steps) and step > 0 and step % self.deep_every_n_steps == 0
-
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_step = trainer.global_step
-        if trainer.sanity_checking or not self._is_deep_step(trainer.global_step) or self._deep is not None:
+        if trainer.sanity_checking or not is_deep_step(trainer.global_step, self.deep_every_n_steps) or self._deep is not None:
             return
         if not pl_module.automatic_optimization:  # the user steps inside training_step: track the whole batch
             self._start_deep(pl_module, trainer.optimizers)
@@ -186,52 +179,18 @@ class MemoryMonitor(L.Callback):
         if self._pending_report is not None:
             report, self._pending_report = self._pending_report, None
             self.last_report = report
-            record["peak"] = report.peak_bytes
-            record.update({category: report.breakdown[category] for category in CATEGORIES})
+            record.update(report_figures(report))
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         if record or step % every == 0:
-            record.update(self._cheap_figures(trainer, pl_module))
+            record.update(cheap_figures(self._device, pl_module, trainer.optimizers))
         if trainer.world_size > 1:  # a collective: every rank has a record at the same steps
-            record = self._with_other_ranks(trainer, pl_module, record)
+            record = with_all_ranks(record, trainer.strategy.all_gather, trainer.world_size, pl_module.device)
         if record:
             metrics = {f"{PREFIX}/{key}": float(value) for key, value in record.items()}
             record["step"] = step
             self.history.append(record)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
-
-    def _with_other_ranks(self, trainer: L.Trainer, pl_module: L.LightningModule, record: dict[str, float]) -> dict[str, float]:
-        """``record`` (this rank's) plus, over all ranks, ``<key>_max`` of every figure and ``rank<r>/<key>`` of
-        the headline ones (``peak``, ``max_allocated``, ``rss``): sharded strategies differ per rank."""
-        if not record:
-            return record
-        keys = sorted(record)
-        mine = torch.tensor([float(record[k]) for k in keys], dtype=torch.float64, device=pl_module.device)
-        everyone = trainer.strategy.all_gather(mine).reshape(trainer.world_size, len(keys)).cpu()
-        combined = dict(record)
-        for column, key in enumerate(keys):
-            values = everyone[:, column].tolist()
-            combined[f"{key}_max"] = max(values)
-            if key in _PER_RANK_KEYS:
-                combined.update({f"rank{rank}/{key}": value for rank, value in enumerate(values)})
-        return combined
-
-    def _cheap_figures(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
-        if self._device == "cuda":
-            allocated = torch.cuda.memory_allocated()
-            reserved = torch.cuda.memory_reserved()
-            return {
-                "allocated": allocated,
-                "max_allocated": torch.cuda.max_memory_allocated(),
-                "reserved": reserved,
-                "fragmentation": max(0, reserved - allocated),
-            }
-        import psutil
-
-        figures: dict[str, float] = {"rss": psutil.Process(os.getpid()).memory_info().rss}
-        state = state_bytes(pl_module, list(trainer.optimizers))
-        figures["model_state"] = sum(state.values())
-        return figures
 
     def _stop_deep(self) -> None:
         if self._deep is not None:
@@ -262,26 +221,7 @@ class MemoryMonitor(L.Callback):
 
     def summary_table(self) -> Any:
         """A Rich table of the last deep breakdown and the largest cheap figures, or ``None``."""
-        if self.last_report is None and not self.history:
-            return None
-        if self.last_report is not None:
-            table = self.last_report.to_table(title=f"Training step memory ({self._device})")
-        else:
-            from rich.table import Table
-
-            table = Table(title=f"Training memory ({self._device})")
-            table.add_column("what", style="bold")
-            table.add_column("bytes", justify="right")
-            table.add_column("share", justify="right")
-        for key in ("rss", "model_state", "max_allocated", "reserved", "fragmentation"):
-            values = [record[key] for record in self.history if key in record]
-            if values:
-                table.add_row(f"max {key} (per-step)", format_bytes(max(values)), "")
-        for key in ("peak", "max_allocated", "rss"):  # several ranks: the largest rank's
-            values = [record[f"{key}_max"] for record in self.history if f"{key}_max" in record]
-            if values:
-                table.add_row(f"max {key} over ranks", format_bytes(max(values)), "")
-        return table
+        return summary_table(self.history, self.last_report, self._device)
 
     # ------------------------------------------------------------------ resume
     @override

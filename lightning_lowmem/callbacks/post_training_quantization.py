@@ -16,18 +16,17 @@ from lightning_lowmem.checkpoints.quantized import (  # re-exported: the documen
     load_quantized_checkpoint,
     quantize_like_checkpoint,
 )
+from lightning_lowmem.functional.quantization.arguments import check_ptq_arguments, check_submodule
 from lightning_lowmem.functional.quantization.calibration import StaticChild, device_of
 from lightning_lowmem.functional.quantization.layers import check_patterns, tied_groups
 from lightning_lowmem.functional.quantization.ptq import (
-    MODES,
     QuantizationReport,
-    _include_embeddings,
     _unsupported_reason,
     quantizable_layers,
     quantize_,
     temporarily_quantized,
 )
-from lightning_lowmem.functional.quantization.report import comparison_table
+from lightning_lowmem.functional.quantization.report import comparison_table, logged_metrics, tolerance_failure_message
 from lightning_lowmem.functional.quantization.search import expand_units, search_float_fallback, size_and_latency, tied_units
 from lightning_lowmem.model_io import BatchCallError, has_forward_batch, model_inputs
 from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
@@ -129,30 +128,10 @@ class PostTrainingQuantization(QuantizationCallback):
         calibration_batches: int = 8,
         compile: bool = False,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"`mode`={mode!r} is not a known quantization mode; choose one of {list(MODES)}.")
-        if mode == "int8_static" and not module_name:
-            raise ValueError(
-                "`mode`='int8_static' needs `module_name`: the submodule (e.g. 'model') to replace by its exported "
-                "int8 graph, since a LightningModule itself cannot be replaced."
-            )
-        if mode != "int8_static" and (module_name is not None or compile):
-            raise ValueError(
-                f"`module_name`={module_name!r} / `compile`={compile!r} apply to mode='int8_static' only, got "
-                f"mode={mode!r}; to compile a torchao-quantized model use "
-                "lightning_lowmem.functional.quantization.compile.compile_inference(model)."
-            )
-        if not isinstance(calibration_batches, int) or calibration_batches <= 0:
-            raise ValueError(f"`calibration_batches` must be an int > 0, got {calibration_batches!r}.")
-        if tolerance is not None and monitor is None:
-            raise ValueError(f"`tolerance`={tolerance!r} needs `monitor` (the logged metric to keep within it).")
-        if tolerance is not None and (not isinstance(tolerance, (int, float)) or tolerance < 0):
-            raise ValueError(f"`tolerance` must be a number >= 0, got {tolerance!r}.")
-        if monitor_mode not in ("max", "min"):
-            raise ValueError(f"`monitor_mode`={monitor_mode!r} must be 'max' or 'min'.")
-        if isinstance(skip_modules, str):
-            raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
-        _include_embeddings(mode, embeddings)  # validates it
+        check_ptq_arguments(
+            mode, skip_modules=skip_modules, embeddings=embeddings, monitor=monitor, tolerance=tolerance,
+            monitor_mode=monitor_mode, module_name=module_name, calibration_batches=calibration_batches, compile=compile,
+        )  # fmt: skip
         super().__init__(mode)
         self.skip_modules = list(skip_modules)
         self.filter_fn, self.embeddings, self.group_size = filter_fn, embeddings, group_size
@@ -173,14 +152,7 @@ class PostTrainingQuantization(QuantizationCallback):
         if reason is not None:  # now, not after the whole fit
             raise ValueError(f"`mode`={self.mode!r} cannot run on this Trainer's device {device!r}: {reason}")
         if self.module_name is not None:
-            try:
-                pl_module.get_submodule(self.module_name)
-            except AttributeError:
-                children = [name for name, _ in pl_module.named_children()]
-                raise ValueError(
-                    f"`module_name`={self.module_name!r} is not a submodule of {type(pl_module).__name__}; "
-                    f"its children are {children}."
-                ) from None
+            check_submodule(pl_module, self.module_name)
         if not self.quantized:  # names of the float model (an int8_static child is a graph afterwards)
             check_patterns(pl_module, self.skip_modules, "skip_modules", self._candidates(pl_module, skip=False))
         self.attach_load_hooks(trainer, pl_module)  # so that `ckpt_path=` may hold quantized weights
@@ -272,13 +244,8 @@ class PostTrainingQuantization(QuantizationCallback):
             )
             before["metric"] = result.baseline
             if not result.met:
-                drops = ", ".join(f"{n}: {d:.4g}" for n, d in result.sensitivity.items())
-                warnings.warn(
-                    f"PostTrainingQuantization: no configuration keeps {self.monitor!r} within tolerance "
-                    f"{self.tolerance} of {result.baseline:.4g} (per-layer drops: {drops}); the model is left in float.",
-                    LowMemWarning,
-                    stacklevel=2,
-                )
+                message = tolerance_failure_message(self.monitor, self.tolerance, result.baseline, result.sensitivity)
+                warnings.warn(message, LowMemWarning, stacklevel=2)
                 self.summary = {"met": False, "before": before, "after": None, "kept_float": candidates}
                 rank_zero_info(comparison_table(self.mode, before, None, candidates))
                 return None
@@ -301,12 +268,7 @@ class PostTrainingQuantization(QuantizationCallback):
         rank_zero_info(report.summary())
         rank_zero_info(comparison_table(self.mode, before, after, kept))
         if trainer.logger is not None:
-            trainer.logger.log_metrics(
-                {"lowmem/quantization/size_ratio": before["bytes"] / max(1, after["bytes"]),
-                 "lowmem/quantization/kept_float": float(len(kept)),
-                 "lowmem/quantization/converted_share": report.converted_share},
-                step=trainer.global_step,
-            )  # fmt: skip
+            trainer.logger.log_metrics(logged_metrics(before, after, kept, report), step=trainer.global_step)
         return report
 
     def _loader(self, trainer: L.Trainer) -> Any:

@@ -11,8 +11,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.functional.pruning.masks import apply_masks_, get_mask, layer_sparsity, load_masks_, remove_pruning_
-from lightning_lowmem.functional.pruning.schedule import Amount, PruningSchedule, check_amount, check_start_step, method_name
+from lightning_lowmem.functional.pruning.arguments import check_pruning_arguments, resolve_method, step_schedule
+from lightning_lowmem.functional.pruning.bookkeeping import restore_masks_, sparsity_lines, sync_masks_, target_masks
+from lightning_lowmem.functional.pruning.masks import apply_masks_, layer_sparsity, remove_pruning_
+from lightning_lowmem.functional.pruning.schedule import Amount, PruningSchedule
 from lightning_lowmem.functional.pruning.structural import example_row, shrink_to_state_dict_
 from lightning_lowmem.functional.pruning.targets import Target, resolve_targets, rewind_, snapshot
 from lightning_lowmem.functional.pruning.unstructured import PruningReport, prune_
@@ -126,33 +128,18 @@ class ScheduledPruning(Callback):
         seed: int = 0,
         prune_embeddings: bool = False,
     ) -> None:
-        if method is not None:
-            if pruning_fn not in ("l1_unstructured", method):
-                raise ValueError(f"`method`={method!r} and `pruning_fn`={pruning_fn!r} disagree; pass only one")
-            pruning_fn = method
-        self.method = method_name(pruning_fn)
+        self.method = resolve_method(pruning_fn, method)
         self.parameter_names = list(parameter_names or self.PARAMETER_NAMES)
         self._names_given = parameter_names is not None
-        for name in self.parameter_names:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"`parameter_names` entries must be parameter names like 'weight', got {name!r}")
-        check_amount(amount)
-        if self.method == "nm" and (not isinstance(n, int) or not isinstance(m, int) or not 1 <= n < m):
-            raise ValueError(f"`n`={n!r}, `m`={m!r}: N:M pruning needs ints with 1 <= n < m (e.g. n=2, m=4)")
-        if verbose not in (0, 1, 2):
-            raise ValueError(f"`verbose`={verbose!r} must be 0, 1 or 2")
+        check_pruning_arguments(
+            self.method, self.parameter_names, amount, n=n, m=m, verbose=verbose, structural_ratio=structural_ratio
+        )
         self.step_mode = schedule is not None or target_sparsity is not None
         self.final_sparsity = target_sparsity if target_sparsity is not None else amount
-        self.sparsity_schedule: PruningSchedule | None = None
-        if self.step_mode:
-            self.sparsity_schedule = PruningSchedule(
-                schedule or "cubic", self.final_sparsity, start_step, end_step, frequency, initial_sparsity
-            )
-        else:
-            check_start_step(start_step)
+        self.sparsity_schedule: PruningSchedule | None = step_schedule(
+            schedule, self.final_sparsity, start_step, end_step, frequency, initial_sparsity, step_mode=self.step_mode
+        )
         self.start_step = start_step
-        if structural_ratio is not None and not 0.0 <= structural_ratio < 1.0:
-            raise ValueError(f"`structural_ratio`={structural_ratio!r} must be in [0, 1)")
         self.parameters_to_prune, self.use_global_unstructured, self.amount = parameters_to_prune, use_global_unstructured, amount
         self._apply_pruning, self._make_pruning_permanent = apply_pruning, make_pruning_permanent
         self.use_lottery_ticket_hypothesis, self.resample_parameters = use_lottery_ticket_hypothesis, resample_parameters
@@ -244,19 +231,13 @@ class ScheduledPruning(Callback):
         self._targets = self.resolve_targets(pl_module)
         report = self.apply_pruning(pl_module, amount, relative=relative, generator=generator)
         if trainer.world_size > 1:  # every rank keeps rank 0's masks (random methods, float ties)
-            for _, sub, pname in self._targets:
-                mask = get_mask(sub, pname)
-                mask.copy_(trainer.strategy.broadcast(mask.cpu(), src=0).to(mask.device))
-            apply_masks_(pl_module)
+            sync_masks_(pl_module, self._targets, lambda mask: trainer.strategy.broadcast(mask, src=0))
         layers = layer_sparsity(pl_module)
         pl_module.log("lowmem/sparsity/total", report.sparsity, on_step=on_step, on_epoch=not on_step)
         for name, value in layers.items():
             pl_module.log(f"lowmem/sparsity/{name}", value, on_step=on_step, on_epoch=not on_step)
-        if self.verbose:
-            rank_zero_info(f"ScheduledPruning: total sparsity {report.sparsity:.2%} ({self.method})")
-        if self.verbose == 2:
-            for name, value in layers.items():
-                rank_zero_info(f"  {name}: {value:.2%}")
+        for line in sparsity_lines(report.sparsity, layers, self.method, self.verbose):
+            rank_zero_info(line)
 
     def _after_prune(self, trainer: L.Trainer, pl_module: L.LightningModule, epoch: int, end_of_schedule: bool) -> None:
         lth = self.use_lottery_ticket_hypothesis
@@ -269,12 +250,7 @@ class ScheduledPruning(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._targets = [] if self.structural_done else self.resolve_targets(pl_module)  # after every setup
         if self._pending_masks is not None:  # resumed: put the saved masks back (shared again by tied owners)
-            missing = load_masks_(pl_module, self._pending_masks)
-            if missing:
-                raise ValueError(
-                    f"the checkpoint holds ScheduledPruning masks for {missing[:5]}, which are not parameters of "
-                    f"{type(pl_module).__name__}: resume with the model (and callbacks) the checkpoint was written with"
-                )
+            restore_masks_(pl_module, self._pending_masks)
             self._pending_masks = None
         if self.use_lottery_ticket_hypothesis and not self._original:
             self._original = snapshot(self._targets)
@@ -328,13 +304,8 @@ class ScheduledPruning(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._module is not None and self._targets:
             self._targets = self.resolve_targets(self._module)  # modules may have been swapped since
-        masks = {}
-        for fqn, sub, pname in self._targets:  # one entry per parameter: a tied weight's mask is saved once
-            mask = get_mask(sub, pname)
-            if mask is not None:
-                masks[f"{fqn}.{pname}" if fqn else pname] = mask.detach().cpu().clone()
         return {
-            "masks": masks,
+            "masks": target_masks(self._targets),  # a tied weight's mask is saved once
             "last_pruned_step": self.last_pruned_step,
             "last_pruned_epoch": self.last_pruned_epoch,
             "structural_done": self.structural_done,

@@ -1,6 +1,7 @@
 """What a quantization call did (:class:`QuantizationReport`), shared by post-training, static and QAT
 quantization, the warning when a model stays mostly float, and the before/after table of
-``PostTrainingQuantization`` (:func:`comparison_table`)."""
+``PostTrainingQuantization`` (:func:`comparison_table`) with what it logs (:func:`logged_metrics`) and warns
+when no mix of layers meets the tolerance (:func:`tolerance_failure_message`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from torch import nn
 from lightning_lowmem.memory.units import format_bytes
 from lightning_lowmem.warnings import LowMemWarning
 
-__all__ = ["MIN_CONVERTED_SHARE", "QuantizationReport", "comparison_table", "warn_if_mostly_float", "weight_bytes"]
+__all__ = [
+    "MIN_CONVERTED_SHARE",
+    "QuantizationReport",
+    "comparison_table",
+    "logged_metrics",
+    "tolerance_failure_message",
+    "warn_if_mostly_float",
+    "weight_bytes",
+]
 
 #: below this share of the parameter bytes converted, quantize_ warns (the model stays mostly float).
 MIN_CONVERTED_SHARE = 0.5
@@ -132,3 +141,36 @@ def comparison_table(mode: str, before: dict[str, Any], after: dict[str, Any] | 
             "int8 dispatches per op (smaller, not faster); on CPU use mode='int8_static' with compile=True for speed"
         )
     return "\n".join(rows)
+
+
+def logged_metrics(before: dict[str, Any], after: dict[str, Any], kept: Sequence[str], report: QuantizationReport) -> dict[str, float]:
+    """What ``PostTrainingQuantization`` logs after quantizing: the size ratio (``before`` / ``after`` bytes),
+    the number of layers kept in float and the share of the parameter bytes converted.
+
+    Example::
+
+        >>> report = QuantizationReport("int8_dynamic", 4096, 1024, converted_bytes=2048)
+        >>> logged_metrics({"bytes": 4096}, {"bytes": 1024}, ["head"], report)
+        {'lowmem/quantization/size_ratio': 4.0, 'lowmem/quantization/kept_float': 1.0, 'lowmem/quantization/converted_share': 0.5}
+    """
+    return {
+        "lowmem/quantization/size_ratio": before["bytes"] / max(1, after["bytes"]),
+        "lowmem/quantization/kept_float": float(len(kept)),
+        "lowmem/quantization/converted_share": report.converted_share,
+    }
+
+
+def tolerance_failure_message(monitor: str, tolerance: float, baseline: float, sensitivity: dict[str, float]) -> str:
+    """The warning when no configuration keeps ``monitor`` within ``tolerance`` of ``baseline``, listing each
+    layer's drop (``sensitivity``, from :func:`~lightning_lowmem.functional.quantization.search.search_float_fallback`).
+
+    Example::
+
+        >>> tolerance_failure_message("val_acc", 0.01, 0.9, {"fc": 0.25})
+        "PostTrainingQuantization: no configuration keeps 'val_acc' within tolerance 0.01 of 0.9 (per-layer drops: fc: 0.25); the model is left in float."
+    """
+    drops = ", ".join(f"{name}: {drop:.4g}" for name, drop in sensitivity.items())
+    return (
+        f"PostTrainingQuantization: no configuration keeps {monitor!r} within tolerance "
+        f"{tolerance} of {baseline:.4g} (per-layer drops: {drops}); the model is left in float."
+    )
