@@ -2,25 +2,35 @@
 the frozen quantized base of QLoRA (``quantized_base``).
 """
 
-from lightning_lowmem.functional.lora.adapters import (
-    LoraLinear,
-    LoraReport,
-    apply_lora_,
-    merge_lora_,
-    merged_state_dict,
-    unmerge_lora_,
-)
-from lightning_lowmem.functional.lora.files import load_adapters, lora_config, lora_state_dict, save_adapters
+from __future__ import annotations
 
-__all__ = [
-    "LoraLinear",
-    "LoraReport",
-    "apply_lora_",
-    "load_adapters",
-    "lora_config",
-    "lora_state_dict",
-    "merge_lora_",
-    "merged_state_dict",
-    "save_adapters",
-    "unmerge_lora_",
-]
+from typing import TYPE_CHECKING
+
+from lightning_lowmem._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "LoraLinear": "lightning_lowmem.functional.lora.adapters",
+    "LoraReport": "lightning_lowmem.functional.lora.adapters",
+    "apply_lora_": "lightning_lowmem.functional.lora.adapters",
+    "load_adapters": "lightning_lowmem.functional.lora.files",
+    "lora_config": "lightning_lowmem.functional.lora.files",
+    "lora_state_dict": "lightning_lowmem.functional.lora.files",
+    "merge_lora_": "lightning_lowmem.functional.lora.adapters",
+    "merged_state_dict": "lightning_lowmem.functional.lora.adapters",
+    "save_adapters": "lightning_lowmem.functional.lora.files",
+    "unmerge_lora_": "lightning_lowmem.functional.lora.adapters",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checkers
+    from lightning_lowmem.functional.lora.adapters import (
+        LoraLinear,
+        LoraReport,
+        apply_lora_,
+        merge_lora_,
+        merged_state_dict,
+        unmerge_lora_,
+    )
+    from lightning_lowmem.functional.lora.files import load_adapters, lora_config, lora_state_dict, save_adapters

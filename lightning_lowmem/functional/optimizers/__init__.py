@@ -3,23 +3,33 @@
 (``in_backward``) and the portable layout of their state in checkpoints (``state``).
 """
 
-from lightning_lowmem.functional.optimizers.in_backward import OptimizerInBackward
-from lightning_lowmem.functional.optimizers.registry import (
-    available_optimizers,
-    build_optimizer,
-    check_optimizer_kwargs,
-    optimizer_arguments,
-    state_layout,
-)
-from lightning_lowmem.functional.optimizers.stochastic_rounding import StochasticRounding, stochastic_round_
+from __future__ import annotations
 
-__all__ = [
-    "OptimizerInBackward",
-    "StochasticRounding",
-    "available_optimizers",
-    "build_optimizer",
-    "check_optimizer_kwargs",
-    "optimizer_arguments",
-    "state_layout",
-    "stochastic_round_",
-]
+from typing import TYPE_CHECKING
+
+from lightning_lowmem._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "OptimizerInBackward": "lightning_lowmem.functional.optimizers.in_backward",
+    "StochasticRounding": "lightning_lowmem.functional.optimizers.stochastic_rounding",
+    "available_optimizers": "lightning_lowmem.functional.optimizers.registry",
+    "build_optimizer": "lightning_lowmem.functional.optimizers.registry",
+    "check_optimizer_kwargs": "lightning_lowmem.functional.optimizers.registry",
+    "optimizer_arguments": "lightning_lowmem.functional.optimizers.registry",
+    "state_layout": "lightning_lowmem.functional.optimizers.registry",
+    "stochastic_round_": "lightning_lowmem.functional.optimizers.stochastic_rounding",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checkers
+    from lightning_lowmem.functional.optimizers.in_backward import OptimizerInBackward
+    from lightning_lowmem.functional.optimizers.registry import (
+        available_optimizers,
+        build_optimizer,
+        check_optimizer_kwargs,
+        optimizer_arguments,
+        state_layout,
+    )
+    from lightning_lowmem.functional.optimizers.stochastic_rounding import StochasticRounding, stochastic_round_
