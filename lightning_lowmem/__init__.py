@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "MemoryEfficientOptimizer": "lightning_lowmem.callbacks.memory_efficient_optimizer",
     "AutoMicrobatch": "lightning_lowmem.callbacks.auto_microbatch",
     "LowRankAdapters": "lightning_lowmem.callbacks.low_rank_adapters",
+    "ChunkedCrossEntropy": "lightning_lowmem.callbacks.chunked_cross_entropy",
     # modules, strategies, plugins
     "DistillationModule": "lightning_lowmem.distillation.module",
     "LowMemoryStrategy": "lightning_lowmem.strategies.low_memory",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
     from lightning_lowmem.callbacks.activation_compression import ActivationCompression
     from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch
+    from lightning_lowmem.callbacks.chunked_cross_entropy import ChunkedCrossEntropy
     from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
     from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
     from lightning_lowmem.callbacks.memory_monitor import MemoryMonitor

@@ -18,6 +18,7 @@ _EXPORTS = {
     "MemoryEfficientOptimizer": "memory_efficient_optimizer",
     "AutoMicrobatch": "auto_microbatch",
     "LowRankAdapters": "low_rank_adapters",
+    "ChunkedCrossEntropy": "chunked_cross_entropy",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -23,7 +23,8 @@ ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}]
 Predict the peak memory of one training step without allocating it, and (with --budget) plan the
 cheapest technique mix that fits. Takes the same model / data / trainer options as `lowmem fit`; the
 precision and the memory callbacks of the config (ActivationCheckpointing, ActivationCompression,
-MemoryEfficientOptimizer, LowRankAdapters) are what is estimated.
+MemoryEfficientOptimizer, LowRankAdapters, ChunkedCrossEntropy) are what is estimated; with --budget the
+plan may add the chunked cross-entropy ('chunked CE') for a Hugging Face causal LM.
 
 options:
   --budget SIZE       plan for this memory, e.g. 8GiB or 512MB (default: the config's
@@ -122,6 +123,8 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
             found["optimizer"] = config
         elif name == "LowRankAdapters":
             found["lora"] = config
+        elif name == "ChunkedCrossEntropy":
+            found["cross_entropy"] = config
         elif name in ("LowMemoryStrategy", "LowMemoryDDPStrategy") and config is not None:
             for field in ("checkpointing", "compression", "optimizer"):
                 if getattr(config, field) is not None:
@@ -223,7 +226,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
     # precision and optimizer are the baseline the search starts from
     fixed = TrainingConfig(precision=None, optimizer=None, checkpointing=config.checkpointing,
-                           compression=config.compression, lora=config.lora)  # fmt: skip
+                           compression=config.compression, lora=config.lora,
+                           cross_entropy=config.cross_entropy)  # fmt: skip
     wanted: dict[str, Any] = {"precision": config.precision_preset, "optimizer": config.optimizer_name}
     if config.optimizer is not None and config.optimizer.hyperparameters:
         wanted["optimizer_kwargs"] = config.optimizer.kwargs

@@ -42,6 +42,10 @@ _EXPORTS: dict[str, str] = {
     "uncheckpoint_": "lightning_lowmem.functional.checkpointing",
     "compress_activations": "lightning_lowmem.functional.compression",
     "fully_shard_": "lightning_lowmem.functional.fsdp",
+    # the output head's loss
+    "linear_cross_entropy": "lightning_lowmem.functional.cross_entropy",
+    "chunked_cross_entropy": "lightning_lowmem.functional.cross_entropy",
+    "chunk_cross_entropy_": "lightning_lowmem.functional.cross_entropy",
     # lora
     "apply_lora_": "lightning_lowmem.functional.lora",
     "merge_lora_": "lightning_lowmem.functional.lora",
@@ -82,6 +86,7 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.functional.microbatch import split_batch
     from lightning_lowmem.functional.checkpointing import checkpoint_, uncheckpoint_
     from lightning_lowmem.functional.compression import compress_activations
+    from lightning_lowmem.functional.cross_entropy import chunk_cross_entropy_, chunked_cross_entropy, linear_cross_entropy
     from lightning_lowmem.functional.fsdp import fully_shard_
     from lightning_lowmem.functional.lora import apply_lora_, load_adapters, merge_lora_, save_adapters
     from lightning_lowmem.functional.optimizers import available_optimizers, build_optimizer

@@ -4,8 +4,9 @@ One function turns a technique mix into a transformed module, an optimizer and a
 callbacks, the low-memory strategies and the estimator (on its fake copy) all go through it, so what is
 planned is what runs:
 
-* model side, in place: quantization, LoRA adapters, activation checkpointing, and the hold on a Hugging
-  Face model's training-time KV cache that activation compression needs (checkpointing holds it itself);
+* model side, in place: quantization, LoRA adapters, activation checkpointing, the chunked cross-entropy
+  (the output head defers its logits in training), and the hold on a Hugging Face model's training-time KV
+  cache that activation compression needs (checkpointing holds it itself);
 * per step: :meth:`Applied.step_context` (activation compression), :meth:`Applied.micro_batches`;
 * the optimizer: :meth:`Applied.build_optimizer` from the config's :class:`OptimizerConfig`, or
   :func:`lightning_lowmem.functional.optimizers.convert.convert_optimizer` for one already built.
@@ -83,6 +84,8 @@ class Applied:
         checkpointed: names of the submodules wrapped with activation checkpointing.
         lora: the :class:`~lightning_lowmem.functional.lora.LoraReport`, or ``None``.
         quantization: the quantization report, or ``None``.
+        cross_entropy: the :class:`~lightning_lowmem.functional.cross_entropy.ChunkedLoss` (heads deferred,
+            losses routed), or ``None``.
         compression_stats: the activation-compression figures of the steps run in :meth:`step_context`.
     """
 
@@ -91,6 +94,7 @@ class Applied:
     checkpointed: list[str] = field(default_factory=list)
     lora: Any = None
     quantization: Any = None
+    cross_entropy: Any = None
     compression_stats: Any = None
     _structure: _Structure | None = field(default=None, repr=False)
     _kv_cache_held: bool = field(default=False, repr=False)
@@ -130,6 +134,9 @@ class Applied:
         the original submodules and parameters, ``requires_grad`` and the KV cache restored (idempotent)."""
         if self._undone:
             return
+        if self.cross_entropy is not None:
+            self.cross_entropy.undo()
+            self.cross_entropy = None
         if self.checkpointed:
             from lightning_lowmem.functional.checkpointing import uncheckpoint_
 
@@ -156,7 +163,8 @@ def apply(
     """Apply ``config``'s model-side techniques to ``module``, in place; return the handle that undoes them.
 
     Order: quantization, LoRA (adapters on the possibly quantized layers), activation checkpointing
-    (wrapping whole blocks, adapters included), then the KV-cache hold for activation compression.
+    (wrapping whole blocks, adapters included), the chunked cross-entropy (the output head's forward and a
+    Hugging Face causal LM's loss), then the KV-cache hold for activation compression.
 
     Args:
         module: any ``nn.Module`` (real, meta or fake parameters).
@@ -172,7 +180,7 @@ def apply(
     Raises:
         ValueError / TypeError: the config is invalid, or a technique cannot apply (a LoRA target or a
             checkpointing policy that matches nothing, ``"int8_static"`` quantization, which needs
-            calibration data: use ``quantize_static``).
+            calibration data: use ``quantize_static``), a chunked cross-entropy with no output head to find.
     """
     if isinstance(config, dict):
         config = TrainingConfig(**config)
@@ -198,6 +206,11 @@ def apply(
             checkpointing = config.checkpointing
             policy = list(checkpointing.policy) if isinstance(checkpointing.policy, tuple) else checkpointing.policy
             applied.checkpointed = checkpoint_(module, policy, nested=checkpointing.nested, strict=strict).wrapped
+        if config.cross_entropy is not None:
+            from lightning_lowmem.functional.cross_entropy.models import chunk_cross_entropy_
+
+            loss = config.cross_entropy
+            applied.cross_entropy = chunk_cross_entropy_(module, chunk_size=loss.chunk_size, head=loss.head)
         if config.compression is not None and hold_kv_cache:
             from lightning_lowmem.model_io import disable_kv_cache_
 

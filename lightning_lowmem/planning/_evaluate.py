@@ -119,7 +119,8 @@ class CandidateEvaluator:
     def _probe(self, config: TrainingConfig, limit_bytes: int | None) -> tuple[ModelProbe, int | None]:
         """The model-side run of ``config`` and the limit its model side alone must stay within: ``limit_bytes``
         less the smallest state of :attr:`reserve_optimizers` (known once its precision / LoRA ran once)."""
-        key = (config.precision, config.checkpointing, config.compression, config.microbatch, config.lora)
+        key = (config.precision, config.checkpointing, config.compression, config.microbatch, config.lora,
+               config.cross_entropy)  # fmt: skip
         limit = None if limit_bytes is None else limit_bytes - self._reserve(config)
         cached = self._probes.get(key)
         if cached is not None and (cached.stopped_at is None or (limit is not None and limit <= cached.stopped_at)):

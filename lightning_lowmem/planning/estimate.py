@@ -91,6 +91,7 @@ def estimate_memory(
     activation_compression: str | None = None,
     micro_batch_size: int | None = None,
     lora: dict[str, Any] | None = None,
+    cross_entropy: str | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     config: TrainingConfig | None = None,
     loop: str = "auto",
@@ -117,8 +118,9 @@ def estimate_memory(
             optimizer state). Only the last step runs forward and backward: the first creates the
             optimizer state with one optimizer step on fake gradients, which is all it leaves behind.
             Default: 2.
-        activation_checkpointing, activation_compression, micro_batch_size, lora: techniques, see
-            :class:`TrainingConfig`. Default: off.
+        activation_checkpointing, activation_compression, micro_batch_size, lora, cross_entropy: techniques,
+            see :class:`TrainingConfig` (``cross_entropy="chunked"``: the output head's loss in chunks, the
+            logits never whole). Default: off.
         optimizer_kwargs: extra optimizer arguments (``lr`` ...). Default: none.
         config: a :class:`~lightning_lowmem.functional.config.TrainingConfig` (or a dict of its shorthands)
             that replaces the technique arguments above; its ``precision=None`` takes ``precision``, its
@@ -161,6 +163,7 @@ def estimate_memory(
             optimizer=optimizer,
             micro_batch_size=micro_batch_size,
             lora=lora or None,
+            cross_entropy=cross_entropy,
         )
     elif isinstance(config, dict):
         config = TrainingConfig(**config)

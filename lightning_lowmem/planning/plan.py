@@ -51,6 +51,7 @@ SLOWDOWN: dict[str, float] = {
     "sharding:ddp": 1.0,
     "sharding:zero1": 1.05,  # the updated parameters gathered from their owners after each step
     "sharding:fsdp": 1.2,  # parameters gathered per unit in forward and backward, gradients reduce-scattered
+    "cross_entropy:chunked": 1.02,  # the output head's matmul recomputed in backward
 }
 """Prior step-time factors (relative to plain fp32 on a GPU) used to rank candidates. They order the
 search; they are not promises. Mixed / true half precision are ranked 1.0 although they are usually
@@ -82,6 +83,8 @@ def expected_slowdown(config: TrainingConfig, batch_size: int | None = None) -> 
         factor *= SLOWDOWN["qlora" if config.lora.quantize_base else "lora"]
     if config.sharding is not None:
         factor *= SLOWDOWN[f"sharding:{config.sharding.kind}"]
+    if config.cross_entropy is not None:
+        factor *= SLOWDOWN[f"cross_entropy:{config.cross_entropy.mode}"]
     return factor
 
 
@@ -116,6 +119,7 @@ def _stages(
     optimizers: Iterable[str] | None,
     micro_batch_sizes: Iterable[int | None] | None,
     loras: Iterable[Any] | None,
+    cross_entropies: Iterable[Any] | None = None,
 ) -> list[list[TrainingConfig]]:
     """The search space in stages: whole batches first; micro-batches only when no whole-batch mix fits
     (unless ``micro_batch_sizes`` is given: then one stage)."""
@@ -124,12 +128,16 @@ def _stages(
     compressions = list(compressions if compressions is not None else [None, "bf16", "int8"])
     optimizers = list(optimizers or _default_optimizers(optimizer))
     loras = list(loras if loras is not None else [None])
+    cross_entropies = list(cross_entropies if cross_entropies is not None else [None])
 
     def space(sizes: list[Any]) -> list[TrainingConfig]:
         configs = (
-            TrainingConfig(precision=p, checkpointing=c, compression=z, optimizer=o, microbatch=m, lora=lo or None)
-            for p, c, z, o, m, lo in itertools.product(precisions, checkpointing, compressions, optimizers, sizes, loras)
-        )
+            TrainingConfig(precision=p, checkpointing=c, compression=z, optimizer=o, microbatch=m, lora=lo or None,
+                           cross_entropy=ce)
+            for p, c, z, o, m, lo, ce in itertools.product(
+                precisions, checkpointing, compressions, optimizers, sizes, loras, cross_entropies
+            )
+        )  # fmt: skip
         # an optimizer-in-backward steps on every backward: no gradient accumulation
         return [config for config in configs if not (config.microbatch is not None and config.optimizer.in_backward)]
 
@@ -149,6 +157,7 @@ def _leanness(config: TrainingConfig) -> tuple:
         config.lora is not None,
         _PRECISION_RANK.get(config.precision_preset or "32-true", 0),
         config.checkpointing is not None,
+        config.cross_entropy is not None,
         {"int8": 3, "cpu": 2, "bf16": 1}.get(config.activation_compression or "", 0),
         {"adamw4bit": 4, "adamw8bit": 3, "adafactor": 2, "sgd": 1}.get(
             (config.optimizer_name or "").removesuffix("_in_backward"), 0
@@ -178,6 +187,7 @@ def plan_memory(
     optimizers: Iterable[str] | None = None,
     micro_batch_sizes: Iterable[int | None] | None = None,
     loras: Iterable[dict[str, Any] | None] | None = None,
+    cross_entropies: Iterable[str | None] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     config: TrainingConfig | None = None,
     world_size: int = 1,
@@ -218,10 +228,12 @@ def plan_memory(
         device: ``"cuda"`` or ``"cpu"`` (see :func:`estimate_memory`). Default: ``"cuda"``.
         margin: share of the budget kept free for what the estimate does not see (fragmentation,
             library workspaces). Default: 0.1.
-        precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras: search axes.
-            Defaults: {precision, bf16-mixed, bf16-true}; {None, "auto"}; {None, bf16, int8};
+        precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras, cross_entropies: search
+            axes. Defaults: {precision, bf16-mixed, bf16-true}; {None, "auto"}; {None, bf16, int8};
             {optimizer, adamw8bit if optimizer is adamw / adam}; whole batches, then {B/2, B/4, ..., 1};
-            {None}. A given ``micro_batch_sizes`` list is searched together with the other axes.
+            {None}; {None, "chunked"} for a Hugging Face causal LM (whose loss it computes with no change to
+            the training step), else {None} (list "chunked" when your step calls ``chunked_cross_entropy``).
+            A given ``micro_batch_sizes`` list is searched together with the other axes.
         optimizer_kwargs: arguments of the configured optimizer (e.g. ``{"momentum": 0.9}``); they
             apply to candidates of its family that accept them. Default: none.
         config: a :class:`TrainingConfig` whose set techniques stay fixed (each becomes a one-value axis;
@@ -283,6 +295,11 @@ def plan_memory(
         optimizers = optimizers if optimizers is not None else fixed.get("optimizers")
         micro_batch_sizes = micro_batch_sizes if micro_batch_sizes is not None else fixed.get("micro_batch_sizes")
         loras = loras if loras is not None else fixed.get("loras")
+        cross_entropies = cross_entropies if cross_entropies is not None else fixed.get("cross_entropies")
+    if cross_entropies is None:  # a candidate where it needs no change to the training step
+        from lightning_lowmem.functional.cross_entropy.models import routes_loss
+
+        cross_entropies = [None, "chunked"] if routes_loss(module) else [None]
     sharding_axis = _sharding_axis(world_size, shardings)
     batch_size = _batch_size(batch)
     unknown_optimizer = False
@@ -296,8 +313,9 @@ def plan_memory(
         if unknown_optimizer and optimizers is None:
             optimizers = ["adamw"]  # estimated as AdamW; a plan must not swap an optimizer it cannot name
     stages = _stages(
-        batch_size, precision, optimizer, precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras
-    )
+        batch_size, precision, optimizer, precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras,
+        cross_entropies,
+    )  # fmt: skip
     stages = [stage for stage in stages if stage] or [[TrainingConfig(precision=precision, optimizer=optimizer)]]
     if sharding_axis:  # every mix on every sharding; sharded candidates are estimated per rank, in full
         stages = [[c.replace(sharding=s) for c in stage for s in sharding_axis] for stage in stages]
@@ -437,7 +455,8 @@ def _fixed_axes(
         optimizer_kwargs = {**config.optimizer.kwargs, **(optimizer_kwargs or {})}
         fixed["optimizers"] = [optimizer]
     for axis, value in (("checkpointing", config.checkpointing), ("compressions", config.compression),
-                        ("micro_batch_sizes", config.microbatch), ("loras", config.lora)):  # fmt: skip
+                        ("micro_batch_sizes", config.microbatch), ("loras", config.lora),
+                        ("cross_entropies", config.cross_entropy)):  # fmt: skip
         if value is not None:
             fixed[axis] = [value]
     return precision, optimizer, optimizer_kwargs, fixed

@@ -21,10 +21,12 @@ Example::
 """
 
 from lightning_lowmem.functional.config.techniques import (
+    CROSS_ENTROPY_MODES,
     PRECISIONS,
     SHARDINGS,
     CheckpointingConfig,
     CompressionConfig,
+    CrossEntropyConfig,
     LoRAConfig,
     MicrobatchConfig,
     OptimizerConfig,
@@ -35,10 +37,12 @@ from lightning_lowmem.functional.config.techniques import (
 from lightning_lowmem.functional.config.training import TrainingConfig
 
 __all__ = [
+    "CROSS_ENTROPY_MODES",
     "PRECISIONS",
     "SHARDINGS",
     "CheckpointingConfig",
     "CompressionConfig",
+    "CrossEntropyConfig",
     "LoRAConfig",
     "MicrobatchConfig",
     "OptimizerConfig",

@@ -15,8 +15,10 @@ from lightning_lowmem.functional.compression import COMPRESSION_MODES, DEFAULT_M
 __all__ = [
     "PRECISIONS",
     "SHARDINGS",
+    "CROSS_ENTROPY_MODES",
     "CheckpointingConfig",
     "CompressionConfig",
+    "CrossEntropyConfig",
     "LoRAConfig",
     "MicrobatchConfig",
     "OptimizerConfig",
@@ -365,3 +367,43 @@ class ShardingConfig:
                 f"`world_size`={self.world_size!r} must be an int >= 1: the number of processes (GPUs) the step "
                 "runs on, e.g. world_size=8, sharding='fsdp'"
             )
+
+
+CROSS_ENTROPY_MODES = ("chunked",)
+
+
+@dataclass(frozen=True)
+class CrossEntropyConfig:
+    """The output head's loss computed in chunks of tokens: the ``(tokens, vocabulary)`` logits never exist
+    whole in training (:func:`lightning_lowmem.functional.cross_entropy.chunk_cross_entropy_`).
+
+    Args:
+        mode: ``"chunked"`` (the one mode). Default: ``"chunked"``.
+        chunk_size: tokens per chunk, >= 1. Default: ``None`` (a chunk's logits at most 1/8 of the whole, 32 MiB).
+        head: the output head's module name, when it is not found (a Hugging Face model's
+            ``get_output_embeddings()``, an ``nn.Linear`` named ``lm_head`` / ``output``). Default: ``None``.
+
+    Example::
+
+        >>> CrossEntropyConfig(chunk_size=1024)
+        CrossEntropyConfig(mode='chunked', chunk_size=1024, head=None)
+    """
+
+    mode: str = "chunked"
+    chunk_size: int | None = None
+    head: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in CROSS_ENTROPY_MODES:
+            raise ValueError(
+                f"`cross_entropy`={self.mode!r} is unknown; choose None (the model's own loss) or 'chunked'."
+                + _did_you_mean(self.mode, CROSS_ENTROPY_MODES)
+            )
+        size = self.chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(
+                f"`chunk_size`={size!r} must be a positive int (tokens per chunk) or None for the default "
+                "(a chunk's logits at most 1/8 of the whole)"
+            )
+        if self.head is not None and (not isinstance(self.head, str) or not self.head):
+            raise ValueError(f"`head`={self.head!r} must be the output head's module name (e.g. 'model.lm_head') or None")

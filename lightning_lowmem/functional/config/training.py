@@ -11,6 +11,7 @@ from lightning_lowmem.functional.compression import DEFAULT_MIN_BYTES
 from lightning_lowmem.functional.config.techniques import (
     CheckpointingConfig,
     CompressionConfig,
+    CrossEntropyConfig,
     LoRAConfig,
     MicrobatchConfig,
     OptimizerConfig,
@@ -56,6 +57,15 @@ def _lora_shorthand(value: Any) -> LoRAConfig:
     raise TypeError(f"`lora`={value!r} must be a LoRAConfig, a mapping of apply_lora_ arguments (e.g. {{'r': 8}}) or None")
 
 
+def _cross_entropy_shorthand(value: Any) -> CrossEntropyConfig:
+    if isinstance(value, str):
+        return CrossEntropyConfig(value)
+    raise TypeError(
+        f"`cross_entropy`={value!r} must be 'chunked', a CrossEntropyConfig, a mapping of its arguments "
+        "(e.g. {'chunk_size': 1024}) or None"
+    )
+
+
 @dataclass(frozen=True, init=False)
 class TrainingConfig:
     """One technique mix: what a training step is estimated, planned and run with.
@@ -77,6 +87,7 @@ class TrainingConfig:
     ``lora={"r": 8}``                             ``lora=LoRAConfig(r=8)``
     ``quantization="int8_weight_only"``           ``quantization=QuantizationConfig("int8_weight_only")``
     ``sharding="fsdp", world_size=8``             ``sharding=ShardingConfig("fsdp", 8)``
+    ``cross_entropy="chunked"``                   ``cross_entropy=CrossEntropyConfig("chunked")``
     ============================================  ==============================================
 
     ``precision=None`` / ``optimizer=None`` mean "as configured elsewhere" (the Trainer's precision,
@@ -103,6 +114,7 @@ class TrainingConfig:
     lora: LoRAConfig | None
     quantization: QuantizationConfig | None
     sharding: ShardingConfig | None
+    cross_entropy: CrossEntropyConfig | None
 
     def __init__(
         self,
@@ -114,6 +126,7 @@ class TrainingConfig:
         lora: LoRAConfig | Mapping[str, Any] | None = None,
         quantization: QuantizationConfig | Any = None,
         sharding: ShardingConfig | str | None = None,
+        cross_entropy: CrossEntropyConfig | str | Mapping[str, Any] | None = None,
         *,
         activation_checkpointing: Any = None,
         nested_checkpointing: bool | None = None,
@@ -164,6 +177,7 @@ class TrainingConfig:
             "lora": _coerce("lora", lora, LoRAConfig, _lora_shorthand),
             "quantization": _coerce("quantization", quantization, QuantizationConfig, QuantizationConfig),
             "sharding": _coerce("sharding", sharding, ShardingConfig, ShardingConfig),
+            "cross_entropy": _coerce("cross_entropy", cross_entropy, CrossEntropyConfig, _cross_entropy_shorthand),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -212,6 +226,8 @@ class TrainingConfig:
             parts.append(f"ckpt({self.checkpointing.describe()})")
         if self.compression is not None:
             parts.append(f"{self.compression.mode} acts")
+        if self.cross_entropy is not None:
+            parts.append(f"{self.cross_entropy.mode} CE")
         parts.append(self.optimizer.name if self.optimizer is not None else "configured optimizer")
         if self.microbatch is not None:
             parts.append(f"mb {self.microbatch.size}")
@@ -242,4 +258,9 @@ class TrainingConfig:
             out["quantization"] = self.quantization.name
         if self.sharding is not None:
             out["sharding"], out["world_size"] = self.sharding.kind, self.sharding.world_size
+        if self.cross_entropy is not None:
+            defaults = CrossEntropyConfig(self.cross_entropy.mode)
+            out["cross_entropy"] = (
+                self.cross_entropy.mode if self.cross_entropy == defaults else dataclasses.asdict(self.cross_entropy)
+            )
         return out

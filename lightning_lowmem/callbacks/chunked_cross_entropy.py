@@ -1,0 +1,99 @@
+"""`ChunkedCrossEntropy`: a language model's training loss without its whole ``(tokens, vocabulary)`` logits."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_lowmem.functional.applied import Applied, apply
+from lightning_lowmem.functional.config import CrossEntropyConfig, TrainingConfig
+from lightning_lowmem.warnings import LowMemWarning
+
+
+class ChunkedCrossEntropy(L.Callback):
+    """Compute the output head's cross-entropy in chunks of tokens while fitting: the ``B·T·V`` logits, their
+    fp32 upcast and the log-softmax saved for backward (the peak of a language model with a real vocabulary)
+    are never made. Loss and gradients equal the unchunked ones within fp32 rounding; the head's matmul runs
+    once more (recomputed in backward).
+
+    * **Hugging Face causal LMs** (``*ForCausalLM``, ``GPT2LMHeadModel``) trained through
+      ``self.model(**batch).loss`` with ``labels``: nothing to change. Labels are shifted, ``ignore_index``,
+      ``shift_labels`` and ``num_items_in_batch`` handled as Hugging Face does.
+    * **Any other model** (LitGPT's ``GPT``, your own): the output head (``lm_head`` / ``output`` ``nn.Linear``,
+      or ``head=``) returns deferred logits in training; change one line of the training step to
+      ``loss = lightning_lowmem.functional.chunked_cross_entropy(logits, targets)``.
+
+    Reading the logits in training (``outputs.logits.argmax(-1)``) raises ``LogitsNotComputedError`` naming
+    that line. Evaluation (``model.eval()``: validation, test, predict) computes real logits. Applied in
+    ``on_fit_start`` (after ``configure_model`` and ``LowRankAdapters``), undone in ``teardown`` and when fit
+    raises; no parameter changes, so checkpoints load with or without it.
+
+    Args:
+        chunk_size: tokens per chunk. Default: ``None`` (a chunk's logits at most 1/8 of the whole, 32 MiB).
+        head: the output head's module name in the LightningModule (``"model.lm_head"``) when it cannot be
+            found. Default: ``None``.
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive int, ``head`` not a non-empty string; at ``fit`` start,
+            no output head found, a head that is not a plain ``nn.Linear`` (LoRA-wrapped, quantized), a Hugging
+            Face model that is not a causal LM.
+
+    Example::
+
+        >>> from lightning_lowmem.demo import HFLanguageModel, HFTextDataModule
+        >>> callback = ChunkedCrossEntropy()
+        >>> trainer = L.Trainer(max_steps=1, callbacks=[callback], logger=False, enable_progress_bar=False,
+        ...                     enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+        >>> trainer.fit(HFLanguageModel("llama"), HFTextDataModule("causal", seq_len=16, batch_size=2, max_chars=20_000))
+        >>> callback.heads
+        ['model.lm_head']
+    """
+
+    def __init__(self, chunk_size: int | None = None, head: str | None = None) -> None:
+        self.config = CrossEntropyConfig("chunked", chunk_size=chunk_size, head=head)  # validates
+        self.chunk_size = chunk_size
+        self.head = head
+        self.heads: list[str] = []
+        self._applied: Applied | None = None
+        self._restored: dict[str, Any] | None = None
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._applied is not None:
+            return
+        self._applied = apply(pl_module, TrainingConfig(precision=None, optimizer=None, cross_entropy=self.config))
+        self.heads = list(self._applied.cross_entropy.heads)
+        routed = self._applied.cross_entropy.losses
+        how = f"the loss of {routed} computed from them" if routed else "compute the loss with chunked_cross_entropy"
+        size = self.chunk_size if self.chunk_size is not None else "auto"
+        rank_zero_info(f"ChunkedCrossEntropy(chunk_size={size}): {self.heads} defer their logits in training; {how}")
+        if self._restored is not None and self._restored.get("heads") not in (None, self.heads):
+            warnings.warn(
+                f"ChunkedCrossEntropy: the checkpoint was trained with heads {self._restored['heads']} deferred, this "
+                f"run defers {self.heads}. Weights load either way; only memory differs.",
+                LowMemWarning,
+                stacklevel=2,
+            )
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Lightning skips callbacks' `teardown` when fit raises: hand the model back as it came
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._applied is not None:
+            self._applied.undo()
+            self._applied = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"chunk_size": self.chunk_size, "head": self.head, "heads": list(self.heads)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict)  # compared in on_fit_start

@@ -1,0 +1,247 @@
+"""`linear_cross_entropy`: the cross-entropy of ``hidden @ weight.T`` without the whole logits, ever.
+
+A language model's training peak is usually its output head: ``B·T·V`` logits (128,256 classes for a
+Llama-3 vocabulary), an fp32 upcast of them and the log-softmax saved for backward, all alive at the start of
+the loss backward. Here the forward walks the tokens in chunks and keeps, per token, only the log-sum-exp
+(4 bytes); the backward recomputes the logits one vocabulary slice at a time and writes each slice's
+weight gradient once (a single matmul over all tokens, so it is accumulated in the kernel's own fp32
+precision, not over chunks in bf16), while the hidden-state gradient is accumulated in fp32. The price is one
+more head matmul (the recomputation): 4 instead of 3.
+
+The approach follows Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward) with
+plain torch ops, so it runs on CPU and CUDA, under autocast, and on fake tensors (the estimator traces it).
+Liger-Kernel's fused linear cross-entropy computes the gradients in the forward instead (no recomputation,
+but a full-vocabulary fp32 weight-gradient buffer for bf16 weights); torchtune's ``CEWithChunkedOutputLoss``
+chunks the logits but still materialises all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+__all__ = ["REDUCTIONS", "default_chunk_size", "linear_cross_entropy"]
+
+REDUCTIONS = ("mean", "sum", "none")
+_MiB = 1 << 20
+_MAX_CHUNK_BYTES = 32 * _MiB  # a chunk's fp32 logits stay under this ...
+_CHUNK_FRACTION = 8  # ... and under 1/8 of the whole logits
+_ONE_CHUNK_BYTES = 8 * _MiB  # whole logits up to this size are computed in one chunk
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk when ``chunk_size`` is not given: a chunk's fp32 logits are at most 1/8 of the whole
+    and at most 32 MiB (whole logits up to 8 MiB are one chunk).
+
+    Example::
+
+        >>> default_chunk_size(2048, 32_000)  # 250 MiB of logits -> chunks of 256 tokens (31 MiB)
+        256
+        >>> default_chunk_size(64, 512)  # 128 KiB of logits: one chunk
+        64
+    """
+    whole = num_tokens * vocab_size * 4
+    if whole <= _ONE_CHUNK_BYTES:
+        return max(num_tokens, 1)
+    target = min(whole // _CHUNK_FRACTION, _MAX_CHUNK_BYTES)
+    return max(1, target // (vocab_size * 4))
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, targets, ...)`` computed in chunks of tokens: the
+    ``(tokens, classes)`` logits never exist whole, in forward or backward.
+
+    Same loss and gradients (for ``hidden``, ``weight`` and ``bias``) as the unchunked expression within fp32
+    rounding. The loss is float32 whatever the inputs' dtype (float64 for float64 inputs) (logits are upcast per chunk, as Hugging Face
+    upcasts them); gradients come back in the inputs' dtypes, the hidden-state gradient accumulated in fp32.
+    Under autocast the matmuls run in the autocast dtype, in backward too.
+
+    Args:
+        hidden: ``(..., H)`` the last hidden states (after the final norm), e.g. ``(B, T, H)``.
+        weight: ``(V, H)`` the output head's weight (``lm_head.weight``; tied embeddings work as they are).
+        targets: ``(...)`` class indices, ``hidden``'s leading shape (already shifted for a causal LM).
+        bias: ``(V,)`` the head's bias. Default: ``None``.
+        ignore_index: targets equal to it add nothing and are not counted by ``"mean"``. Default: ``-100``.
+        reduction: ``"mean"`` (over counted targets), ``"sum"`` or ``"none"`` (one loss per target, shaped
+            like ``targets``). Default: ``"mean"``.
+        label_smoothing: in ``[0, 1]``, as ``F.cross_entropy``'s. Default: ``0.0``.
+        chunk_size: tokens per chunk (the backward walks the vocabulary in slices of as many logits).
+            Default: ``None`` = :func:`default_chunk_size` (a chunk's logits at most 1/8 of the whole, 32 MiB).
+
+    Returns:
+        A float32 scalar (``"mean"`` / ``"sum"``; ``nan`` for a mean over no counted target, as
+        ``F.cross_entropy``) or a float32 tensor shaped like ``targets`` (``"none"``).
+
+    Raises:
+        ValueError / TypeError: shapes that do not fit together, non-integer targets, an unknown
+            ``reduction``, ``label_smoothing`` outside ``[0, 1]``, ``chunk_size`` not a positive int.
+
+    Example::
+
+        >>> hidden, weight = torch.randn(2, 16, 8, requires_grad=True), torch.randn(100, 8, requires_grad=True)
+        >>> targets = torch.randint(100, (2, 16))
+        >>> loss = linear_cross_entropy(hidden, weight, targets, chunk_size=5)
+        >>> torch.allclose(loss, F.cross_entropy((hidden @ weight.T).flatten(0, 1), targets.flatten()))
+        True
+    """
+    _check(hidden, weight, targets, bias, reduction, label_smoothing, chunk_size)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when contiguous
+    flat_targets = targets.reshape(-1)
+    rows = chunk_size if chunk_size is not None else default_chunk_size(flat_hidden.shape[0], weight.shape[0])
+    loss = _LinearCrossEntropy.apply(
+        flat_hidden, weight, bias, flat_targets, ignore_index, float(label_smoothing), reduction, rows
+    )
+    return loss.view(targets.shape) if reduction == "none" else loss
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward: per-token log-sum-exp over token chunks. Backward: logits recomputed per vocabulary slice."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,  # (N, H)
+        weight: torch.Tensor,  # (V, H)
+        bias: torch.Tensor | None,  # (V,)
+        targets: torch.Tensor,  # (N,)
+        ignore_index: int,
+        smoothing: float,
+        reduction: str,
+        rows: int,
+    ) -> torch.Tensor:
+        num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
+        counted = targets != ignore_index  # (N,)
+        safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # gather needs valid indices
+        accumulate = _accumulation_dtype(hidden)
+        lse = hidden.new_empty(num_tokens, dtype=accumulate)  # log-sum-exp of each token's logits
+        losses = hidden.new_empty(num_tokens, dtype=accumulate)
+        for start in range(0, num_tokens, rows):
+            stop = min(start + rows, num_tokens)
+            logits = F.linear(hidden[start:stop], weight, bias).to(accumulate)  # (rows, V): the only chunk-sized tensors
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe_targets[start:stop, None]).squeeze(1)
+            # (1 - eps) * (lse - z_y) + eps * (lse - mean_v z_v): F.cross_entropy's label smoothing
+            chunk_loss = chunk_lse - (1.0 - smoothing) * picked
+            if smoothing:
+                chunk_loss = chunk_loss - smoothing * logits.mean(dim=-1)
+            lse[start:stop] = chunk_lse
+            losses[start:stop] = chunk_loss
+            del logits
+        losses = torch.where(counted, losses, torch.zeros_like(losses))
+        count = counted.sum()
+        ctx.save_for_backward(hidden, weight, bias, safe_targets, counted, lse, count)
+        ctx.smoothing, ctx.reduction, ctx.rows, ctx.vocab_size = smoothing, reduction, rows, vocab_size
+        ctx.autocast = _autocast_state(hidden.device.type)
+        if reduction == "none":
+            return losses
+        total = losses.sum()
+        return total / count if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        num_tokens, vocab_size, smoothing = hidden.shape[0], ctx.vocab_size, ctx.smoothing
+        # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored
+        accumulate = lse.dtype
+        scale = grad_output.to(accumulate)
+        if ctx.reduction == "mean":
+            scale = scale / count
+        scale = torch.where(counted, scale.expand(num_tokens), torch.zeros_like(lse))  # (N,)
+        grad_hidden = torch.zeros(hidden.shape, dtype=accumulate, device=hidden.device) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_bias = torch.empty_like(bias) if need_bias else None
+        # a vocabulary slice holds as many logits as a forward chunk of tokens
+        columns = max(1, min(vocab_size, math.ceil(ctx.rows * vocab_size / max(num_tokens, 1))))
+        token_index = torch.arange(num_tokens, device=hidden.device)
+        dtype = ctx.autocast or hidden.dtype  # the forward's matmul dtype (autocast's, else the inputs')
+        hidden_c = hidden.to(dtype)  # no copy without autocast
+        for start in range(0, vocab_size, columns):
+            stop = min(start + columns, vocab_size)
+            weight_slice = weight[start:stop].to(dtype)
+            bias_slice = bias[start:stop].to(dtype) if bias is not None else None
+            # softmax of the slice's logits, then d loss / d logits in place: (N, columns)
+            grad_logits = F.linear(hidden_c, weight_slice, bias_slice).to(accumulate)
+            grad_logits.sub_(lse[:, None]).exp_()
+            if smoothing:
+                grad_logits.sub_(smoothing / vocab_size)
+            in_slice = (targets >= start) & (targets < stop) & counted
+            hits = torch.where(in_slice, targets - start, torch.zeros_like(targets))
+            grad_logits[token_index, hits] -= in_slice.to(accumulate) * (1.0 - smoothing)
+            grad_logits.mul_(scale[:, None])
+            if grad_bias is not None:
+                grad_bias[start:stop] = grad_logits.sum(0)
+            grad_logits = grad_logits.to(dtype)
+            if grad_weight is not None:  # (columns, H), one matmul over all tokens, written in place
+                if grad_weight.dtype == dtype:
+                    torch.matmul(grad_logits.T, hidden_c, out=grad_weight[start:stop])
+                else:  # autocast: the matmul in its dtype, the gradient in the weight's
+                    grad_weight[start:stop] = grad_logits.T @ hidden_c
+            if grad_hidden is not None:  # (N, H), accumulated in fp32 (in place when the matmul is fp32)
+                if grad_logits.dtype == accumulate:
+                    grad_hidden.addmm_(grad_logits, weight_slice)
+                else:
+                    grad_hidden += grad_logits @ weight_slice
+            del grad_logits
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _accumulation_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs: what logits, log-sum-exp and gradients are accumulated in."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def _autocast_state(device_type: str) -> torch.dtype | None:
+    """The autocast dtype active in the forward (the backward runs its matmuls in it too), or ``None``."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _check(
+    hidden: Any, weight: Any, targets: Any, bias: Any, reduction: Any, label_smoothing: Any, chunk_size: Any
+) -> None:
+    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"`{name}` must be a tensor, got {type(value).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"`weight` must be (classes, hidden) = 2-D, got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"`hidden` {tuple(hidden.shape)} must end in the weight's hidden size {weight.shape[1]} "
+            f"(`weight` is {tuple(weight.shape)}: pass the head's weight as (classes, hidden), like nn.Linear's)"
+        )
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"`targets` {tuple(targets.shape)} must have hidden's leading shape {tuple(hidden.shape[:-1])} "
+            "(one class index per hidden state; shift them first for a causal LM)"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
+        raise TypeError(f"`targets` must hold integer class indices, got dtype {targets.dtype}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"`bias` must be a ({weight.shape[0]},) tensor or None, got {shape}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"`reduction`={reduction!r} is not one of {list(REDUCTIONS)}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing <= 1:
+        raise ValueError(f"`label_smoothing`={label_smoothing!r} must be a number in [0, 1]")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(
+            f"`chunk_size`={chunk_size!r} must be a positive int (tokens per chunk) or None for the default "
+            "(a chunk's logits at most 1/8 of the whole)"
+        )
