@@ -35,11 +35,11 @@ from typing import Any, Callable
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_lowmem._compat import force_eager
 from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
+from lightning_lowmem.functional.cross_entropy import chunked_cross_entropy
 
 STEPS = 6  # 3 epochs of 2 steps; checkpoints at steps 2, 4, 6
 KILL_AFTER_STEP = 3  # the child dies in epoch 2, its last checkpoint is the one of step 2
@@ -63,8 +63,8 @@ class TinyLM(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        logits = self(x)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        logits = self(x)  # (B, T, V), or deferred under ChunkedCrossEntropy
+        return chunked_cross_entropy(logits, y)  # F.cross_entropy on float32 logits when they are real
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
@@ -180,6 +180,7 @@ CONFIGS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "activation-compression-int8": _callbacks(_lazy(_CB + "ActivationCompression", "int8", min_bytes=0)),
     "activation-compression-bf16": _callbacks(_lazy(_CB + "ActivationCompression", "bf16", min_bytes=0)),
     "activation-checkpointing": _callbacks(_lazy(_CB + "ActivationCheckpointing", "auto")),
+    "chunked-cross-entropy": _callbacks(_lazy(_CB + "ChunkedCrossEntropy", chunk_size=5)),
     # its history holds the process's resident set size: a measurement of each process, compared by presence
     "memory-monitor": lambda root: {"measured": {"rss", "rss_before", "rss_after"},
                                     **_callbacks(_lazy(_CB + "MemoryMonitor", log_every_n_steps=1))(root)},

@@ -249,6 +249,10 @@ def _hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
+    """A decoder-only Hugging Face LM (``T5ForConditionalGeneration`` resolves to the same loss name but is an
+    encoder-decoder whose forward computes its own loss)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
     return getattr(model.loss_function, "__name__", "") == "ForCausalLMLoss"
 
 
