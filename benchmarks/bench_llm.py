@@ -1,0 +1,275 @@
+"""The LLM's own peak at the shapes users train: real vocabularies, 512+ tokens (issue #24).
+
+Randomly initialised Hugging Face causal LMs (no download) with real vocabularies -- Llama with Llama-3's
+128,256 ids (tied), GPT-2 with its 50,257 -- trained as users train them (``model(**batch).loss``, dict
+batches of 4 x 512 tokens). At these shapes the ``B·T·V`` logits, their fp32 upcast and the log-softmax are the
+step's biggest tensors, which no other switch touches. Setups, each from the same weights on the same batches:
+
+* plain fp32 AdamW (the anchor); ``bf16-true`` AdamW;
+* **Hugging Face alone**: its ``gradient_checkpointing_enable()`` + bf16 weights + 8-bit AdamW (torchao's, the
+  memory of bitsandbytes' ``AdamW8bit``);
+* a torchtune-style chunked loss (logits computed in 8 chunks along the sequence, each upcast on its own, as
+  torchtune's ``CEWithChunkedOutputLoss`` recipe; torchtune itself does not import beside torchao 0.18);
+* lowmem: ``ChunkedCrossEntropy`` alone (fp32 AdamW); the previous full stack (bf16 + checkpointing + int8
+  activations + Adafactor stepped in backward); and that stack with ``ChunkedCrossEntropy``.
+
+Peaks are the memory core's (dispatch-level, exact on CPU) on the second step; each lowmem setup also has its
+``estimate_memory`` figure. A sequence sweep (Llama, batch 1, T = 256 ... 4096) shows the stack's peak per token.
+The function row times ``linear_cross_entropy`` against ``F.cross_entropy`` on 2048 tokens x 32,000 classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import mib, smoke
+from lightning_lowmem.demo.hf import build_hf_model
+from lightning_lowmem.functional.applied import apply
+from lightning_lowmem.functional.compression import compress_activations
+from lightning_lowmem.functional.config import TrainingConfig
+from lightning_lowmem.functional.cross_entropy import linear_cross_entropy
+from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.memory import measure_memory, track_memory
+from lightning_lowmem.planning.estimate import estimate_memory
+
+MODELS = {  # real vocabularies; small bodies, so the head's share is what a 1-8B model has at these lengths
+    "llama (Llama-3 vocab)": ("llama", dict(vocab_size=128_256, hidden_size=128, intermediate_size=256,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=4096, tie_word_embeddings=True)),
+    "gpt2 (GPT-2 vocab)": ("gpt2", dict(vocab_size=50_257, n_embd=256, n_layer=4, n_head=4, n_positions=1024)),
+}  # fmt: skip
+BATCH, SEQ = 4, 512
+SWEEP = (256, 512, 1024, 2048, 4096)
+
+
+@dataclass
+class Setup:
+    name: str
+    config: TrainingConfig | None = None  # a lowmem mix (applied with functional.apply, estimated too)
+    prepare: Callable[[torch.nn.Module], None] | None = None  # anything else, in place
+    dtype: torch.dtype = torch.float32
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    torchtune_loss: bool = False
+
+
+def _setups() -> list[Setup]:
+    stack = dict(precision="bf16-true", activation_checkpointing="auto", activation_compression="int8",
+                 optimizer="adafactor_in_backward")  # fmt: skip
+    return [
+        Setup("plain fp32 AdamW (anchor)"),
+        Setup("bf16-true AdamW", dtype=torch.bfloat16),
+        Setup("HF alone: gradient_checkpointing_enable + bf16 + 8-bit AdamW",
+              prepare=lambda m: m.gradient_checkpointing_enable(), dtype=torch.bfloat16, optimizer="adamw8bit"),
+        Setup("torchtune-style chunked logits (8 chunks, fp32 AdamW)", torchtune_loss=True),
+        Setup("lowmem ChunkedCrossEntropy (fp32 AdamW)", TrainingConfig(cross_entropy="chunked")),
+        Setup("lowmem stack without the chunked loss", TrainingConfig(**stack), dtype=torch.bfloat16,
+              optimizer="adafactor_in_backward", lr=0.05),
+        Setup("lowmem full stack + ChunkedCrossEntropy", TrainingConfig(**stack, cross_entropy="chunked"),
+              dtype=torch.bfloat16, optimizer="adafactor_in_backward", lr=0.05),
+    ]  # fmt: skip
+
+
+def _batches(vocab: int, batch: int, seq: int, count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(vocab, (batch, seq), generator=generator)
+        mask = torch.ones_like(ids)
+        labels = ids.clone()
+        labels[:, -seq // 8 :] = -100  # some padding, as ragged batches have
+        mask[:, -seq // 8 :] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def _torchtune_style_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunks: int = 8) -> torch.Tensor:
+    """torchtune's recipe re-stated for an HF model: the head runs on 8 sequence chunks, each chunk upcast and
+    cross-entropied on its own (the chunks' logits are still all kept for backward)."""
+    labels = batch["labels"]
+    hidden = getattr(model, model.base_model_prefix)(input_ids=batch["input_ids"],
+                                                    attention_mask=batch["attention_mask"]).last_hidden_state
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    head = model.get_output_embeddings()
+    total = torch.zeros((), dtype=torch.float32)
+    for hidden_chunk, label_chunk in zip(hidden.chunk(chunks, dim=1), shifted.chunk(chunks, dim=1)):
+        logits = head(hidden_chunk).float()
+        total = total + F.cross_entropy(logits.flatten(0, 1), label_chunk.flatten(), ignore_index=-100, reduction="sum")
+    return total / (shifted != -100).sum()
+
+
+class _Run:
+    def __init__(self, setup: Setup, base: torch.nn.Module) -> None:
+        self.setup = setup
+        self.model = copy.deepcopy(base).to(setup.dtype)
+        self.model.train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if setup.config is not None:
+                self.applied = apply(self.model, setup.config)
+            if setup.prepare is not None:
+                setup.prepare(self.model)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(setup.optimizer, params, lr=setup.lr)
+        self.losses: list[float] = []
+        self.seconds: list[float] = []
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        compression = self.setup.config.compression if self.setup.config is not None else None
+        packing = compress_activations(compression.mode, compression.min_bytes) if compression else contextlib.nullcontext()
+        started = time.perf_counter()
+        with packing:
+            loss = _torchtune_style_loss(self.model, batch) if self.setup.torchtune_loss else self.model(**batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.seconds.append(time.perf_counter() - started)
+        self.losses.append(float(loss))
+
+
+def _model_rows(label: str, family: str, overrides: dict[str, Any], batch: int, seq: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    base = build_hf_model(family, **overrides)
+    batches = _batches(overrides["vocab_size"], batch, seq, 3)
+    rows = []
+    for setup in _setups():
+        run = _Run(setup, base)
+        torch.manual_seed(1)  # the same dropout masks in every setup
+        for item in batches[:-1]:
+            run.step(item)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = measure_memory(run.step, batches[-1], module=run.model, optimizer=run.optimizer, device="cpu")
+        row: dict[str, Any] = {"model": label, "tokens": f"{batch}x{seq}", "setup": setup.name,
+                               "peak_mib": mib(report.peak_bytes)}  # fmt: skip
+        if setup.config is not None:
+            config = setup.config.replace(precision="bf16-true" if setup.dtype == torch.bfloat16 else "32-true",
+                                          optimizer=setup.optimizer)  # fmt: skip
+            estimate = estimate_memory(base, batches[-1], device="cpu", config=config, loop="torch")
+            row["estimate_mib"] = mib(estimate.peak_bytes)
+            row["estimate_error_pct"] = round(100 * (estimate.peak_bytes / report.peak_bytes - 1), 2)
+        row.update({"other_mib": mib(report.breakdown["other"]), "activations_mib": mib(report.breakdown["activations"]),
+                    "loss_step1": round(run.losses[0], 6), "step_s": round(min(run.seconds), 2)})  # fmt: skip
+        rows.append(row)
+        del run
+    return rows
+
+
+def _sweep_rows() -> list[dict[str, Any]]:
+    family, overrides = MODELS["llama (Llama-3 vocab)"]
+    torch.manual_seed(0)
+    base = build_hf_model(family, **overrides)
+    setup = _setups()[-1]
+    rows = []
+    for seq in SWEEP if not smoke() else SWEEP[:2]:
+        batches = _batches(overrides["vocab_size"], 1, seq, 2)
+        run = _Run(setup, base)
+        run.step(batches[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = measure_memory(run.step, batches[-1], module=run.model, optimizer=run.optimizer, device="cpu")
+        row = {"model": "llama (Llama-3 vocab), full stack + ChunkedCrossEntropy", "tokens": f"1x{seq}",
+               "setup": "sequence sweep", "peak_mib": mib(report.peak_bytes), "peak_bytes": report.peak_bytes}
+        if rows:  # bytes per added token since the previous length: constant when the growth is linear in T
+            previous = rows[-1]
+            added = int(previous["tokens"].split("x")[1])
+            row["kib_per_added_token"] = round((report.peak_bytes - previous["peak_bytes"]) / (seq - added) / 1024, 2)
+        rows.append(row)
+    for row in rows:
+        del row["peak_bytes"]
+    return rows
+
+
+def _function_rows() -> list[dict[str, Any]]:
+    """linear_cross_entropy vs F.cross_entropy on materialised logits: 2048 tokens x 32,000 classes, H = 1024."""
+    tokens, hidden_size, vocab = (2048, 1024, 32_000) if not smoke() else (64, 32, 1000)
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+    weight = (torch.randn(vocab, hidden_size) * hidden_size**-0.5).requires_grad_()
+    targets = torch.randint(vocab, (tokens,))
+    inputs_and_grads = 2 * (hidden.numel() + weight.numel()) * 4
+    rows = []
+    for name, fn in (("F.cross_entropy(hidden @ weight.T)", lambda: F.cross_entropy(hidden @ weight.T, targets)),
+                     ("linear_cross_entropy (default chunks)", lambda: linear_cross_entropy(hidden, weight, targets))):  # fmt: skip
+        fn().backward()
+        seconds = []
+        for _ in range(3):
+            hidden.grad = weight.grad = None
+            started = time.perf_counter()
+            loss = fn()
+            loss.backward()
+            seconds.append(time.perf_counter() - started)
+        hidden.grad = weight.grad = None
+        with track_memory(device="cpu") as tracking:
+            fn().backward()
+        rows.append({"model": f"function: {tokens} tokens x {vocab:,} classes, H={hidden_size}, fp32", "setup": name,
+                     "peak_mib": mib(tracking.report.peak_bytes),
+                     "above_inputs_and_grads_mib": mib(tracking.report.peak_bytes - inputs_and_grads),
+                     "loss": round(float(loss), 6), "fwd_bwd_s": round(min(seconds), 3)})  # fmt: skip
+        hidden.grad = weight.grad = None
+    return rows
+
+
+def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
+    if device != "cpu":
+        raise ValueError("bench_llm measures on CPU (the memory core's exact counts)")
+    batch, seq = (1, 64) if smoke() else (BATCH, SEQ)
+    rows = _function_rows()
+    targets: list[dict[str, Any]] = []
+    plain_ce, chunked_ce = rows
+    ratio = plain_ce["above_inputs_and_grads_mib"] / chunked_ce["above_inputs_and_grads_mib"]
+    targets.append({"target": "linear_cross_entropy, 2048 x 32,000: peak <= 1/6 of F.cross_entropy on the logits",
+                    "measured": f"1/{ratio:.1f} (above inputs and returned gradients); fwd+bwd time "
+                                f"{chunked_ce['fwd_bwd_s'] / plain_ce['fwd_bwd_s']:.2f}x", "met": ratio >= 6})  # fmt: skip
+    for label, (family, overrides) in MODELS.items():
+        if smoke():
+            overrides = {**overrides, "vocab_size": 1000}
+        model_rows = _model_rows(label, family, overrides, batch, seq)
+        rows += model_rows
+        by_name = {row["setup"]: row for row in model_rows}
+        plain, bf16 = by_name["plain fp32 AdamW (anchor)"], by_name["bf16-true AdamW"]
+        hf_alone = by_name["HF alone: gradient_checkpointing_enable + bf16 + 8-bit AdamW"]
+        chunked, stack = by_name["lowmem ChunkedCrossEntropy (fp32 AdamW)"], by_name["lowmem full stack + ChunkedCrossEntropy"]
+        goal = 10 if overrides["vocab_size"] > 100_000 else 8
+        targets += [
+            {"target": f"{label}: full stack + chunked loss <= 1/{goal} of plain fp32 AdamW",
+             "measured": f"1/{plain['peak_mib'] / stack['peak_mib']:.2f}", "met": plain["peak_mib"] / stack["peak_mib"] >= goal},
+            {"target": f"{label}: full stack + chunked loss <= 1/4 of bf16-true",
+             "measured": f"1/{bf16['peak_mib'] / stack['peak_mib']:.2f}", "met": bf16["peak_mib"] / stack["peak_mib"] >= 4},
+            {"target": f"{label}: full stack + chunked loss <= 0.5x Hugging Face alone",
+             "measured": f"{stack['peak_mib'] / hf_alone['peak_mib']:.3f}x", "met": stack["peak_mib"] <= 0.5 * hf_alone["peak_mib"]},
+            {"target": f"{label}: ChunkedCrossEntropy loss = unchunked (fp32 rel 1e-5), step time <= 1.15x",
+             "measured": f"loss rel {abs(chunked['loss_step1'] / plain['loss_step1'] - 1):.1e}; step time "
+                         f"{chunked['step_s'] / plain['step_s']:.2f}x; peak {chunked['peak_mib'] / plain['peak_mib']:.3f}x",
+             "met": abs(chunked["loss_step1"] / plain["loss_step1"] - 1) <= 1e-5 and chunked["step_s"] <= 1.15 * plain["step_s"]},
+            {"target": f"{label}: estimates within 1% of the measured peak (lowmem setups)",
+             "measured": ", ".join(f"{row['estimate_error_pct']:+.2f}%" for row in model_rows if "estimate_error_pct" in row),
+             "met": all(abs(row["estimate_error_pct"]) <= 1 for row in model_rows if "estimate_error_pct" in row)},
+        ]  # fmt: skip
+    sweep = _sweep_rows()
+    rows += sweep
+    per_token = [row["kib_per_added_token"] for row in sweep if "kib_per_added_token" in row]
+    targets.append({"target": "full stack + chunked loss, Llama-3 vocab: peak linear in T from 256 to 4096 (bytes per "
+                              "added token no larger at the longest step than at the one before)",
+                    "measured": "KiB per added token: " + " / ".join(f"{v:g}" for v in per_token),
+                    "met": len(per_token) < 2 or per_token[-1] <= 1.25 * per_token[-2]})  # fmt: skip
+    return {
+        "title": "The LLM's own peak: real vocabularies, batch 4 x 512 (Hugging Face Llama / GPT-2 configs, CPU)",
+        "rows": rows,
+        "targets": targets,
+        "notes": (
+            "Peak = memory core on the second step (optimizer state included), exact on CPU. HF alone = Hugging Face's "
+            "own checkpointing + bf16 weights + 8-bit AdamW (torchao). GPT-2 keeps its default dropout 0.1 (on CPU, "
+            "attention dropout runs SDPA's math path). step_s = wall time of the fastest step on a shared 2-core CPU: "
+            "noisy; bf16 rows depend on the CPU's native bf16 (AMX here). Estimates run in torch's step order "
+            "(forward, backward, step, zero_grad) as the measured loop."
+        ),
+    }
