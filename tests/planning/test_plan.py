@@ -198,3 +198,23 @@ def test_bad_sharding_axis_arguments(model_and_batch, kwargs, match):
     model, batch = model_and_batch
     with pytest.raises(ValueError, match=match):
         plan_memory(model, batch, "1GiB", device="cpu", **kwargs)
+
+
+def test_the_chunked_loss_is_planned_for_a_causal_lm_whose_logits_are_the_peak():
+    """A Llama with an 8k vocabulary at 4 x 64 tokens: the chunked loss alone fits a budget the plain step does
+    not, and the plan is that mix with its full estimate; a model without a Hugging Face causal LM never gets it."""
+    hf_zoo = pytest.importorskip("tests.hf_zoo")
+    model = hf_zoo.hf_module("llama", vocab_size=8192)
+    batch = hf_zoo.hf_batch("llama", seq_len=64, batch_size=4)
+    plain = estimate_memory(model, batch, device="cpu")
+    chunked = estimate_memory(model, batch, device="cpu", cross_entropy="chunked")
+    assert chunked.peak_bytes < 0.8 * plain.peak_bytes
+    budget = int((chunked.peak_bytes + plain.peak_bytes) / 2 / 0.9)  # the chunked step fits, the plain one does not
+    plan = plan_memory(model, batch, budget, device="cpu", precisions=["32-true"], checkpointing=[None],
+                       compressions=[None], optimizers=["adamw"])  # fmt: skip
+    assert plan.config.cross_entropy is not None and plan.config.describe() == "32-true + chunked CE + adamw"
+    assert plan.chosen.report.peak_bytes == chunked.peak_bytes
+    assert [c.config.cross_entropy for c in plan.candidates][:2] == [None, plan.config.cross_entropy]
+    charlm = plan_memory(CharLM(n_layer=2, n_embd=32, block_size=16), (torch.zeros(4, 16, dtype=torch.long),) * 2,
+                         "1GiB", device="cpu")  # fmt: skip
+    assert all(c.config.cross_entropy is None for c in charlm.candidates)
