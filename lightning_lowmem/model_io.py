@@ -144,15 +144,16 @@ def forward_batch(module: nn.Module, batch: Any, *, drop_keys: Iterable[str] = (
 
 
 def output_logits(output: Any) -> torch.Tensor:
-    """The logits (or plain output tensor) of a model output: ``.logits`` / ``["logits"]``, a tuple's first tensor.
+    """The logits (or plain output tensor) of a model output: ``.logits`` / ``["logits"]``, a tuple's first tensor
+    (deferred logits of the chunked loss count as logits).
 
     Raises:
         TypeError: no tensor could be found (names the type received and the override point).
     """
-    if isinstance(output, torch.Tensor):
+    if isinstance(output, torch.Tensor) or _deferred(output):
         return output
     if isinstance(output, Mapping):  # ModelOutput is an OrderedDict
-        if isinstance(output.get("logits"), torch.Tensor):
+        if isinstance(output.get("logits"), torch.Tensor) or _deferred(output.get("logits")):
             return output["logits"]
         for key, value in output.items():
             if key != "loss" and isinstance(value, torch.Tensor):
@@ -165,6 +166,12 @@ def output_logits(output: Any) -> torch.Tensor:
         f"cannot find the logits in a model output of type {type(output).__name__}: expected a tensor, a mapping / "
         f"ModelOutput with `logits`, or a tuple starting with a tensor; {OVERRIDE_HINT}"
     )
+
+
+def _deferred(value: Any) -> bool:
+    """Logits the chunked loss left uncomputed (``functional.cross_entropy.DeferredLogits``, told by a class marker
+    so this module imports no transform): they stand for the logits they defer."""
+    return bool(getattr(type(value), "defers_logits", False))
 
 
 def output_loss(output: Any) -> torch.Tensor | None:

@@ -46,6 +46,7 @@ from lightning_lowmem.distillation.losses import (
     make_adapter,
 )
 from lightning_lowmem.distillation.teacher import TEACHER_PRECISIONS, load_teacher_weights, prepare_teacher  # noqa: F401
+from lightning_lowmem.functional.cross_entropy.models import DeferredLogits
 from lightning_lowmem.model_io import BatchCallError, forward_batch, output_logits, output_loss
 
 __all__ = ["DistillationModule", "TEACHER_PRECISIONS"]
@@ -345,17 +346,30 @@ class DistillationModule(L.LightningModule):
         Returns:
             ``{"loss": total, "logit_loss": ..., "hint_loss": ...}`` (``hint_loss`` only with hints).
         """
-        logit_loss = call_loss(
-            get_loss(self.hparams.loss),
-            student_logits,
-            teacher_logits,
-            targets,
-            temperature=self.hparams.temperature,
-            alpha=self.hparams.alpha,
-            ignore_index=self.hparams.ignore_index,
-            mask=mask,
-            hard_loss=student_loss,
-        )
+        if isinstance(student_logits, DeferredLogits):  # ChunkedCrossEntropy: the KD term in chunks
+            if self.hparams.loss != "kd":
+                raise ValueError(
+                    f"`loss`={self.hparams.loss!r} needs the student's whole logits, which ChunkedCrossEntropy does not "
+                    "compute in training; use loss='kd' (computed in chunks) or drop ChunkedCrossEntropy"
+                )
+            from lightning_lowmem.distillation.chunked import chunked_kd_loss
+
+            logit_loss = chunked_kd_loss(
+                student_logits, teacher_logits, targets, temperature=self.hparams.temperature, alpha=self.hparams.alpha,
+                ignore_index=self.hparams.ignore_index, mask=mask, hard_loss=student_loss,
+            )  # fmt: skip
+        else:
+            logit_loss = call_loss(
+                get_loss(self.hparams.loss),
+                student_logits,
+                teacher_logits,
+                targets,
+                temperature=self.hparams.temperature,
+                alpha=self.hparams.alpha,
+                ignore_index=self.hparams.ignore_index,
+                mask=mask,
+                hard_loss=student_loss,
+            )
         losses = {"logit_loss": logit_loss, "loss": logit_loss}
         if self.hparams.hint_layers:
             hint = sum(
@@ -404,7 +418,12 @@ class DistillationModule(L.LightningModule):
             student_logits, teacher_logits, targets, student_features, teacher_features,
             mask=mask if dict_batch else None, student_loss=output_loss(output) if dict_batch else None,
         )  # fmt: skip
-        agree = student_logits.argmax(-1) == teacher_logits.argmax(-1)
+        if isinstance(student_logits, DeferredLogits):
+            from lightning_lowmem.distillation.chunked import deferred_argmax
+
+            agree = deferred_argmax(student_logits) == teacher_logits.argmax(-1)  # one more head matmul, no grad
+        else:
+            agree = student_logits.argmax(-1) == teacher_logits.argmax(-1)
         self.train_agreement.update(counted(agree, mask).float())
         self.log("train_loss", losses["loss"], prog_bar=True)
         for name, value in losses.items():

@@ -215,3 +215,29 @@ def test_a_student_without_its_own_loss_gets_a_warning_about_the_unshifted_hard_
     module = DistillationModule(LogitsOnly(student), teacher, alpha=0.5)
     with pytest.warns(UserWarning, match=r"no `.loss` for a dict batch with `labels`.*no shift"):
         module.training_step(hf_batch("gpt2", 16), 0)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_chunked_cross_entropy_distils_to_the_same_weights_without_the_students_logits(alpha, tiny_trainer_kwargs):
+    """ChunkedCrossEntropy on a DistillationModule: the student's head defers its logits, the KD term and the
+    student's own loss are computed in chunks; weights after two SGD steps equal the unchunked run's, peak lower."""
+    import lightning as L
+
+    from lightning_lowmem import ChunkedCrossEntropy, DistillationModule, MemoryEfficientOptimizer, MemoryMonitor
+
+    hf_zoo = pytest.importorskip("tests.hf_zoo")
+    no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "vocab_size": 4096}
+    results = []
+    for chunked in (False, True):
+        module = DistillationModule(student=hf_zoo.hf_module("gpt2", n_embd=32, **no_dropout).model,
+                                    teacher=hf_zoo.hf_module("gpt2", seed=1, **no_dropout).model, alpha=alpha)  # fmt: skip
+        monitor = MemoryMonitor(summary=False)
+        callbacks = [MemoryEfficientOptimizer("sgd", lr=0.5), monitor, *([ChunkedCrossEntropy()] if chunked else [])]
+        trainer = L.Trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, callbacks=callbacks,
+                            **tiny_trainer_kwargs)  # fmt: skip
+        trainer.fit(module, hf_zoo.hf_data("gpt2", seq_len=64, batch_size=4))
+        results.append(({n: p.detach().clone() for n, p in module.student.named_parameters()}, monitor.last_report.peak_bytes))
+    (plain, plain_peak), (ours, chunked_peak) = results
+    for name, reference in plain.items():
+        torch.testing.assert_close(ours[name], reference, rtol=1e-4, atol=1e-6, msg=name)
+    assert chunked_peak < 0.85 * plain_peak

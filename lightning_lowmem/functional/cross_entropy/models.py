@@ -77,6 +77,7 @@ class DeferredLogits:
     """
 
     __slots__ = ("hidden", "head", "name")
+    defers_logits = True  # what model_io.output_logits recognises
 
     def __init__(self, hidden: torch.Tensor, head: nn.Linear, name: str) -> None:
         self.hidden, self.head, self.name = hidden, head, name  # hidden: (..., H)
