@@ -131,9 +131,10 @@ class _FusedAttention(torch.autograd.Function):
     (B, H, T rounded up to 32)); philox seed / offset are CPU scalars outside CUDA-graph capture. Backward
     returns grad q / k / v (in q / k / v's dtype, (B, T, H, D) layout) and holds the kernel's workspace
     while it runs: flash (``mha_bwd``) a float32 ``softmax_d`` (B, H, T_128) and ``dq_accum``
-    (B, T_128, H, D_32) plus, for grouped-query heads, dk / dv expanded to the query heads; efficient
-    (``_efficient_attention_backward``) a float32 ``delta`` (B, H, T) and, for fp16 / bf16, a float32
-    grad-q accumulator (B, H, T_128, D), and grad-k / grad-v accumulators when the head dim is over 128.
+    (B, T_128, H, D rounded up to 32, 256 above 192) plus, for grouped-query heads, dk / dv expanded to the
+    query heads; efficient (``_efficient_attention_backward``) a float32 ``delta`` (B, H, T) and the
+    split-key kernel's float32 grad-q accumulator (~(B, H, T, D); per-block grad-k / grad-v scratch of
+    fp16 / bf16 kernels is not modelled: it does not grow with T).
     """
 
     @staticmethod
@@ -154,15 +155,13 @@ class _FusedAttention(torch.autograd.Function):
         device, rows = query.device, _round_up(length, 128)
         workspace = [torch.empty((batch, heads, rows), dtype=torch.float32, device=device)]  # softmax_d / delta
         if ctx.kernel == "flash":
-            head_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
+            head_rounded = _round_up(head_dim, 32) if head_dim <= 192 else 256
             workspace.append(torch.empty((batch, rows, heads, head_rounded), dtype=torch.float32, device=device))
             if key.shape[1] != heads:  # grouped-query: gradients for every query head, summed afterwards
                 expanded = (batch, heads, key.shape[2], key.shape[3])
                 workspace += [_like_kernel_output(expanded, key.dtype, device) for _ in range(2)]
-        elif query.dtype in _HALF:
+        else:  # split-key kernels (sm70+) accumulate grad q in float32, every dtype
             workspace.append(torch.empty((batch, heads, rows, head_dim), dtype=torch.float32, device=device))
-            if head_dim > 128:
-                workspace += [torch.empty((*key.shape[:3], key.shape[3]), dtype=torch.float32, device=device)] * 2
         grads = tuple(_like_kernel_output(tuple(t.shape), t.dtype, device) for t in (query, key, value))
         del workspace
         return (*grads, None, None)
