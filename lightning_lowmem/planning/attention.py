@@ -84,7 +84,16 @@ def choose_cuda_kernel(
     * math: always.
 
     Returns:
-        ``(kernel, reasons)``: the kernel's name and why each earlier allowed kernel was passed over.
+        ``(kernel, reasons)``: the kernel's name and why each earlier allowed kernel was passed over;
+        ``"none"`` when no allowed kernel fits.
+
+    Example::
+
+        >>> q = torch.empty(2, 8, 4096, 64, device="meta")
+        >>> choose_cuda_kernel(q, q, q)
+        ('efficient', ['flash: dtype torch.float32 (needs float16 / bfloat16)'])
+        >>> choose_cuda_kernel(q.bfloat16(), q.bfloat16(), q.bfloat16())[0]
+        'flash'
     """
     reasons: list[str] = []
     head_q, head_k, head_v = query.shape[-1], key.shape[-1], value.shape[-1]
