@@ -259,8 +259,3 @@ def fake_attention(batch: Any, device: str, attention_kernel: str = "auto") -> I
         mode = stack.enter_context(CudaAttention(attention_kernel)) if device == "cuda" else None
         yield mode
 
-
-def attention_scores_bytes(batch: int, heads: int, length: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of one (B, H, T, T) score matrix: what the math path materialises and fused kernels avoid."""
-    return batch * heads * length * length * torch.empty((), dtype=dtype).element_size()
-
