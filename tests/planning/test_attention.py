@@ -193,3 +193,17 @@ def test_unknown_attention_kernel_is_rejected():
     model, batch = _hf("llama", 64)
     with pytest.raises(ValueError, match=r"`attention_kernel`='flash2' is unknown; choose one of \['auto'"):
         _estimate(model, batch, device="cpu", attention_kernel="flash2")
+
+
+def test_cuda_padded_batch_keeps_the_mask_as_the_efficient_kernels_bias():
+    """A padded batch: transformers builds the (B, 1, T, T) mask on both sides; flash takes no mask, so
+    bf16 attention runs the memory-efficient kernel, which keeps the mask as its bias (T x T, real)."""
+    length = 512
+    model, padded = _hf("llama", length, padded=True)
+    _, unpadded = _hf("llama", length)
+    with_mask = _estimate(model, padded, device="cuda", precision="bf16-true")
+    without = _estimate(model, unpadded, device="cuda", precision="bf16-true")
+    assert with_mask.meta["attention_kernels"] == {"efficient": 2}
+    assert without.meta["attention_kernels"] == {"flash": 2}
+    mask_bytes = 1 * 1 * length * length * 2  # (B, 1, T, T) in bf16
+    assert with_mask.peak_bytes - without.peak_bytes == 2 * mask_bytes  # each layer's bias, kept for backward
