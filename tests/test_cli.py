@@ -191,8 +191,22 @@ def test_estimate_hugging_face_model_with_a_dict_batch_shape(capsys):
                  "--model.family", "gpt2", "--batch-shape", shape]) == 0
     report = json.loads(capsys.readouterr().out)
     torch.manual_seed(0)
-    batch = {key: torch.zeros(2, 16, dtype=torch.long) for key in ("input_ids", "attention_mask", "labels")}
+    batch = {key: torch.zeros(2, 16, dtype=torch.long) for key in ("input_ids", "labels")}
+    batch["attention_mask"] = torch.ones(2, 16, dtype=torch.long)  # a mask on meta is taken as unpadded
     assert report["peak_bytes"] == estimate_memory(HFLanguageModel(family="gpt2"), batch, device="cpu").peak_bytes
+
+
+def test_estimate_attention_kernel_option(capsys):
+    """`--attention-kernel` reaches the estimate: CharLM's attention (with dropout) runs CUDA's
+    memory-efficient kernel by default; forced math keeps the (B, H, T, T) scores."""
+    peaks = {}
+    for kernel in ("auto", "math"):
+        args = ["estimate", "--device", "cuda", "--json", "--attention-kernel", kernel, "--batch-shape", "8x32,8x32"]
+        assert main([*args, *CHARLM_ARGS[:10]]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["meta"]["attention_kernels"] == {"efficient" if kernel == "auto" else "math": 2}
+        peaks[kernel] = report["peak_bytes"]
+    assert peaks["math"] > peaks["auto"]
 
 
 def test_parse_batch_shape_forms_and_errors():

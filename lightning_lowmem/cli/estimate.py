@@ -17,7 +17,7 @@ from lightning_lowmem.cli.errors import (
 from lightning_lowmem.cli.runner import _DropMessages, _lightning_cli, _print_error
 
 ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
-                       [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
+                       [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
                        (--config CONFIG.yaml | --model CLASS_PATH [--data CLASS_PATH]) [...]
 
 Predict the peak memory of one training step without allocating it, and (with --budget) plan the
@@ -30,6 +30,8 @@ options:
   --budget SIZE       plan for this memory, e.g. 8GiB or 512MB (default: the config's
                       LowMemoryStrategy memory_budget, if any). The search is shown on stderr.
   --device DEVICE     cuda or cpu (default: cuda when this machine has one, else cpu)
+  --attention-kernel K  the CUDA attention kernel: auto (default: the one torch picks by dtype,
+                      mask and head dim), flash, efficient or math (forced, as sdpa_kernel forces it)
   --batch-shape SPEC  the batch to estimate, instead of taking one from --data. Tensors are
                       comma-separated shapes, integer (int64) unless a dtype is given:
                         32x64,32x64                    a tuple (inputs, targets) of token ids
@@ -139,6 +141,7 @@ def estimate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lowmem estimate", usage=ESTIMATE_USAGE, add_help=False)
     parser.add_argument("--budget", default=None)
     parser.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    parser.add_argument("--attention-kernel", default="auto", choices=["auto", "flash", "efficient", "math"])
     parser.add_argument("--batch-shape", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--real-weights", action="store_true")
@@ -211,7 +214,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     own.budget = own.budget if own.budget is not None else budget
     config = TrainingConfig(**{"optimizer": None, **techniques})  # no optimizer set: configure_optimizers'
     if own.budget is None:
-        report = estimate_memory(model, batch, device=device, config=config)
+        report = estimate_memory(model, batch, device=device, config=config, attention_kernel=own.attention_kernel)
         if own.json:
             print(json.dumps(report.to_dict(), indent=2, default=str))
             return 0
@@ -240,7 +243,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         with rich_progress(Console(stderr=True)) as progress:
             world_size, shardings = getattr(own, "sharding_axis", (1, None))
             plan = plan_memory(model, batch, own.budget, device=device, loras=loras, progress=progress, config=fixed,
-                               world_size=world_size, shardings=shardings, **wanted)  # fmt: skip
+                               world_size=world_size, shardings=shardings, attention_kernel=own.attention_kernel,
+                               **wanted)  # fmt: skip
     except ValueError as err:
         if own.json:
             print(json.dumps({"error": str(err)}))

@@ -41,6 +41,7 @@ from lightning_lowmem.planning._fake_step import (
     train_step,
 )
 from lightning_lowmem.memory._tracker import MemoryLimitExceeded, StorageTracker, cuda_block_bytes, iter_tensors
+from lightning_lowmem.planning.attention import fake_attention
 from lightning_lowmem.memory.report import CATEGORIES
 
 Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
@@ -98,6 +99,7 @@ def probe_model(
     device: str,
     loop: str,
     limit_bytes: int | None = None,
+    attention_kernel: str = "auto",
 ) -> ModelProbe:
     """Run ``config``'s model side once on fake tensors (the optimizer is left out; see module docstring).
 
@@ -110,7 +112,8 @@ def probe_model(
     tracker = StorageTracker(device="cpu", round_bytes=_round(device), by_module=False)
     fake_mode = _compat.fake_tensor_mode()
     model = fake_module(module, true_dtype, fake_mode)
-    with fake_mode, warnings.catch_warnings(), _compat.force_eager():
+    attention = fake_attention(batch, device, attention_kernel)  # as estimate_memory: the real batch's masks
+    with attention, fake_mode, warnings.catch_warnings(), _compat.force_eager():
         warnings.simplefilter("ignore")
         model.train()
         apply_model_techniques(model, config)

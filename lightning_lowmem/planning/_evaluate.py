@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.functional.config import OptimizerConfig
+from lightning_lowmem.planning.attention import validate_attention_kernel
 from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
 from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
 from lightning_lowmem.planning.estimate import (
@@ -40,6 +41,7 @@ class CandidateEvaluator:
         device: ``"cuda"`` or ``"cpu"``.
         loop: ``"auto"``, ``"lightning"`` or ``"torch"`` (see :func:`estimate_memory`).
         optimizer_kwargs: optimizer name -> extra arguments for it.
+        attention_kernel: the CUDA attention kernel (see :func:`estimate_memory`).
     """
 
     def __init__(
@@ -51,12 +53,14 @@ class CandidateEvaluator:
         device: str,
         loop: str,
         optimizer_kwargs: Callable[[str], dict[str, Any]],
+        attention_kernel: str = "auto",
     ) -> None:
         self.module = module
         self.batch = batch
         self.user_loss_fn = loss_fn
         self.loss_fn = loss_fn or default_loss
         self.device = device
+        self.attention_kernel = validate_attention_kernel(attention_kernel)
         self.loop = resolve_loop(module, loss_fn, loop)
         self.optimizer_kwargs = optimizer_kwargs
         self._probes: dict[tuple, ModelProbe] = {}
@@ -110,6 +114,7 @@ class CandidateEvaluator:
                 config=config,
                 optimizer_kwargs=self.optimizer_kwargs(config.optimizer.name),
                 loop=self.loop,
+                attention_kernel=self.attention_kernel,
             )
             report.meta["method"] = "full"
             self._full[config] = report
@@ -129,7 +134,7 @@ class CandidateEvaluator:
         with data_dependent_errors_explained(self.module, config, steps=2):
             probe = probe_model(
                 self.module, self.batch, config, loss_fn=self.loss_fn, device=self.device, loop=self.loop,
-                limit_bytes=limit,
+                limit_bytes=limit, attention_kernel=self.attention_kernel,
             )  # fmt: skip
         self._probes[key] = probe
         self._trainable[(config.precision, config.lora)] = probe.trainable

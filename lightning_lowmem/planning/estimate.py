@@ -38,6 +38,7 @@ from lightning_lowmem.planning._fake_step import (
 )
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
+from lightning_lowmem.planning.attention import fake_attention, validate_attention_kernel
 from lightning_lowmem.planning.sharding import ShardedStep
 from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
 
@@ -97,6 +98,7 @@ def estimate_memory(
     loop: str = "auto",
     world_size: int = 1,
     sharding: str | None = None,
+    attention_kernel: str = "auto",
 ) -> MemoryReport:
     """Predict the peak memory of one training step without allocating any tensor data.
 
@@ -136,6 +138,12 @@ def estimate_memory(
         sharding: ``"ddp"``, ``"zero1"`` or ``"fsdp"`` (``lowmem_ddp``, ``lowmem_ddp`` with
             ``zero_optimizer=True``, ``lowmem_fsdp``), or ``None`` (one process; ``"ddp"`` if
             ``world_size > 1``). See :mod:`lightning_lowmem.planning.sharding`. Default: ``None``.
+        attention_kernel: for ``device="cuda"``, the kernel each ``F.scaled_dot_product_attention`` runs:
+            ``"auto"`` (torch's choice on an sm80+ GPU by dtype, mask, head dim), or ``"flash"``,
+            ``"efficient"``, ``"math"`` forced as ``torch.nn.attention.sdpa_kernel`` forces it. The fake
+            step allocates what that kernel keeps (:mod:`lightning_lowmem.planning.attention`); on
+            ``device="cpu"`` torch's own CPU choice runs. ``report.meta["attention_kernels"]`` counts the
+            kernels run. Default: ``"auto"``.
 
     Returns:
         A :class:`MemoryReport` with ``source="estimated"``; ``report.meta["config"]`` is the config.
@@ -144,7 +152,7 @@ def estimate_memory(
     Raises:
         EstimationError: the step cannot run on fake tensors (data-dependent control flow or output
             shapes); the message says what was tried.
-        ValueError: an unknown precision / technique / device / sharding, ``world_size < 1``.
+        ValueError: an unknown precision / technique / device / sharding / attention kernel, ``world_size < 1``.
 
     Example::
 
@@ -185,6 +193,7 @@ def estimate_memory(
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
+    validate_attention_kernel(attention_kernel)
     loop = resolve_loop(module, loss_fn, loop)
     loss_fn = loss_fn or default_loss
     sharded = ShardedStep(sharding, world_size, device=device)  # validates world_size / sharding
@@ -198,7 +207,8 @@ def estimate_memory(
     fake_mode = _compat.fake_tensor_mode()
     with data_dependent_errors_explained(module, config, steps):
         model = fake_module(module, true_dtype, fake_mode)
-        with sharded, fake_mode, warnings.catch_warnings():
+        attention = fake_attention(batch, device, attention_kernel)  # reads the real batch's masks
+        with sharded, attention as cuda_attention, fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.train()
             apply_model_techniques(model, config)
@@ -225,6 +235,8 @@ def estimate_memory(
     report.source = "estimated"
     report.device = device
     report.meta = {"config": config.to_dict(), "steps": steps, "label": config.describe(), "loop": loop}
+    if cuda_attention is not None:
+        report.meta["attention_kernels"] = dict(cuda_attention.chosen)
     report = sharded.finish(report, opt)
     if device == "cuda":
         report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}

@@ -196,6 +196,7 @@ def plan_memory(
     include_overheads: bool = False,
     loop: str = "auto",
     progress: Progress | None = None,
+    attention_kernel: str = "auto",
 ) -> Plan:
     """Find the technique mix with the lowest expected slowdown whose estimated peak fits ``budget``.
 
@@ -226,6 +227,7 @@ def plan_memory(
             know is estimated as AdamW and never swapped), else AdamW. Default: ``None``.
         precision: the precision the user wants. Default: ``"32-true"``.
         device: ``"cuda"`` or ``"cpu"`` (see :func:`estimate_memory`). Default: ``"cuda"``.
+        attention_kernel: the CUDA attention kernel, see :func:`estimate_memory`. Default: ``"auto"``.
         margin: share of the budget kept free for what the estimate does not see (fragmentation,
             library workspaces). Default: 0.1.
         precisions, checkpointing, compressions, optimizers, micro_batch_sizes, loras, cross_entropies: search
@@ -332,7 +334,9 @@ def plan_memory(
         accepted = set(optimizer_arguments(name))
         return {key: value for key, value in (optimizer_kwargs or {}).items() if key in accepted}
 
-    evaluator = CandidateEvaluator(module, batch, loss_fn=loss_fn, device=device, loop=loop, optimizer_kwargs=kwargs_for)
+    evaluator = CandidateEvaluator(
+        module, batch, loss_fn=loss_fn, device=device, loop=loop, optimizer_kwargs=kwargs_for, attention_kernel=attention_kernel
+    )
     evaluator.reserve_optimizers = sorted({c.optimizer.name for stage in stages for c in stage})
     evaluated: dict[TrainingConfig, Candidate] = {}
     tried: list[Candidate] = []

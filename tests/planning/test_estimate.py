@@ -251,3 +251,21 @@ def test_estimate_equals_the_peak_memory_monitor_measures_in_a_fit(tmp_path):
         trainer.fit(model, loader)
         assert estimate.peak_bytes == monitor.last_report.peak_bytes, precision
         assert estimate.breakdown == monitor.last_report.breakdown
+
+
+@pytest.mark.parametrize("kernel", [{"fused": True}, {"foreach": True}, {"foreach": False}], ids=["fused", "foreach", "for-loop"])
+def test_adamw_kernel_families_estimate_equals_the_measured_step(kernel):
+    """AdamW's three kernels (fused, foreach, per-tensor loop) run on fake tensors as on real ones (CPU)."""
+    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.planning.estimate import _train_step, default_loss
+
+    batch = _charlm_batch(16)
+    estimate = estimate_memory(_charlm(), batch, device="cpu", optimizer="adamw", optimizer_kwargs=kernel)
+    model = _charlm()
+    config = TrainingConfig(optimizer="adamw")
+    optimizer = build_optimizer("adamw", list(model.parameters()), **kernel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train_step(model, batch, default_loss, optimizer, config, None, loop="lightning")
+        measured = measure_memory(_train_step, model, batch, default_loss, optimizer, config, None, loop="lightning", module=model)
+    assert estimate.peak_bytes == measured.peak_bytes

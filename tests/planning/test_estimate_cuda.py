@@ -85,3 +85,38 @@ def test_hf_gpt2_estimate_within_10_percent_of_the_allocator(name):
     predicted = _predicted(model, batch, config)
     measured = _allocator_peak(model, batch, config)
     assert predicted == pytest.approx(measured, rel=0.10), f"{name}: estimated {predicted:,} B, allocator {measured:,} B"
+
+
+def _hf_long(family: str, length: int, **overrides):
+    """A 2 x 128, 8-head Hugging Face model and an unpadded batch of 2 x ``length`` tokens (#29's rows)."""
+    pytest.importorskip("transformers")
+    from lightning_lowmem.demo.hf import HFLanguageModel
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = {"n_embd": 128, "n_layer": 2, "n_head": 8, "n_positions": length, **overrides}
+    else:
+        config = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+                  "num_key_value_heads": 8, "max_position_embeddings": length, **overrides}  # fmt: skip
+    ids = torch.randint(0, 256, (2, length))
+    return HFLanguageModel(family, config=config), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+@pytest.mark.parametrize(
+    ("family", "length", "name", "overrides", "kernel"),
+    [
+        ("gpt2", 2048, "fp32", {"attn_pdrop": 0.1}, "efficient"),  # CPU runs math here (dropout): 1.9 GiB
+        ("llama", 2048, "fp32", {}, "efficient"),
+        ("llama", 8192, "fp32", {}, "efficient"),
+        ("llama", 8192, "bf16-true", {}, "flash"),
+    ],
+)
+def test_long_context_estimate_within_10_percent_of_the_allocator(family, length, name, overrides, kernel):
+    """The fake step runs the attention kernel CUDA picks and keeps what it keeps (planning/attention.py)."""
+    config = CONFIGS[name].replace(optimizer="adamw")
+    model, batch = _hf_long(family, length, **overrides)
+    report = estimate_memory(model, batch, device="cuda", config=config)
+    assert report.meta["attention_kernels"] == {kernel: 2}
+    predicted = report.peak_bytes + report.overheads["cublas_workspace"]
+    measured = _allocator_peak(model, batch, config)
+    assert predicted == pytest.approx(measured, rel=0.10), f"estimated {predicted:,} B, allocator {measured:,} B"
