@@ -14,8 +14,7 @@ step's biggest tensors, which no other switch touches. Setups, each from the sam
   activations + Adafactor stepped in backward); and that stack with ``ChunkedCrossEntropy``.
 
 Peaks are the memory core's (dispatch-level, exact on CPU) on the second step; each lowmem setup also has its
-``estimate_memory`` figure. A sequence sweep (Llama, batch 1, T = 256 ... 4096) shows the stack's peak per token.
-The function row times ``linear_cross_entropy`` against ``F.cross_entropy`` on 2048 tokens x 32,000 classes.
+``estimate_memory`` figure (the sequence sweep is ``bench_llm_sequence``). The function row times ``linear_cross_entropy`` against ``F.cross_entropy`` on 2048 tokens x 32,000 classes.
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ MODELS = {  # real vocabularies; small bodies, so the head's share is what a 1-8
     "gpt2 (GPT-2 vocab)": ("gpt2", dict(vocab_size=50_257, n_embd=256, n_layer=4, n_head=4, n_positions=1024)),
 }  # fmt: skip
 BATCH, SEQ = 4, 512
-SWEEP = (256, 512, 1024, 2048, 4096)
 
 
 @dataclass
@@ -163,31 +161,6 @@ def _model_rows(label: str, family: str, overrides: dict[str, Any], batch: int, 
     return rows
 
 
-def _sweep_rows() -> list[dict[str, Any]]:
-    family, overrides = MODELS["llama (Llama-3 vocab)"]
-    torch.manual_seed(0)
-    base = build_hf_model(family, **overrides)
-    setup = _setups()[-1]
-    rows = []
-    for seq in SWEEP if not smoke() else SWEEP[:2]:
-        batches = _batches(overrides["vocab_size"], 1, seq, 2)
-        run = _Run(setup, base)
-        run.step(batches[0])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = measure_memory(run.step, batches[-1], module=run.model, optimizer=run.optimizer, device="cpu")
-        row = {"model": "llama (Llama-3 vocab), full stack + ChunkedCrossEntropy", "tokens": f"1x{seq}",
-               "setup": "sequence sweep", "peak_mib": mib(report.peak_bytes), "peak_bytes": report.peak_bytes}
-        if rows:  # bytes per added token since the previous length: constant when the growth is linear in T
-            previous = rows[-1]
-            added = int(previous["tokens"].split("x")[1])
-            row["kib_per_added_token"] = round((report.peak_bytes - previous["peak_bytes"]) / (seq - added) / 1024, 2)
-        rows.append(row)
-    for row in rows:
-        del row["peak_bytes"]
-    return rows
-
-
 def _function_rows() -> list[dict[str, Any]]:
     """linear_cross_entropy vs F.cross_entropy on materialised logits: 2048 tokens x 32,000 classes, H = 1024."""
     tokens, hidden_size, vocab = (2048, 1024, 32_000) if not smoke() else (64, 32, 1000)
@@ -254,13 +227,6 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
              "measured": ", ".join(f"{row['estimate_error_pct']:+.2f}%" for row in model_rows if "estimate_error_pct" in row),
              "met": all(abs(row["estimate_error_pct"]) <= 1 for row in model_rows if "estimate_error_pct" in row)},
         ]  # fmt: skip
-    sweep = _sweep_rows()
-    rows += sweep
-    per_token = [row["kib_per_added_token"] for row in sweep if "kib_per_added_token" in row]
-    targets.append({"target": "full stack + chunked loss, Llama-3 vocab: peak linear in T from 256 to 4096 (bytes per "
-                              "added token no larger at the longest step than at the one before)",
-                    "measured": "KiB per added token: " + " / ".join(f"{v:g}" for v in per_token),
-                    "met": len(per_token) < 2 or per_token[-1] <= 1.25 * per_token[-2]})  # fmt: skip
     return {
         "title": "The LLM's own peak: real vocabularies, batch 4 x 512 (Hugging Face Llama / GPT-2 configs, CPU)",
         "rows": rows,
