@@ -112,3 +112,22 @@ def test_budget_plans_with_the_configured_optimizer(tiny_trainer_kwargs):
     monitor = _fit(model, nano_loader(batches=2, batch_size=8, block_size=64, vocab_size=96), strategy, tiny_trainer_kwargs)
     assert {c.config.optimizer_name for c in strategy.plan.candidates} == {"sgd"}
     assert type(monitor.last_report) and isinstance(model.trainer.optimizers[0], torch.optim.SGD)
+
+
+def test_the_strategy_plans_and_applies_the_chunked_loss_on_a_large_vocabulary(tiny_trainer_kwargs):
+    """A Llama whose 8k-vocabulary logits are the step's peak: a budget the plain step exceeds is met with the
+    chunked loss (and nothing slower), the fit measures what was planned, and the model is handed back after."""
+    hf_zoo = pytest.importorskip("tests.hf_zoo")
+    data = hf_zoo.hf_data("llama", seq_len=64, batch_size=4)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    model = hf_zoo.hf_module("llama", vocab_size=8192)
+    plain = estimate_memory(model, batch, device="cpu").peak_bytes
+    chunked = estimate_memory(model, batch, device="cpu", cross_entropy="chunked").peak_bytes
+    budget = int((plain + chunked) / 2 / 0.9)
+    strategy = LowMemoryStrategy(memory_budget=budget, precision="32-true")
+    monitor = _fit(model, hf_zoo.hf_data("llama", seq_len=64, batch_size=4), strategy, tiny_trainer_kwargs)
+    assert strategy.plan.config.cross_entropy is not None
+    assert monitor.last_report.peak_bytes <= budget
+    assert monitor.last_report.peak_bytes == strategy.plan.predicted_peak_bytes
+    assert "forward" not in model.model.lm_head.__dict__
