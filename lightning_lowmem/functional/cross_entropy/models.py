@@ -283,7 +283,7 @@ def _defer_head(module: nn.Module, name: str, head: nn.Module, report: ChunkedLo
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward or not plain:
         raise ValueError(
             f"the output head `{name}` is a {type(head).__name__} with a {type(weight).__name__} weight: the chunked loss "
-            "needs a plain nn.Linear head with a float weight. Leave the head out of LoRA targets / quantization "
+            "needs a plain nn.Linear head with a float weight. Leave the head out of LoRA targets, QAT and quantization "
             "(e.g. LoRA target='all-linear' skips it; quantize after training)"
         )
     if "forward" in head.__dict__:
