@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 __all__ = ["REDUCTIONS", "default_chunk_size", "linear_cross_entropy"]
@@ -151,6 +152,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total / count if reduction == "mean" else total
 
     @staticmethod
+    @once_differentiable  # the gradients are computed with in-place ops: no double backward
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
