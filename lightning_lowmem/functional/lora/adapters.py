@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_lowmem.functional.attention import left_alone_message, mha_out_projections
 from lightning_lowmem.functional.lora.quantized_base import (
     check_quantization_supported,
     dequantized,
@@ -32,6 +34,7 @@ from lightning_lowmem.functional.lora.quantized_base import (
     quantize_base_layers_,
     quantize_frozen_,
 )
+from lightning_lowmem.warnings import NoEffectWarning
 
 __all__ = [
     "LoraLinear",
@@ -166,6 +169,17 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def _select(module: nn.Module, target: str | type | Sequence[str | type]) -> dict[str, nn.Module]:
+    selected = _select_layers(module, target)
+    unreachable = [name for name in selected if name in mha_out_projections(module)]
+    if unreachable:
+        what = f"apply_lora_(target={target!r})"
+        if len(unreachable) == len(selected):
+            raise ValueError(left_alone_message(unreachable, what) + " Nothing else matched: choose other layers.")
+        warnings.warn(left_alone_message(unreachable, what), NoEffectWarning, stacklevel=3)
+    return {name: layer for name, layer in selected.items() if name not in unreachable}
+
+
+def _select_layers(module: nn.Module, target: str | type | Sequence[str | type]) -> dict[str, nn.Module]:
     candidates = {name: sub for name, sub in module.named_modules() if _is_candidate(sub)}
     if target == ALL_LINEAR:
         # output heads: by name, or by a weight shared with an embedding (BERT's MLM decoder, tied lm_heads)
