@@ -42,6 +42,8 @@ __all__ = [
     "apply_lora_",
     "merge_lora_",
     "merged_state_dict",
+    "train_in_full_",
+    "trained_modules",
     "unmerge_lora_",
 ]
 
@@ -50,6 +52,11 @@ QUANTIZE_CHOICES = (None, "int8", "int4")
 ALL_LINEAR = "all-linear"
 # Output projections left out by ``target="all-linear"`` (vocabulary / class heads, as PEFT does).
 HEAD_NAMES = ("lm_head", "head", "classifier", "score")
+# Heads ``train_modules="auto"`` trains in full: Hugging Face's task heads, freshly initialised when a
+# pretrained body is loaded into a ``*ForSequenceClassification`` / ``*ForImageClassification`` (PEFT's
+# ``modules_to_save`` for classification).
+AUTO_TRAIN_NAMES = ("classifier", "score")
+_TRAINED_MARK = "_lowmem_lora_trains_in_full"  # set on each module apply_lora_ trains in full
 
 
 @dataclass
@@ -63,6 +70,7 @@ class LoraReport:
         quantize_base: ``None``, ``"int8"`` or ``"int4"``.
         trainable_params: parameters that require grad after the call (the adapters).
         total_params: all parameters of the module (logical element count, quantized ones included).
+        trained: qualified names of the modules trained in full beside the adapters (``train_modules``).
     """
 
     wrapped: list[str] = field(default_factory=list)
@@ -71,6 +79,7 @@ class LoraReport:
     quantize_base: str | None = None
     trainable_params: int = 0
     total_params: int = 0
+    trained: list[str] = field(default_factory=list)
 
     @property
     def trainable_fraction(self) -> float:
@@ -246,8 +255,10 @@ def apply_lora_(
     quantize_base: str | None = None,
     freeze_base: bool = True,
     quantize_frozen: bool = False,
+    train_modules: str | Sequence[str] | None = "auto",
 ) -> LoraReport:
-    """Put LoRA adapters on chosen linear layers of ``module``, in place, and freeze everything else.
+    """Put LoRA adapters on chosen linear layers of ``module``, in place, and freeze everything else
+    (but the ``train_modules``, trained in full).
 
     Args:
         module: the model (any ``nn.Module``; its parameters may be real, meta or FakeTensors).
@@ -268,6 +279,12 @@ def apply_lora_(
             format: linear layers that get no adapter (``lm_head``) and ``nn.Embedding`` tables (torchao
             ``IntxWeightOnlyConfig``). Weights shared between modules (tied embeddings) stay float.
             Default: ``False`` (as in QLoRA, only the adapted layers are quantized).
+        train_modules: modules trained in full beside the adapters, e.g. a freshly initialised
+            classification head that a frozen random projection would ruin (PEFT's ``modules_to_save``):
+            ``"auto"`` = the modules named ``classifier`` or ``score`` (Hugging Face's task heads) that get
+            no adapter and share no weight with an embedding; a name pattern or a list of them (as for
+            ``target``; each must match a module); ``None`` / ``[]`` = none. They are kept in adapter files
+            and adapter-only checkpoints. Default: ``"auto"``.
 
     Returns:
         A :class:`LoraReport` (wrapped layer names, trainable and total parameter counts).
@@ -297,10 +314,68 @@ def apply_lora_(
             f"per model (use load_adapters to load adapter weights into it)."
         )
     selected = _select(module, target)
+    trained = _train_modules(module, train_modules, selected)
     report = _wrap(module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base)
     if quantize_frozen:
         quantize_frozen_(module, quantize_base, adapter_type=LoraLinear)  # type: ignore[arg-type]
+    train_in_full_(module, trained)
+    report.trained = trained
+    report.trainable_params, report.total_params = _count_params(module)
     return report
+
+
+def _train_modules(module: nn.Module, train_modules: str | Sequence[str] | None, adapted: dict[str, nn.Module]) -> list[str]:
+    """The names ``train_modules`` chooses (see :func:`apply_lora_`), outermost only, in module order."""
+    named = {name: sub for name, sub in module.named_modules() if name and next(sub.parameters(), None) is not None}
+
+    def holds_adapted(name: str) -> bool:
+        return any(a == name or a.startswith(f"{name}.") or name.startswith(f"{a}.") for a in adapted)
+
+    if train_modules is None:
+        return []
+    if train_modules == "auto":
+        tied = {id(sub.weight) for sub in module.modules() if isinstance(sub, nn.Embedding)}
+        chosen = [name for name, sub in named.items() if name.rsplit(".", 1)[-1] in AUTO_TRAIN_NAMES
+                  and not holds_adapted(name) and not any(id(p) in tied for p in sub.parameters())]  # fmt: skip
+    else:
+        patterns = [train_modules] if isinstance(train_modules, str) else list(train_modules)
+        if not all(isinstance(p, str) for p in patterns):
+            raise TypeError(f"`train_modules` must be 'auto', None or module name patterns (str), got {train_modules!r}")
+        chosen = []
+        for pattern in patterns:
+            hits = [name for name, sub in named.items() if _matches(name, pattern) or type(sub).__name__ == pattern]
+            if not hits:
+                close = sorted(named)[:8]
+                raise ValueError(
+                    f"`train_modules` pattern {pattern!r} matches no module with parameters of {type(module).__name__}; "
+                    f"module names are e.g. {close}. Patterns match a qualified name exactly, as a dotted suffix, "
+                    "as an fnmatch glob, or a class name."
+                )
+            clash = [name for name in hits if holds_adapted(name)]
+            if clash:
+                raise ValueError(
+                    f"`train_modules` pattern {pattern!r} matches {clash[:4]}, which hold (or are) layers that get "
+                    "adapters; a module is adapted or trained in full, not both: narrow `target` or `train_modules`."
+                )
+            chosen.extend(hits)
+    order = list(named)
+    chosen = sorted(set(chosen), key=order.index)
+    return [name for name in chosen if not any(name.startswith(f"{other}.") for other in chosen)]
+
+
+def train_in_full_(module: nn.Module, names: Sequence[str]) -> None:
+    """Unfreeze the float parameters of the modules ``names`` and mark them as trained beside the adapters."""
+    for name in names:
+        sub = module.get_submodule(name)
+        for param in sub.parameters():
+            if param.is_floating_point() and not is_quantized(param):
+                param.requires_grad_(True)
+        sub.__dict__[_TRAINED_MARK] = True
+
+
+def trained_modules(module: nn.Module) -> list[str]:
+    """Qualified names of the modules :func:`apply_lora_` trains in full (``train_modules``) inside ``module``."""
+    return [name for name, sub in module.named_modules() if sub.__dict__.get(_TRAINED_MARK)]
 
 
 def _wrap(
