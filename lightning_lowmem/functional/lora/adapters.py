@@ -193,11 +193,14 @@ def _select_layers(module: nn.Module, target: str | type | Sequence[str | type])
     if target == ALL_LINEAR:
         # output heads: by name, or by a weight shared with an embedding (BERT's MLM decoder, tied lm_heads)
         tied = {id(sub.weight) for sub in module.modules() if isinstance(sub, nn.Embedding)}
-        selected = {n: m for n, m in candidates.items() if n.rsplit(".", 1)[-1] not in HEAD_NAMES and id(m.weight) not in tied}
+        # a head may be a container (HF ResNet / ConvNeXt: classifier = Sequential(Flatten, Linear)): any component
+        selected = {n: m for n, m in candidates.items() if not set(n.split(".")) & set(HEAD_NAMES) and id(m.weight) not in tied}
         if not selected:
+            convs = sum(isinstance(sub, nn.Conv2d) for sub in module.modules())
+            hint = f" Its {convs} nn.Conv2d layers get no adapters (LoRA on convolutions is not supported)." if convs else ""
             raise ValueError(
                 f"`target`='{ALL_LINEAR}' found no nn.Linear / Conv1D layer (output heads {HEAD_NAMES} are left "
-                f"out) in {type(module).__name__}. Layers found: {sorted(candidates)[:8]}"
+                f"out) in {type(module).__name__}. Layers found: {sorted(candidates)[:8]}.{hint}"
             )
         return selected
     patterns = [target] if isinstance(target, (str, type)) else list(target)
@@ -266,9 +269,9 @@ def apply_lora_(
         alpha: the update ``B @ A`` is scaled by ``alpha / r``. Default: 16.0.
         dropout: dropout on the adapters' input, in [0, 1). Default: 0.0.
         target: which layers: ``"all-linear"`` (every ``nn.Linear`` / ``Conv1D`` except output heads:
-            those named ``lm_head``, ``head``, ``classifier``, ``score``, and those whose weight is an
-            embedding's, e.g. BERT's tied MLM decoder), or a pattern / type or a list of
-            them. A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
+            those named ``lm_head``, ``head``, ``classifier``, ``score`` or inside a module so named, and
+            those whose weight is an embedding's, e.g. BERT's tied MLM decoder), or a pattern / type or a
+            list of them. A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
             matches ``"h.0.attn.c_attn"``), as an fnmatch glob (``"h.*.mlp.*"``), or a class name
             (``"Conv1D"``). Each pattern must match at least one layer. Default: ``"all-linear"``.
         quantize_base: ``None``, ``"int8"`` or ``"int4"``: store the wrapped layers' frozen weights
