@@ -28,7 +28,8 @@ class ActivationCheckpointing(L.Callback):
     Args:
         policy: which submodules to wrap; see
             :func:`lightning_lowmem.functional.checkpointing.checkpoint_`. ``"auto"`` = the repeated
-            blocks of the model's ``nn.ModuleList`` (e.g. transformer layers); an int ``k`` = every
+            blocks of the model, in ``nn.ModuleList`` s or ``nn.Sequential`` s (e.g. transformer layers,
+            a ResNet's blocks; logged at INFO); an int ``k`` = every
             k-th of those; a class name such as ``"Block"``; a module-name pattern such as
             ``"model.h.*"``; or a list of these. Default: ``"auto"``.
         nested: also wrap chosen modules inside other chosen ones, e.g. ``policy=["Block", "*.attn"]``:

@@ -13,7 +13,13 @@ from typing_extensions import override
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
 from lightning_lowmem.functional.applied import apply
 from lightning_lowmem.functional.config import LoRAConfig, TrainingConfig
-from lightning_lowmem.functional.lora.adapters import ALL_LINEAR, LoraReport, lora_layers, merged_state_dict
+from lightning_lowmem.functional.lora.adapters import (
+    ALL_LINEAR,
+    LoraReport,
+    lora_layers,
+    merged_state_dict,
+    trained_modules,
+)
 from lightning_lowmem.functional.lora.bookkeeping import (
     adapter_entries,
     check_same_settings,
@@ -61,6 +67,9 @@ class LowRankAdapters(L.Callback):
             adapters are added; for YAML configs, where the model is built from init args. Default: ``None``.
         merged_weights_path: when set, at the end of ``fit`` write the merged float weights (loadable
             with ``strict=True`` into the un-wrapped LightningModule) to this file. Default: ``None``.
+        train_modules: modules trained in full beside the adapters (a freshly initialised classification
+            head): ``"auto"`` = modules named ``classifier`` / ``score``; a name pattern or a list of them;
+            ``None`` = none. Kept in adapter-only checkpoints. Default: ``"auto"``.
 
     Raises:
         ValueError: bad ``r``, ``alpha``, ``dropout``, ``quantize_base``, ``target``; at ``setup``, a
@@ -89,8 +98,11 @@ class LowRankAdapters(L.Callback):
         save_base_weights: bool = False,
         base_weights_path: str | None = None,
         merged_weights_path: str | None = None,
+        train_modules: str | list[str] | None = "auto",
     ) -> None:
-        self.config = LoRAConfig(r, alpha, dropout, target, quantize_base, quantize_frozen)  # validates
+        self.config = LoRAConfig(r, alpha, dropout, target, quantize_base, quantize_frozen,
+                                 train_modules=train_modules)  # validates  # fmt: skip
+        self.train_modules = list(train_modules) if isinstance(train_modules, (list, tuple)) else train_modules
         target = list(target) if isinstance(target, (list, tuple)) else target
         check_weights_path("base_weights_path", base_weights_path)
         check_weights_path("merged_weights_path", merged_weights_path)
@@ -156,7 +168,7 @@ class LowRankAdapters(L.Callback):
         entry = checkpoint_record(self._settings(), target, save_base_weights=self.save_base_weights, version=FORMAT_VERSION)
         record(checkpoint, writer=WRITER, **entry)
         if not self.save_base_weights:
-            checkpoint["state_dict"] = adapter_entries(checkpoint["state_dict"])
+            checkpoint["state_dict"] = adapter_entries(checkpoint["state_dict"], trained_modules(pl_module))
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -176,7 +188,8 @@ class LowRankAdapters(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"lora_config": {"r": self.r, "alpha": self.alpha, "dropout": self.dropout,
                                 "quantize_base": self.quantize_base,
-                                "target": self.report.wrapped if self.report else self.target}}  # fmt: skip
+                                "target": self.report.wrapped if self.report else self.target,
+                                "train_modules": self.report.trained if self.report else []}}  # fmt: skip
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

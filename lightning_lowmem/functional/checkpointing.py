@@ -2,7 +2,8 @@
 
 A wrapped submodule keeps no activations for backward: its forward runs under non-reentrant
 ``torch.utils.checkpoint.checkpoint`` and is recomputed during backward. Only the submodule's inputs
-are kept. Gradients are bit-identical to an unwrapped run (same ops, same order, RNG state replayed).
+are kept. Gradients are bit-identical to an unwrapped run (same ops, same order, RNG state replayed), and
+so are BatchNorm's running statistics (the recompute's update is undone: they move once per step).
 
 The wrap replaces the submodule's ``forward`` by an instance attribute, so parameter names,
 ``state_dict`` keys and module hooks stay exactly as they were; ``uncheckpoint_`` removes it.
@@ -11,6 +12,7 @@ The wrap replaces the submodule's ``forward`` by an instance attribute, so param
 from __future__ import annotations
 
 import fnmatch
+import logging
 import re
 import warnings
 from collections import Counter
@@ -29,10 +31,13 @@ __all__ = [
     "CheckpointReport",
     "checkpoint_",
     "checkpointed_modules",
+    "describe_blocks",
     "no_match_message",
     "resolve_policy",
     "uncheckpoint_",
 ]
+
+log = logging.getLogger(__name__)
 
 CheckpointPolicy = Union[str, int, type, tuple, list]
 """``"auto"``, a class name (``"Block"``), an fnmatch / regex pattern on module names (``"h.*"``,
@@ -78,7 +83,36 @@ class _CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # eval / inference: nothing is saved, nothing to recompute
             return self._run(*args, **kwargs)
-        return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+        norms = _updating_norms(self.module)
+        if not norms:
+            return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+        runs = []
+
+        def run_once(*args: Any, **kwargs: Any) -> Any:
+            """The recompute in backward must not move BatchNorm's running statistics a second time."""
+            runs.append(None)
+            if len(runs) == 1:
+                return self._run(*args, **kwargs)
+            saved = [(buffer, buffer.clone()) for norm in norms for buffer in _running_buffers(norm)]
+            try:
+                return self._run(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for buffer, value in saved:
+                        buffer.copy_(value)
+
+        return checkpoint(run_once, *args, use_reentrant=False, **kwargs)
+
+
+def _updating_norms(module: nn.Module) -> list[nn.Module]:
+    """Normalisation layers in ``module`` whose forward updates running statistics (BatchNorm in training)."""
+    return [sub for sub in module.modules() if sub.training and getattr(sub, "track_running_stats", False)
+            and getattr(sub, "running_mean", None) is not None]  # fmt: skip
+
+
+def _running_buffers(norm: nn.Module) -> list[torch.Tensor]:
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    return [buffer for buffer in (getattr(norm, name, None) for name in names) if isinstance(buffer, torch.Tensor)]
 
 
 def _is_checkpointed(module: nn.Module) -> bool:
@@ -90,25 +124,62 @@ def checkpointed_modules(module: nn.Module) -> list[str]:
     return [name for name, sub in module.named_modules() if _is_checkpointed(sub)]
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
 def _repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The children of ``nn.ModuleList`` s whose class repeats, of the class holding most parameters."""
-    candidates: dict[type, list[tuple[str, nn.Module]]] = {}
-    for list_name, sub in module.named_modules():
-        if not isinstance(sub, nn.ModuleList):
+    """The repeated blocks of ``module``, in model order.
+
+    A block is a child of an ``nn.ModuleList`` or ``nn.Sequential`` (wherever it sits: the root, an attribute,
+    a stage inside a stage) that holds parameters and submodules of its own (a lone ``Linear`` or ``ReLU`` is
+    no block: wrapping it keeps its input anyway). Blocks of a class that occurs at least twice are repeated.
+    The outermost are kept -- ``nn.Transformer``'s encoder *and* decoder layers, a GPT's ``Block`` s -- except
+    that a stage (a repeated block with a container of two or more blocks of one class inside, like a ResNet
+    stage) gives way to the blocks inside it: the peak while recomputing one block is lower than one stage's.
+    Plain containers (a ``Sequential`` stage) count as blocks only when no other class repeats.
+    """
+    found: list[tuple[str, str, nn.Module]] = []  # (container name, block name, block)
+    for container_name, container in module.named_modules():
+        if not isinstance(container, _CONTAINERS):
             continue
-        counts = Counter(type(child) for child in sub)
-        for index, child in enumerate(sub):
-            if counts[type(child)] >= 2:
-                name = f"{list_name}.{index}" if list_name else str(index)
-                candidates.setdefault(type(child), []).append((name, child))
+        for child_name, child in container.named_children():
+            if next(child.children(), None) is None or next(child.parameters(), None) is None:
+                continue
+            found.append((container_name, f"{container_name}.{child_name}" if container_name else child_name, child))
+    counts = Counter(type(child) for _, _, child in found)
+    repeated = [item for item in found if counts[type(item[2])] >= 2]
+    blocks = [item for item in repeated if not isinstance(item[2], _CONTAINERS)] or repeated
+    by_container: dict[str, Counter] = {}
+    for container_name, _, child in blocks:
+        by_container.setdefault(container_name, Counter())[type(child)] += 1
+    stacked = {name for name, classes in by_container.items() if max(classes.values()) >= 2}
 
-    def size(item: tuple[type, list[tuple[str, nn.Module]]]) -> int:
-        return sum(p.numel() for _, child in item[1] for p in child.parameters())
+    def inside(name: str, outer: str) -> bool:
+        return name.startswith(f"{outer}.")
 
-    if not candidates:
-        return []
-    _, blocks = max(candidates.items(), key=size)
-    return blocks
+    def outermost(names: list[str]) -> list[str]:
+        chosen = []
+        for name in names:
+            if any(inside(name, other) for other in names):
+                continue
+            inner = [other for other in names if inside(other, name)]
+            is_stage = any(c == name or inside(c, name) for c in stacked)
+            chosen.extend(outermost(inner) if is_stage and inner else [name])
+        return chosen
+
+    keep = set(outermost([name for _, name, _ in blocks]))
+    return [(name, child) for _, name, child in blocks if name in keep]
+
+
+def describe_blocks(module: nn.Module, names: list[str]) -> str:
+    """``"4 x TransformerEncoderLayer (transformer.encoder.layers.0, ...), 4 x ..."``: what a policy chose."""
+    by_class: dict[str, list[str]] = {}
+    for name in names:
+        by_class.setdefault(type(module.get_submodule(name)).__name__, []).append(name or "<root>")
+    return ", ".join(
+        f"{len(found)} x {cls} ({found[0]}{', ...' if len(found) > 2 else ''}{', ' + found[-1] if len(found) > 1 else ''})"
+        for cls, found in by_class.items()
+    )
 
 
 def _class_matches(sub: nn.Module, name: str) -> bool:
@@ -222,7 +293,8 @@ def no_match_message(module: nn.Module, policy: Any) -> str:
     return (
         f"activation checkpointing policy {_describe(policy)} matched no submodule of {type(module).__name__}.{hint} "
         f"Its module classes (repeated first): [{shown}]. Use a class name, a module-name pattern (e.g. 'model.h.*') "
-        "or 'auto' (the repeated blocks of its nn.ModuleLists)"
+        "or 'auto' (its repeated blocks: children of an nn.ModuleList / nn.Sequential holding parameters and "
+        "submodules, of a class that occurs at least twice)"
     )
 
 
@@ -245,8 +317,10 @@ def checkpoint_(
         module: the model; changed in place.
         policy: which submodules to wrap. Default: ``"auto"``.
 
-            * ``"auto"``: the children of ``nn.ModuleList`` s whose class repeats, of the class that
-              holds the most parameters (the transformer blocks of a GPT).
+            * ``"auto"``: the outermost repeated blocks -- children of an ``nn.ModuleList`` or
+              ``nn.Sequential`` anywhere in the model, holding parameters and submodules, of a class
+              that occurs at least twice (a GPT's blocks; ``nn.Transformer``'s encoder and decoder
+              layers; the blocks of a ResNet's stages). What it chose is logged at INFO.
             * an int ``k`` (or a digit string): every k-th of those blocks, starting with the first
               (``1`` = all of them; ``2`` = blocks 0, 2, 4, ...).
             * a class name (``"Block"``; also the qualified name): every submodule of that class.
@@ -305,6 +379,7 @@ def checkpoint_(
         report.wrapped.append(name)
     if report.wrapped:
         report.kv_cache_disabled = disable_kv_cache_(module, "activation checkpointing")
+        log.info("activation checkpointing %s: wrapped %s", report.policy, describe_blocks(module, report.wrapped))
     return report
 
 

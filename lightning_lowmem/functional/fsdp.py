@@ -3,7 +3,7 @@
 Every block the policy picks becomes one FSDP unit (its parameters are sharded over the mesh and
 all-gathered only while it computes), then the root takes the rest (embeddings, head, final norm).
 The policy speaks the vocabulary of activation checkpointing (:func:`~.checkpointing.checkpoint_`):
-``"auto"`` (the repeated blocks of the model's ``nn.ModuleList`` s), class names, module-name patterns,
+``"auto"`` (the repeated blocks of the model's ``nn.ModuleList`` s / ``nn.Sequential`` s), class names, module-name patterns,
 every-k ints, module classes, or a list of these. No Lightning import here; the strategy
 ``LowMemoryFSDPStrategy`` calls this in ``setup``.
 """

@@ -66,6 +66,7 @@ class CandidateEvaluator:
         self._probes: dict[tuple, ModelProbe] = {}
         self._profiles: dict[tuple, OptimizerProfile] = {}
         self._full: dict[TrainingConfig, MemoryReport] = {}
+        self._failed: dict[Any, Exception] = {}  # a probe key / config that could not be built -> its error
         self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
         self.reserve_optimizers: list[str] = []
         """Optimizers whose state a limited model-side run reserves, once each was profiled: the run stops
@@ -104,18 +105,24 @@ class CandidateEvaluator:
 
     def full(self, config: TrainingConfig) -> MemoryReport:
         """The full :func:`estimate_memory` of ``config`` (cached)."""
+        if config in self._failed:
+            raise self._failed[config]
         if config not in self._full:
             self.full_estimates += 1
-            report = estimate_memory(
-                self.module,
-                self.batch,
-                loss_fn=self.user_loss_fn,
-                device=self.device,
-                config=config,
-                optimizer_kwargs=self.optimizer_kwargs(config.optimizer.name),
-                loop=self.loop,
-                attention_kernel=self.attention_kernel,
-            )
+            try:
+                report = estimate_memory(
+                    self.module,
+                    self.batch,
+                    loss_fn=self.user_loss_fn,
+                    device=self.device,
+                    config=config,
+                    optimizer_kwargs=self.optimizer_kwargs(config.optimizer.name),
+                    loop=self.loop,
+                    attention_kernel=self.attention_kernel,
+                )
+            except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
+                self._failed[config] = err  # asked again (the search, the message), it fails the same way
+                raise
             report.meta["method"] = "full"
             self._full[config] = report
         return self._full[config]
@@ -127,15 +134,21 @@ class CandidateEvaluator:
         key = (config.precision, config.checkpointing, config.compression, config.microbatch, config.lora,
                config.cross_entropy)  # fmt: skip
         limit = None if limit_bytes is None else limit_bytes - self._reserve(config)
+        if key in self._failed:
+            raise self._failed[key]  # this model side cannot be built: no need to apply it again
         cached = self._probes.get(key)
         if cached is not None and (cached.stopped_at is None or (limit is not None and limit <= cached.stopped_at)):
             return cached, limit  # complete, or already proven above this limit
         self.probes += 1
-        with data_dependent_errors_explained(self.module, config, steps=2):
-            probe = probe_model(
-                self.module, self.batch, config, loss_fn=self.loss_fn, device=self.device, loop=self.loop,
-                limit_bytes=limit, attention_kernel=self.attention_kernel,
-            )  # fmt: skip
+        try:
+            with data_dependent_errors_explained(self.module, config, steps=2):
+                probe = probe_model(
+                    self.module, self.batch, config, loss_fn=self.loss_fn, device=self.device, loop=self.loop,
+                    limit_bytes=limit, attention_kernel=self.attention_kernel,
+                )  # fmt: skip
+        except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
+            self._failed[key] = err
+            raise
         self._probes[key] = probe
         self._trainable[(config.precision, config.lora)] = probe.trainable
         return probe, limit

@@ -360,11 +360,16 @@ def plan_memory(
         except EstimationError:
             raise
         except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
-            candidate.error = f"{type(err).__name__}: {str(err).splitlines()[0][:80] if str(err) else ''}"
+            candidate.error = _short_error(err)  # cannot be built on this model: skipped, the search goes on
             candidate.fits = False
         evaluated[config] = candidate
         _report_progress(candidate, index, total, usable, progress)
         return candidate
+
+    def skip(config: TrainingConfig, err: Exception) -> None:
+        """Record a candidate that cannot be built on this model (listed in the plan / the error)."""
+        if config not in evaluated:
+            evaluated[config] = Candidate(config, expected_slowdown(config, batch_size), fits=False, error=_short_error(err))
 
     def confirm(candidate: Candidate) -> bool:
         """Re-estimate a fitting prediction in full; the full figure decides."""
@@ -386,8 +391,8 @@ def plan_memory(
     for stage in stages:
         ranked = sorted(stage, key=lambda c: expected_slowdown(c, batch_size))
         sharded = any(c.sharding is not None and c.sharding.kind != "ddp" for c in stage)
-        if not predict(ranked[0], 1, len(ranked)).fits and not sharded and not _model_side_can_fit(stage, evaluator, limit):
-            continue  # not even the leanest model side fits: no candidate of this stage can
+        if not predict(ranked[0], 1, len(ranked)).fits and not sharded and not _model_side_can_fit(stage, evaluator, limit, skip):
+            continue  # not even the leanest model side that can be built fits: no candidate of this stage can
         for index, config in enumerate(ranked, start=1):
             if evaluator.probes + evaluator.full_estimates >= max_estimates:
                 break
@@ -405,8 +410,11 @@ def plan_memory(
         if chosen is not None:
             break
     if chosen is None:
-        for config in sorted(stages[-1], key=_leanness, reverse=True)[:2]:  # complete figures for the message
-            predict(config, 1, len(stages[-1]), complete=True)
+        complete = 0
+        for config in sorted(stages[-1], key=_leanness, reverse=True):  # complete figures for the message
+            if complete == 2:
+                break
+            complete += predict(config, 1, len(stages[-1]), complete=True).error is None
         raise _no_fit_error(list(evaluated.values()), budget, usable, margin)
     for candidate in [c for c in evaluated.values() if c not in tried]:
         tried.append(candidate)  # the leanest checks, shown after the ranked ones
@@ -423,6 +431,8 @@ def plan_memory(
         optimizer_kwargs={} if _family(chosen.config.optimizer.name) == family
         else {"lr": DEFAULT_LR[_family(chosen.config.optimizer.name)]},
     )  # fmt: skip
+    for reason, labels in plan.skipped.items():
+        plan.notes.append(f"skipped {len(labels)} candidate(s) that cannot be built on this model ({reason}).")
     if unknown_optimizer:
         plan.notes.append("configure_optimizers' optimizer is not one the estimator knows: estimated as AdamW, kept.")
     plan.notes.append(
@@ -482,18 +492,34 @@ def _sharding_axis(world_size: int, shardings: Iterable[str] | None) -> list[Sha
     return [ShardingConfig(kind, world_size) for kind in kinds]
 
 
-def _model_side_can_fit(stage: list[TrainingConfig], evaluator: Any, limit: int) -> bool:
-    """Whether the model side (no optimizer state) of one of the stage's leanest candidates fits ``limit``;
-    if none does, no candidate of the stage can fit, and the stage is skipped without predicting them."""
-    for config in sorted(stage, key=_leanness, reverse=True)[:4]:
+def _model_side_can_fit(
+    stage: list[TrainingConfig], evaluator: Any, limit: int, skip: Callable[[TrainingConfig, Exception], None]
+) -> bool:
+    """Whether the model side (no optimizer state) of one of the stage's four leanest candidates that can be
+    built fits ``limit``; if none does, no candidate of the stage can fit, and the stage is skipped without
+    predicting them. A candidate that cannot be built on this model (e.g. checkpointing ``"auto"`` where no
+    block repeats) says nothing about the others: the next-leanest is checked instead."""
+    checked = 0
+    for config in sorted(stage, key=_leanness, reverse=True):
+        if checked == 4:
+            break
         try:
             if evaluator.model_side_fits(config, limit):
                 return True
         except EstimationError:
             raise
-        except (ImportError, RuntimeError, ValueError, NotImplementedError):
+        except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
+            skip(config, err)  # the evaluator remembers the error: its other candidates fail fast later
             continue
+        checked += 1
     return False
+
+
+def _short_error(err: BaseException) -> str:
+    """``"TypeName: first sentence"`` of an error (at most 160 characters), for a skipped candidate."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    text = text.split(". ")[0].rstrip(".")
+    return f"{type(err).__name__}: {text[:160]}"
 
 
 def _report_progress(candidate: Candidate, index: int, total: int, usable: int, progress: Progress | None) -> None:
@@ -509,13 +535,17 @@ def _report_progress(candidate: Candidate, index: int, total: int, usable: int, 
 
 def _no_fit_error(evaluated: list[Candidate], budget: Any, usable: int, margin: float) -> ValueError:
     measured = [c for c in evaluated if c.report is not None and c.method != "lower bound"]
-    failed = sorted({c.error for c in evaluated if c.error})
+    failed: dict[str, int] = {}
+    for candidate in evaluated:
+        if candidate.error:
+            failed[candidate.error] = failed.get(candidate.error, 0) + 1
+    skipped = "; ".join(f"{count} x {error}" for error, count in failed.items())
     if not measured:
-        return ValueError(f"no configuration could be estimated for `budget`={budget!r}: {failed}")
+        return ValueError(f"no configuration could be estimated for `budget`={budget!r}: skipped {skipped}")
     smallest = min(measured, key=lambda c: c.report.peak_bytes)  # type: ignore[union-attr]
     return ValueError(
         f"no configuration fits `budget`={budget!r} ({format_bytes(usable)} usable after a {margin:.0%} margin): "
         f"the smallest predicted peak is {format_bytes(smallest.predicted_peak_bytes or 0)} with "
         f"[{smallest.config.describe()}]. Raise the budget, lower the batch size, or shrink the model."
-        + (f" Skipped (could not estimate): {failed}" if failed else "")
+        + (f" Skipped (cannot be built on this model): {skipped}." if failed else "")
     )

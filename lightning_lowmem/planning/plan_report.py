@@ -93,6 +93,16 @@ class Plan:
         return self.chosen.config
 
     @property
+    def skipped(self) -> dict[str, list[str]]:
+        """Candidates that could not be built on this model, by reason: ``{error: [labels]}`` (e.g. checkpointing
+        ``"auto"`` on a model with no repeated blocks). The search went on without them."""
+        reasons: dict[str, list[str]] = {}
+        for candidate in self.candidates:
+            if candidate.error:
+                reasons.setdefault(candidate.error, []).append(candidate.config.describe())
+        return reasons
+
+    @property
     def predicted_peak_bytes(self) -> int:
         assert self.chosen.report is not None
         return self.chosen.report.peak_bytes
@@ -106,6 +116,7 @@ class Plan:
             "baseline": self.baseline.to_dict() if self.baseline else None,
             "optimizer_kwargs": dict(self.optimizer_kwargs),
             "candidates": [c.to_dict() for c in self.candidates],
+            "skipped": self.skipped,
             "notes": self.notes,
             "seconds": round(self.seconds, 2),
         }
@@ -114,9 +125,11 @@ class Plan:
         """A Rich table: config -> predicted peak -> fits?, the chosen row marked."""
         from rich.table import Table
 
+        skipped = [f"skipped {len(labels)} that cannot be built: {reason}" for reason, labels in self.skipped.items()]
         table = Table(
             title=f"Memory plan: budget {format_bytes(self.budget_bytes)} "
-            f"(usable {format_bytes(self.usable_bytes)} on {self.device})"
+            f"(usable {format_bytes(self.usable_bytes)} on {self.device})",
+            caption="\n".join(skipped) or None,
         )
         table.add_column("configuration")
         table.add_column("predicted peak", justify="right")
@@ -129,6 +142,7 @@ class Plan:
             if candidate is self.baseline and not chosen:
                 label += " (as configured)"
             fits = "-" if candidate.fits is None else ("yes" if candidate.fits else "no")
+            fits = "skipped" if candidate.error else fits
             table.add_row(
                 ("[bold green]> " if chosen else "  ") + label + ("[/]" if chosen else ""),
                 peak_label(candidate),

@@ -5,7 +5,7 @@ launch, device mesh, checkpoint saving and loading are Lightning's; what this cl
 sharding itself (no ``configure_model`` needed) and the options of ``LowMemoryDDPStrategy``:
 
 * the LightningModule's blocks are made FSDP units by ``wrap_policy`` (the ``ActivationCheckpointing``
-  vocabulary; ``"auto"`` = the repeated blocks of its ``nn.ModuleList`` s), then the module itself is
+  vocabulary; ``"auto"`` = the repeated blocks of its ``nn.ModuleList`` s / ``nn.Sequential`` s), then the module itself is
   the root unit, so a block's parameters are all-gathered only while it computes;
 * ``precision`` chooses FSDP's ``MixedPrecisionPolicy``: ``"bf16-mixed"`` all-gathers and computes in
   bf16 and reduces gradients in fp32 (the fp32 shards stay the master weights);

@@ -253,6 +253,9 @@ class LoRAConfig:
         quantize_base: ``None``, ``"int8"`` or ``"int4"`` (QLoRA). Default: ``None``.
         quantize_frozen: with ``quantize_base``, also quantize the other frozen weights. Default: ``False``.
         freeze_base: freeze every non-adapter parameter. Default: ``True``.
+        train_modules: modules trained in full beside the adapters (a fresh classification head): ``"auto"``
+            (modules named ``classifier`` / ``score``), a name pattern or a list of them (kept as a tuple), or
+            ``None``. Default: ``"auto"``.
     """
 
     r: int = 8
@@ -262,6 +265,7 @@ class LoRAConfig:
     quantize_base: str | None = None
     quantize_frozen: bool = False
     freeze_base: bool = True
+    train_modules: Any = "auto"
 
     def __post_init__(self) -> None:
         from lightning_lowmem.functional.lora.adapters import _validate
@@ -279,6 +283,14 @@ class LoRAConfig:
                 f"`target` must be 'all-linear', a layer name pattern or a list of them, got {type(target).__name__}: {target!r}"
             )
         _check_bool("freeze_base", self.freeze_base)
+        train = self.train_modules
+        if isinstance(train, (list, tuple)) and all(isinstance(t, str) for t in train):
+            object.__setattr__(self, "train_modules", tuple(train))
+        elif not (train is None or isinstance(train, str)):
+            raise ValueError(
+                f"`train_modules` must be 'auto', None, a module name pattern or a list of them, got "
+                f"{type(train).__name__}: {train!r}"
+            )
         if not isinstance(self.quantize_frozen, bool) or (self.quantize_frozen and self.quantize_base is None):
             raise ValueError(
                 f"`quantize_frozen`={self.quantize_frozen!r} must be a bool and needs `quantize_base` ('int8' or 'int4')."
@@ -288,6 +300,8 @@ class LoRAConfig:
         """Keyword arguments for ``apply_lora_``."""
         values = dataclasses.asdict(self)
         values["target"] = list(self.target) if isinstance(self.target, tuple) else self.target
+        if isinstance(self.train_modules, tuple):
+            values["train_modules"] = list(self.train_modules)
         return values
 
 

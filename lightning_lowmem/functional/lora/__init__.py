@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "merge_lora_": "lightning_lowmem.functional.lora.adapters",
     "merged_state_dict": "lightning_lowmem.functional.lora.adapters",
     "save_adapters": "lightning_lowmem.functional.lora.files",
+    "trained_modules": "lightning_lowmem.functional.lora.adapters",
     "unmerge_lora_": "lightning_lowmem.functional.lora.adapters",
 }
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
         apply_lora_,
         merge_lora_,
         merged_state_dict,
+        trained_modules,
         unmerge_lora_,
     )
     from lightning_lowmem.functional.lora.files import load_adapters, lora_config, lora_state_dict, save_adapters

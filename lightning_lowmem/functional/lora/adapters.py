@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_lowmem.functional.attention import left_alone_message, mha_out_projections
 from lightning_lowmem.functional.lora.quantized_base import (
     check_quantization_supported,
     dequantized,
@@ -32,6 +34,7 @@ from lightning_lowmem.functional.lora.quantized_base import (
     quantize_base_layers_,
     quantize_frozen_,
 )
+from lightning_lowmem.warnings import NoEffectWarning
 
 __all__ = [
     "LoraLinear",
@@ -39,6 +42,8 @@ __all__ = [
     "apply_lora_",
     "merge_lora_",
     "merged_state_dict",
+    "train_in_full_",
+    "trained_modules",
     "unmerge_lora_",
 ]
 
@@ -47,6 +52,11 @@ QUANTIZE_CHOICES = (None, "int8", "int4")
 ALL_LINEAR = "all-linear"
 # Output projections left out by ``target="all-linear"`` (vocabulary / class heads, as PEFT does).
 HEAD_NAMES = ("lm_head", "head", "classifier", "score")
+# Heads ``train_modules="auto"`` trains in full: Hugging Face's task heads, freshly initialised when a
+# pretrained body is loaded into a ``*ForSequenceClassification`` / ``*ForImageClassification`` (PEFT's
+# ``modules_to_save`` for classification).
+AUTO_TRAIN_NAMES = ("classifier", "score")
+_TRAINED_MARK = "_lowmem_lora_trains_in_full"  # set on each module apply_lora_ trains in full
 
 
 @dataclass
@@ -60,6 +70,7 @@ class LoraReport:
         quantize_base: ``None``, ``"int8"`` or ``"int4"``.
         trainable_params: parameters that require grad after the call (the adapters).
         total_params: all parameters of the module (logical element count, quantized ones included).
+        trained: qualified names of the modules trained in full beside the adapters (``train_modules``).
     """
 
     wrapped: list[str] = field(default_factory=list)
@@ -68,6 +79,7 @@ class LoraReport:
     quantize_base: str | None = None
     trainable_params: int = 0
     total_params: int = 0
+    trained: list[str] = field(default_factory=list)
 
     @property
     def trainable_fraction(self) -> float:
@@ -166,15 +178,29 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def _select(module: nn.Module, target: str | type | Sequence[str | type]) -> dict[str, nn.Module]:
+    selected = _select_layers(module, target)
+    unreachable = [name for name in selected if name in mha_out_projections(module)]
+    if unreachable:
+        what = f"apply_lora_(target={target!r})"
+        if len(unreachable) == len(selected):
+            raise ValueError(left_alone_message(unreachable, what) + " Nothing else matched: choose other layers.")
+        warnings.warn(left_alone_message(unreachable, what), NoEffectWarning, stacklevel=3)
+    return {name: layer for name, layer in selected.items() if name not in unreachable}
+
+
+def _select_layers(module: nn.Module, target: str | type | Sequence[str | type]) -> dict[str, nn.Module]:
     candidates = {name: sub for name, sub in module.named_modules() if _is_candidate(sub)}
     if target == ALL_LINEAR:
         # output heads: by name, or by a weight shared with an embedding (BERT's MLM decoder, tied lm_heads)
         tied = {id(sub.weight) for sub in module.modules() if isinstance(sub, nn.Embedding)}
-        selected = {n: m for n, m in candidates.items() if n.rsplit(".", 1)[-1] not in HEAD_NAMES and id(m.weight) not in tied}
+        # a head may be a container (HF ResNet / ConvNeXt: classifier = Sequential(Flatten, Linear)): any component
+        selected = {n: m for n, m in candidates.items() if not set(n.split(".")) & set(HEAD_NAMES) and id(m.weight) not in tied}
         if not selected:
+            convs = sum(isinstance(sub, nn.Conv2d) for sub in module.modules())
+            hint = f" Its {convs} nn.Conv2d layers get no adapters (LoRA on convolutions is not supported)." if convs else ""
             raise ValueError(
                 f"`target`='{ALL_LINEAR}' found no nn.Linear / Conv1D layer (output heads {HEAD_NAMES} are left "
-                f"out) in {type(module).__name__}. Layers found: {sorted(candidates)[:8]}"
+                f"out) in {type(module).__name__}. Layers found: {sorted(candidates)[:8]}.{hint}"
             )
         return selected
     patterns = [target] if isinstance(target, (str, type)) else list(target)
@@ -232,8 +258,10 @@ def apply_lora_(
     quantize_base: str | None = None,
     freeze_base: bool = True,
     quantize_frozen: bool = False,
+    train_modules: str | Sequence[str] | None = "auto",
 ) -> LoraReport:
-    """Put LoRA adapters on chosen linear layers of ``module``, in place, and freeze everything else.
+    """Put LoRA adapters on chosen linear layers of ``module``, in place, and freeze everything else
+    (but the ``train_modules``, trained in full).
 
     Args:
         module: the model (any ``nn.Module``; its parameters may be real, meta or FakeTensors).
@@ -241,9 +269,9 @@ def apply_lora_(
         alpha: the update ``B @ A`` is scaled by ``alpha / r``. Default: 16.0.
         dropout: dropout on the adapters' input, in [0, 1). Default: 0.0.
         target: which layers: ``"all-linear"`` (every ``nn.Linear`` / ``Conv1D`` except output heads:
-            those named ``lm_head``, ``head``, ``classifier``, ``score``, and those whose weight is an
-            embedding's, e.g. BERT's tied MLM decoder), or a pattern / type or a list of
-            them. A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
+            those named ``lm_head``, ``head``, ``classifier``, ``score`` or inside a module so named, and
+            those whose weight is an embedding's, e.g. BERT's tied MLM decoder), or a pattern / type or a
+            list of them. A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
             matches ``"h.0.attn.c_attn"``), as an fnmatch glob (``"h.*.mlp.*"``), or a class name
             (``"Conv1D"``). Each pattern must match at least one layer. Default: ``"all-linear"``.
         quantize_base: ``None``, ``"int8"`` or ``"int4"``: store the wrapped layers' frozen weights
@@ -254,6 +282,12 @@ def apply_lora_(
             format: linear layers that get no adapter (``lm_head``) and ``nn.Embedding`` tables (torchao
             ``IntxWeightOnlyConfig``). Weights shared between modules (tied embeddings) stay float.
             Default: ``False`` (as in QLoRA, only the adapted layers are quantized).
+        train_modules: modules trained in full beside the adapters, e.g. a freshly initialised
+            classification head that a frozen random projection would ruin (PEFT's ``modules_to_save``):
+            ``"auto"`` = the modules named ``classifier`` or ``score`` (Hugging Face's task heads) that get
+            no adapter and share no weight with an embedding; a name pattern or a list of them (as for
+            ``target``; each must match a module); ``None`` / ``[]`` = none. They are kept in adapter files
+            and adapter-only checkpoints. Default: ``"auto"``.
 
     Returns:
         A :class:`LoraReport` (wrapped layer names, trainable and total parameter counts).
@@ -283,10 +317,68 @@ def apply_lora_(
             f"per model (use load_adapters to load adapter weights into it)."
         )
     selected = _select(module, target)
+    trained = _train_modules(module, train_modules, selected)
     report = _wrap(module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base)
     if quantize_frozen:
         quantize_frozen_(module, quantize_base, adapter_type=LoraLinear)  # type: ignore[arg-type]
+    train_in_full_(module, trained)
+    report.trained = trained
+    report.trainable_params, report.total_params = _count_params(module)
     return report
+
+
+def _train_modules(module: nn.Module, train_modules: str | Sequence[str] | None, adapted: dict[str, nn.Module]) -> list[str]:
+    """The names ``train_modules`` chooses (see :func:`apply_lora_`), outermost only, in module order."""
+    named = {name: sub for name, sub in module.named_modules() if name and next(sub.parameters(), None) is not None}
+
+    def holds_adapted(name: str) -> bool:
+        return any(a == name or a.startswith(f"{name}.") or name.startswith(f"{a}.") for a in adapted)
+
+    if train_modules is None:
+        return []
+    if train_modules == "auto":
+        tied = {id(sub.weight) for sub in module.modules() if isinstance(sub, nn.Embedding)}
+        chosen = [name for name, sub in named.items() if name.rsplit(".", 1)[-1] in AUTO_TRAIN_NAMES
+                  and not holds_adapted(name) and not any(id(p) in tied for p in sub.parameters())]  # fmt: skip
+    else:
+        patterns = [train_modules] if isinstance(train_modules, str) else list(train_modules)
+        if not all(isinstance(p, str) for p in patterns):
+            raise TypeError(f"`train_modules` must be 'auto', None or module name patterns (str), got {train_modules!r}")
+        chosen = []
+        for pattern in patterns:
+            hits = [name for name, sub in named.items() if _matches(name, pattern) or type(sub).__name__ == pattern]
+            if not hits:
+                close = sorted(named)[:8]
+                raise ValueError(
+                    f"`train_modules` pattern {pattern!r} matches no module with parameters of {type(module).__name__}; "
+                    f"module names are e.g. {close}. Patterns match a qualified name exactly, as a dotted suffix, "
+                    "as an fnmatch glob, or a class name."
+                )
+            clash = [name for name in hits if holds_adapted(name)]
+            if clash:
+                raise ValueError(
+                    f"`train_modules` pattern {pattern!r} matches {clash[:4]}, which hold (or are) layers that get "
+                    "adapters; a module is adapted or trained in full, not both: narrow `target` or `train_modules`."
+                )
+            chosen.extend(hits)
+    order = list(named)
+    chosen = sorted(set(chosen), key=order.index)
+    return [name for name in chosen if not any(name.startswith(f"{other}.") for other in chosen)]
+
+
+def train_in_full_(module: nn.Module, names: Sequence[str]) -> None:
+    """Unfreeze the float parameters of the modules ``names`` and mark them as trained beside the adapters."""
+    for name in names:
+        sub = module.get_submodule(name)
+        for param in sub.parameters():
+            if param.is_floating_point() and not is_quantized(param):
+                param.requires_grad_(True)
+        sub.__dict__[_TRAINED_MARK] = True
+
+
+def trained_modules(module: nn.Module) -> list[str]:
+    """Qualified names of the modules :func:`apply_lora_` trains in full (``train_modules``) inside ``module``."""
+    return [name for name, sub in module.named_modules() if sub.__dict__.get(_TRAINED_MARK)]
 
 
 def _wrap(

@@ -5,7 +5,7 @@ settings (and how a different setting is reported when one is loaded)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -66,7 +66,8 @@ def wrap_summary(report: LoraReport) -> str:
     """
     return (
         f"LowRankAdapters: {len(report.wrapped)} layers wrapped (r={report.r}, alpha={report.alpha:g}"
-        f"{', base ' + report.quantize_base if report.quantize_base else ''}); trainable parameters "
+        f"{', base ' + report.quantize_base if report.quantize_base else ''})"
+        f"{'; trained in full: ' + ', '.join(report.trained) if report.trained else ''}; trainable parameters "
         f"{report.trainable_params:,} of {report.total_params:,} "
         f"({100 * report.trainable_fraction:.2f}%)"
     )
@@ -121,9 +122,11 @@ def checkpoint_record(settings: dict[str, Any], target: Any, *, save_base_weight
     }
 
 
-def adapter_entries(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The adapter tensors of a state dict (keys ending in ``.lora_A`` / ``.lora_B``)."""
-    return {k: v for k, v in state_dict.items() if k.endswith(ADAPTER_SUFFIXES)}
+def adapter_entries(state_dict: dict[str, Any], trained: Sequence[str] = ()) -> dict[str, Any]:
+    """The adapter tensors of a state dict (keys ending in ``.lora_A`` / ``.lora_B``) and those of the modules
+    ``trained`` in full beside them."""
+    prefixes = tuple(f"{name}." for name in trained)
+    return {k: v for k, v in state_dict.items() if k.endswith(ADAPTER_SUFFIXES) or (prefixes and k.startswith(prefixes))}
 
 
 def settings_conflict(entry: dict[str, Any], settings: dict[str, Any], version: int) -> str | None:

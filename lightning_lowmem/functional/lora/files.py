@@ -19,6 +19,8 @@ from lightning_lowmem.functional.lora.adapters import (
     _validate,
     _wrap,
     lora_layers,
+    train_in_full_,
+    trained_modules,
 )
 from lightning_lowmem.functional.lora.quantized_base import is_quantized
 
@@ -42,12 +44,16 @@ def lora_config(module: nn.Module) -> dict[str, Any]:
     quantize_base = None
     if True in quantized:
         quantize_base = "int4" if "int4" in type(first.weight).__name__.lower() else "int8"
-    return {"target": list(layers), "r": first.r, "alpha": first.alpha, "dropout": dropout, "quantize_base": quantize_base}
+    return {"target": list(layers), "r": first.r, "alpha": first.alpha, "dropout": dropout, "quantize_base": quantize_base,
+            "train_modules": trained_modules(module)}  # fmt: skip
 
 
 def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors (``<layer>.lora_A`` / ``<layer>.lora_B``), detached, keyed as in ``state_dict()``."""
-    return {key: value.detach() for key, value in module.state_dict().items() if key.endswith(ADAPTER_SUFFIXES)}
+    """What LoRA trains: the adapter tensors (``<layer>.lora_A`` / ``<layer>.lora_B``) and the tensors of the
+    modules trained in full (``train_modules``), detached, keyed as in ``state_dict()``."""
+    trained = tuple(f"{name}." for name in trained_modules(module))
+    return {key: value.detach() for key, value in module.state_dict().items()
+            if key.endswith(ADAPTER_SUFFIXES) or key.startswith(trained)}  # fmt: skip
 
 
 def save_adapters(module: nn.Module, path: str | os.PathLike) -> None:
@@ -63,6 +69,8 @@ def _read(source: str | os.PathLike | dict[str, Any], weights_only: bool) -> tup
         if isinstance(callback_state, dict) and "lora_config" in callback_state:
             config = config or callback_state["lora_config"]
     adapters = {k: v for k, v in state.items() if isinstance(k, str) and k.endswith(ADAPTER_SUFFIXES)}
+    trained = tuple(f"{name}." for name in (config or {}).get("train_modules") or ())
+    adapters.update({k: v for k, v in state.items() if isinstance(k, str) and trained and k.startswith(trained)})
     return adapters, config
 
 
@@ -107,9 +115,10 @@ def load_adapters(
         ValueError: ``source`` holds no adapter tensors, or its layers / shapes do not fit ``module``.
     """
     adapters, config = _read(source, weights_only)
+    config = dict(config or {})
+    full = {key: adapters.pop(key) for key in [k for k in adapters if not k.endswith(ADAPTER_SUFFIXES)]}
     if not adapters:
         raise ValueError("`source` holds no adapter tensors (keys ending in .lora_A / .lora_B).")
-    config = dict(config or {})
     prefixes = sorted({key.rsplit(".", 1)[0] for key in adapters})
     if not lora_layers(module):
         candidates = {name: sub for name, sub in module.named_modules() if _is_candidate(sub)}
@@ -146,9 +155,34 @@ def load_adapters(
                 param.copy_(tensor)
             if alpha is not None:
                 layer.alpha, layer.scaling = alpha, alpha / layer.r
+    _load_trained(module, full, config.get("train_modules") or [])
     trainable, total = _count_params(module)
     cfg = lora_config(module)
     return LoraReport(
-        wrapped=list(layers), r=cfg["r"], alpha=float(cfg["alpha"]), quantize_base=cfg["quantize_base"],
-        trainable_params=trainable, total_params=total,
+        wrapped=list(layers), trained=cfg["train_modules"], r=cfg["r"], alpha=float(cfg["alpha"]),
+        quantize_base=cfg["quantize_base"], trainable_params=trainable, total_params=total,
     )  # fmt: skip
+
+
+def _load_trained(module: nn.Module, tensors: dict[str, torch.Tensor], names: list[str]) -> None:
+    """Copy the tensors of the modules trained in full (saved as ``<name>.<tensor>``) into ``module``, and train them."""
+    modules = dict(module.named_modules())
+    own = module.state_dict(keep_vars=True)
+    mapped = []
+    for name in names:
+        target = _layer_name(name, modules)
+        if target is None:
+            raise ValueError(
+                f"`source` trains module {name!r} in full, which {type(module).__name__} does not have; "
+                f"its modules are e.g. {sorted(n for n in modules if n)[:8]}"
+            )
+        mapped.append(target)
+        for key, tensor in tensors.items():
+            if not key.startswith(f"{name}."):
+                continue
+            dest = f"{target}.{key[len(name) + 1:]}" if target else key[len(name) + 1:]
+            if dest not in own or tuple(own[dest].shape) != tuple(tensor.shape):
+                raise ValueError(f"{key} (shape {tuple(tensor.shape)}) fits no tensor of {target!r} in the module")
+            with torch.no_grad():
+                own[dest].copy_(tensor)
+    train_in_full_(module, [name for name in mapped if name not in trained_modules(module)])

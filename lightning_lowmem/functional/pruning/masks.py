@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.attention import MHA_WEIGHTS
+
 __all__ = [
     "EMBEDDING_TYPES",
     "MASK_SUFFIX",
@@ -115,7 +117,7 @@ def collect_prunable(
     With ``parameters_to_prune`` those pairs are used as given (embeddings included when named). A pair
     whose module was since replaced in ``module`` (e.g. swapped for a fake-quantized layer holding the same
     parameter) is found again by its parameter. Otherwise: every module that directly holds a parameter
-    in ``parameter_names`` and is accepted by ``filter_fn(module, fqn)``, embeddings (and parameters tied
+    in ``parameter_names`` (``"weight"`` includes an ``nn.MultiheadAttention``'s ``in_proj_weight``) and is accepted by ``filter_fn(module, fqn)``, embeddings (and parameters tied
     to them) only when ``embeddings``. A tied parameter appears once, under its first owner's name.
 
     Raises:
@@ -155,7 +157,7 @@ def collect_prunable(
         if filter_fn is not None and not filter_fn(sub, fqn):
             continue
         own = dict(sub.named_parameters(recurse=False))
-        for pname in parameter_names:
+        for pname in _names_in(sub, parameter_names):
             param = own.get(pname)
             if not isinstance(param, nn.Parameter):
                 continue
@@ -171,6 +173,14 @@ def collect_prunable(
             f"`parameter_names` contains {missing}, which no (filtered) module has; parameter names present: {available}"
         )
     return targets
+
+
+def _names_in(sub: nn.Module, parameter_names: Sequence[str]) -> list[str]:
+    """``parameter_names`` as ``sub`` holds them: an ``nn.MultiheadAttention``'s ``"weight"`` is its
+    ``in_proj_weight`` (or ``q`` / ``k`` / ``v_proj_weight``), which its functional forward reads, masks included."""
+    if "weight" in parameter_names and isinstance(sub, nn.MultiheadAttention):
+        return [*parameter_names, *MHA_WEIGHTS]
+    return list(parameter_names)
 
 
 def _masked(module: nn.Module, unique: bool = True) -> Iterable[tuple[str, nn.Module, str, torch.Tensor]]:
@@ -277,8 +287,9 @@ def sparsity(module: nn.Module, embeddings: bool = False) -> float:
     if not found:
         skip = set() if embeddings else embedding_parameters(module)
         for sub in module.modules():
-            weight = getattr(sub, "weight", None)
-            if isinstance(weight, nn.Parameter) and weight.dim() > 1 and id(weight) not in skip:
-                skip.add(id(weight))
-                zeros, total = zeros + int((weight == 0).sum()), total + weight.numel()
+            for name in _names_in(sub, ["weight"]):
+                weight = getattr(sub, name, None)
+                if isinstance(weight, nn.Parameter) and weight.dim() > 1 and id(weight) not in skip:
+                    skip.add(id(weight))
+                    zeros, total = zeros + int((weight == 0).sum()), total + weight.numel()
     return zeros / total if total else 0.0

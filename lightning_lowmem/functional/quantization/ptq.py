@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.attention import left_alone_message, mha_out_projections
 from lightning_lowmem.functional.quantization.layers import (
     check_patterns,
     convert_conv1d_,
@@ -106,6 +107,15 @@ def _eligible(layer: nn.Module, mode: str, with_embeddings: bool, group_size: in
     return weight.is_floating_point() and not (_needs_group(mode) and width % group_size != 0)
 
 
+def warn_mha_left_float(module: nn.Module, what: str, stacklevel: int = 2) -> list[str]:
+    """Warn (``NoEffectWarning``) naming the ``nn.MultiheadAttention`` ``out_proj`` layers a transform leaves
+    float; returns their names."""
+    names = list(mha_out_projections(module))
+    if names:
+        warnings.warn(left_alone_message(names, what), NoEffectWarning, stacklevel=stacklevel + 1)
+    return names
+
+
 def quantizable_layers(
     module: nn.Module,
     mode: str = "int8_dynamic",
@@ -117,7 +127,8 @@ def quantizable_layers(
 ) -> list[str]:
     """Fully-qualified names of the layers ``mode`` would quantize.
 
-    A layer is chosen when it is an ``nn.Linear``, a ``transformers`` ``Conv1D`` or (with ``embeddings``)
+    A layer is chosen when it is an ``nn.Linear`` (not the ``out_proj`` of an ``nn.MultiheadAttention``, see
+    :mod:`lightning_lowmem.functional.attention`), a ``transformers`` ``Conv1D`` or (with ``embeddings``)
     an ``nn.Embedding`` without ``max_norm`` with a float weight, no entry of ``skip_modules`` names it or
     a parent (qualified name, dotted suffix, glob or class name), ``filter_fn(layer, fqn)`` is true, and for
     grouped int4 modes its input width is a multiple of ``group_size``. Layers sharing one weight (tied)
@@ -134,10 +145,12 @@ def quantizable_layers(
     if isinstance(skip_modules, str):
         raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
     with_embeddings = _include_embeddings(mode, embeddings)
+    unreachable = mha_out_projections(module)  # read as tensors by F.multi_head_attention_forward: stay float
     names = [
         fqn
         for fqn, layer in module.named_modules()
         if _eligible(layer, mode, with_embeddings, group_size)
+        and fqn not in unreachable
         and not matches_any(fqn, layer, skip_modules)
         and (filter_fn is None or filter_fn(layer, fqn))
     ]
@@ -229,6 +242,7 @@ def quantize_(
     names = quantizable_layers(
         module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size, embeddings=embeddings
     )
+    warn_mha_left_float(module, f"quantize_(mode={mode!r})", stacklevel=2)
     if not names:
         warnings.warn(
             f"quantize_(mode={mode!r}) found no quantizable nn.Linear / Conv1D / nn.Embedding layer in "

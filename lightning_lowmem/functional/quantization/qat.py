@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.quantization.ptq import quantizable_layers
+from lightning_lowmem.functional.quantization.ptq import quantizable_layers, warn_mha_left_float
 from lightning_lowmem.functional.quantization.report import QuantizationReport, weight_bytes
 from lightning_lowmem.functional.quantization.layers import (
     check_patterns,
@@ -122,6 +122,7 @@ def prepare_qat_(
         for fqn in qat_layers(module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size)
         if not isinstance(module.get_submodule(fqn), fake)
     ]
+    warn_mha_left_float(module, f"prepare_qat_(mode={mode!r})", stacklevel=2)
     convert_conv1d_(module, [name for name in names if is_conv1d(module.get_submodule(name))])
     if names:
         apply_config(module, QATConfig(qat_base_config(mode, group_size), step="prepare"), names)

@@ -1,0 +1,162 @@
+"""Models users bring beyond HF text: the planner's answer on a tiny Hugging Face ResNet at a budget only
+``bf16-true`` fits (predicted vs measured peak), the same on a flat ``nn.Sequential`` CNN where checkpointing
+``"auto"`` has no block to wrap (those candidates skipped and listed, not "nothing fits"), and checkpointing
+``"auto"``'s activation bytes on the ResNet and an ``nn.Transformer`` (measured by the memory core, CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.common import mib, smoke
+from lightning_lowmem.functional.checkpointing import checkpoint_, resolve_policy
+from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.memory import measure_memory
+from lightning_lowmem.planning.estimate import TrainingConfig, _apply_model_techniques, _train_step, default_loss, estimate_memory
+from lightning_lowmem.planning.plan import plan_memory
+
+LOOP = "torch"  # plain modules: torch's order (zero_grad before the forward), as estimate_memory picks for them
+
+
+def _resnet(small: bool) -> nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    sizes, depths = ([8, 16], [1, 1]) if small else ([16, 32], [2, 2])
+    config = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=sizes, depths=depths, layer_type="basic",
+                          num_labels=10)  # fmt: skip
+    return ResNetForImageClassification(config)
+
+
+def _flat_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))  # fmt: skip
+
+
+def _batch(batch_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, 3, size, size, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator)
+
+
+def _measured_peak(model: nn.Module, batch: Any, config: TrainingConfig) -> int:
+    """The real step's peak (memory core, CPU), its second step (optimizer state alive)."""
+    model = copy.deepcopy(model)
+    if config.precision_preset == "bf16-true":
+        model = model.to(torch.bfloat16)
+        batch = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in batch)
+    autocast_dtype = torch.bfloat16 if config.precision_preset == "bf16-mixed" else None
+    _apply_model_techniques(model, config)
+    optimizer = build_optimizer(config.optimizer.name, [p for p in model.parameters() if p.requires_grad])
+    _train_step(model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP)
+    report = measure_memory(_train_step, model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP,
+                            module=model, device="cpu")  # fmt: skip
+    return report.peak_bytes
+
+
+def _plan_row(name: str, model: nn.Module, batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    def full(precision: str) -> int:
+        config = TrainingConfig(precision=precision, optimizer="adamw")
+        return estimate_memory(model, batch, device="cpu", config=config, loop=LOOP).peak_bytes
+
+    bf16_true, bf16_mixed = full("bf16-true"), full("bf16-mixed")
+    budget = int((bf16_true + bf16_mixed) / 2 / 0.9)  # usable (after the 10% margin) midway between the two
+    plan = plan_memory(model, batch, budget, device="cpu", loop=LOOP)
+    measured = _measured_peak(model, batch, plan.config)
+    error = plan.predicted_peak_bytes / measured - 1
+    skipped = sum(len(labels) for labels in plan.skipped.values())
+    row = {
+        "model": name,
+        "budget MiB": mib(budget),
+        "usable MiB": mib(plan.usable_bytes),
+        "32-true MiB (est.)": mib(full("32-true")),
+        "bf16-mixed MiB (est.)": mib(bf16_mixed),
+        "chosen": plan.config.describe(),
+        "predicted MiB": mib(plan.predicted_peak_bytes),
+        "measured MiB": mib(measured),
+        "error %": round(100 * error, 2),
+        "skipped candidates": skipped,
+        "plan s": round(plan.seconds, 2),
+    }
+    return row, {"error": error, "chosen": plan.config.precision_preset, "skipped": plan.skipped}
+
+
+def _checkpointing_row(name: str, model: nn.Module, batch: Any) -> dict[str, Any]:
+    inputs, labels = batch
+
+    def activations(wrapped: bool) -> tuple[int, int]:
+        copy_ = copy.deepcopy(model).train()
+        if wrapped:
+            checkpoint_(copy_, "auto")
+
+        def step() -> None:
+            out = copy_(inputs)
+            nn.functional.cross_entropy(getattr(out, "logits", out), labels).backward()
+
+        report = measure_memory(step, module=copy_)
+        return report.breakdown["activations"], report.peak_bytes
+
+    plain, wrapped = activations(False), activations(True)
+    return {
+        "model": name,
+        "auto wraps": len(resolve_policy(model, "auto")),
+        "activations MiB": mib(plain[0]),
+        "with auto MiB": mib(wrapped[0]),
+        "activations ratio": round(plain[0] / wrapped[0], 2),
+        "peak MiB": mib(plain[1]),
+        "peak with auto MiB": mib(wrapped[1]),
+    }
+
+
+def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
+    small = quick or smoke()
+    batch = _batch(8 if small else 16, 32 if small else 64)
+    resnet_row, resnet = _plan_row("HF ResNet (tiny)", _resnet(small), batch)
+    cnn_row, cnn = _plan_row("flat nn.Sequential CNN", _flat_cnn(), batch)
+    tokens = torch.randint(0, 50, (8, 32), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+
+    class Seq2Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 64)
+            self.transformer = nn.Transformer(64, 4, 2, 2, dim_feedforward=128, dropout=0.0, batch_first=True)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            return self.head(self.transformer(h, h).mean(dim=1))
+
+    checkpointing = [
+        _checkpointing_row("HF ResNet (tiny)", _resnet(small), batch),
+        _checkpointing_row("nn.Transformer 2+2 layers", Seq2Seq(), (tokens, torch.randint(0, 10, (8,)))),
+    ]
+    rows = [resnet_row, cnn_row]
+    targets = [
+        {
+            "target": "HF ResNet at a budget only bf16-true fits: the plan is bf16-true, within 5% of the measured peak",
+            "measured": f"chosen {resnet_row['chosen']}: predicted {resnet_row['predicted MiB']} MiB, measured "
+                        f"{resnet_row['measured MiB']} MiB ({resnet_row['error %']:+.2f}%)",
+            "met": resnet["chosen"] == "bf16-true" and abs(resnet["error"]) <= 0.05,
+        },
+        {
+            "target": "flat nn.Sequential CNN: candidates that cannot be built are skipped and listed, a plan is found",
+            "measured": f"chosen {cnn_row['chosen']} ({cnn_row['error %']:+.2f}% vs measured); skipped "
+                        f"{cnn_row['skipped candidates']}: {'; '.join(cnn['skipped'])}",
+            "met": cnn["chosen"] == "bf16-true" and cnn_row["skipped candidates"] > 0,
+        },
+    ]
+    notes = (
+        "CPU, memory core (exact tensor bytes). Budget = midway between the full estimates of bf16-true + adamw and "
+        "bf16-mixed + adamw, after the planner's 10% margin. Checkpointing 'auto' rows: "
+        + "; ".join(f"{r['model']}: {r['auto wraps']} blocks wrapped, activations {r['activations MiB']} -> "
+                    f"{r['with auto MiB']} MiB ({r['activations ratio']}x), peak {r['peak MiB']} -> "
+                    f"{r['peak with auto MiB']} MiB" for r in checkpointing)  # fmt: skip
+    )
+    # measured on CPU whatever `device` is: the memory core's tensor bytes, which a CUDA run would only round
+    return {"title": "Vision / torch-native models: planner and checkpointing 'auto' (cpu)", "rows": rows,
+            "targets": targets, "notes": notes, "checkpointing": checkpointing}  # fmt: skip
