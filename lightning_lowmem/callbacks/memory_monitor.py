@@ -22,6 +22,7 @@ from lightning_lowmem.memory.monitoring import (
     summary_table,
     with_all_ranks,
 )
+from lightning_lowmem.composition import check_composition
 
 PREFIX = "lowmem/memory"
 
@@ -101,6 +102,7 @@ class MemoryMonitor(L.Callback):
     # ------------------------------------------------------------------ setup / teardown
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         self._device = trainer.strategy.root_device.type
         if self.snapshot_on_oom:
             if self._device == "cuda":

@@ -217,8 +217,12 @@ class _LowMemoryOptions:
         micro-batches); the optimizer is converted in ``setup_optimizers``."""
         from lightning_lowmem.functional.applied import apply
 
+        from lightning_lowmem.composition import check_composition
+
         module = self.lightning_module  # type: ignore[attr-defined]
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # every pair of switches composes (callbacks' setup checked too), or none is applied
+            check_composition(trainer)
         device_type = self.root_device.type  # type: ignore[attr-defined]
         if fitting and self.memory_budget is not None and self.plan is None:
             self._plan(trainer, module, device_type)
