@@ -171,6 +171,21 @@ def test_estimate_batch_shape_replaces_the_data(capsys):
     assert "--batch-shape" in capsys.readouterr().err
 
 
+def test_estimate_a_batch_the_step_cannot_take_is_one_error_line(capsys, monkeypatch):
+    """`--batch-shape 32x64:float32` on a token model printed a 116-line traceback."""
+    monkeypatch.delenv("LOWMEM_DEBUG", raising=False)
+    model_args = CHARLM_ARGS[:10]
+    assert main(["estimate", "--device", "cpu", "--batch-shape", "8x32:float32", *model_args]) == 2
+    err = capsys.readouterr().err
+    first, hint = err.splitlines()
+    assert first.startswith("error: the training step of CharLM failed on the batch (8, 32) float32: ValueError: ")
+    assert "(at charlm.py:" in first and "e.g. 32x64,32x64 for an (inputs, targets) tuple" in first
+    assert "Traceback" not in err and hint == "see `lowmem estimate --help`"
+    monkeypatch.setenv("LOWMEM_DEBUG", "1")
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        main(["estimate", "--device", "cpu", "--batch-shape", "8x32:float32", *model_args])
+
+
 def test_estimate_uses_the_configs_precision_and_memory_callbacks(capsys):
     config = str(ROOT / "examples" / "configs" / "full_stack.yaml")
     assert main(["estimate", "--device", "cpu", "--json", "--config", config, "--batch-shape", "4x64,4x64"]) == 0
