@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -149,6 +150,15 @@ def estimate_main(argv: list[str]) -> int:
         print(ESTIMATE_USAGE)
         return 0
     hint = "see `lowmem estimate --help`"
+    if own.budget is not None:
+        from lightning_lowmem.memory.units import describe_bytes
+
+        try:  # before the model loads: a bad size fails at once, a good one says what it was read as
+            understood = describe_bytes(own.budget, name="--budget")
+        except (ValueError, TypeError) as err:
+            _print_error(str(err).replace("`--budget`", "--budget"), hint)
+            return 2
+        print(f"--budget {understood}", file=sys.stderr)
     if not any(a.startswith(("--config", "--model", "-c")) for a in rest):
         _print_error(
             "lowmem estimate needs a model: give the same YAML as `lowmem fit` (--config path.yaml) or a model "

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_lowmem.functional.compression import CompressionStats
 from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
-from lightning_lowmem.memory.units import format_bytes, parse_bytes
+from lightning_lowmem.memory.units import describe_bytes, format_bytes, parse_bytes
 from lightning_lowmem.warnings import LowMemWarning
 
 PRECISION_PRESETS = PRECISIONS
@@ -280,7 +280,7 @@ class _LowMemoryOptions:
             return
         configured = self.precision_plugin.precision  # type: ignore[attr-defined]
         rank_zero_info(
-            f"LowMemoryStrategy: planning memory_budget={format_bytes(self.memory_budget_bytes or 0)} on the first "
+            f"LowMemoryStrategy: planning memory_budget={describe_bytes(self.memory_budget)} on the first "  # type: ignore[arg-type]
             "training batch..."
         )
 
