@@ -103,6 +103,18 @@ RULES: tuple[Rule, ...] = (
          "PostTrainingQuantization alone"),
     Rule("ptq", "ptq", "both quantize the model at the end of fit (the second would find it already int8)", _ONCE),
     Rule("qat", "qat", "both insert fake quantization into the same layers", _ONCE),
+    *(Rule(f"plans_{axis}", axis,
+           f"{{a.label}} plans {what} itself and would silently replace or repeat {{b.label}}'s",
+           f"set {option} on the strategy (the plan keeps what is set) and drop {{b.label}}, or drop memory_budget")
+      for axis, what, option in (
+          ("optimizer", "the optimizer", "optimizer="),
+          ("compression", "activation compression", "activation_compression="),
+          ("checkpointing", "activation checkpointing", "activation_checkpointing="),
+      )),
+    Rule("plans_microbatch", "microbatch",
+         "{a.label} may plan micro-batches (its own loop around training_step) and {b.label} would wrap the same step "
+         "again",
+         "drop {b.label} (the plan splits the batch when it must), or drop memory_budget"),
     Rule("optimizer", "optimizer",
          "both replace the optimizer configure_optimizers returns, and only one of them can win",
          "set the optimizer in one place"),
@@ -134,6 +146,11 @@ def _strategy_techniques(strategy: Any) -> Iterable[Technique]:
     if config.checkpointing is not None:
         found.append(Technique(f"{name}(activation_checkpointing={config.activation_checkpointing!r})",
                                frozenset({"checkpointing"})))  # fmt: skip
+    budget = getattr(strategy, "memory_budget", None)
+    if budget is not None:  # the plan chooses every technique not set explicitly (micro-batches always)
+        unset = {"optimizer": config.optimizer, "compression": config.compression, "checkpointing": config.checkpointing}
+        planned = {f"plans_{axis}" for axis, value in unset.items() if value is None} | {"plans_microbatch"}
+        found.append(Technique(f"{name}(memory_budget={budget!r})", frozenset(planned)))
     return found
 
 

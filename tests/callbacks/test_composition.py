@@ -192,7 +192,35 @@ TWINS = {
     "strategy in-backward and clipping": (lambda: [], {"optimizer": "sgd_in_backward"}, {"gradient_clip_val": 0.5},
                                           r"LowMemoryStrategy\(optimizer='sgd_in_backward'\) and Trainer\("
                                           r"gradient_clip_val=0.5\) do not compose.*e\.g\. 'sgd'"),
+    "budget and optimizer callback": (lambda: [MemoryEfficientOptimizer("adafactor")], {"memory_budget": "1GiB"}, {},
+                                      r"LowMemoryStrategy\(memory_budget='1GiB'\) and MemoryEfficientOptimizer\("
+                                      r"'adafactor'\) do not compose: .* plans the optimizer itself.*set optimizer= on"),
+    "budget and compression callback": (lambda: [ActivationCompression("int8")], {"memory_budget": "1GiB"}, {},
+                                        r"plans activation compression itself.*set activation_compression= on"),
+    "budget and checkpointing callback": (lambda: [ActivationCheckpointing("Block")], {"memory_budget": "1GiB"}, {},
+                                          r"plans activation checkpointing itself"),
+    "budget and AutoMicrobatch": (lambda: [AutoMicrobatch()], {"memory_budget": "1GiB"}, {},
+                                  r"may plan micro-batches.*Instead, drop AutoMicrobatch"),
 }  # fmt: skip
+
+
+def test_a_budget_keeps_what_is_set_explicitly():
+    """memory_budget beside a callback is refused only for what the plan chooses: a set option stays fixed."""
+    from lightning_lowmem import LowMemoryStrategy
+    from lightning_lowmem.composition import techniques_of
+
+    class Stub:
+        callbacks = [ActivationCompression("int8")]
+        strategy = LowMemoryStrategy(memory_budget="1GiB", optimizer="adafactor", activation_checkpointing="auto")
+        accumulate_grad_batches, gradient_clip_val = 1, None
+
+    budget = techniques_of(Stub())[-1]
+    assert budget.label == "LowMemoryStrategy(memory_budget='1GiB')"
+    assert budget.tags == {"plans_compression", "plans_microbatch"}
+    with pytest.raises(ValueError, match=r"^LowMemoryStrategy\(memory_budget='1GiB'\) and ActivationCompression"):
+        check_composition(Stub())
+    Stub.callbacks = [MemoryMonitor()]
+    check_composition(Stub())  # the monitor measures whatever the plan chose
 
 
 @pytest.mark.parametrize("case", list(TWINS))
@@ -216,8 +244,9 @@ def test_every_rule_is_tested():
     tags = {"structural_pruning": "structural"}
     matrix = {frozenset({tags.get(rule.left, rule.left), tags.get(rule.right, rule.right)}) for rule in RULES}
     tested = {pair for pair, expected in REFUSED.items() if expected is not LIGHTNING}
-    twins = {"ptq", "qat", "compression", "optimizer", "checkpointing"}  # TWINS: same tag twice
-    assert matrix - tested == {frozenset({tag}) for tag in twins}
+    twins = {frozenset({tag}) for tag in ("ptq", "qat", "compression", "optimizer", "checkpointing")}  # TWINS
+    budget = {frozenset({f"plans_{axis}", axis}) for axis in ("optimizer", "compression", "checkpointing", "microbatch")}
+    assert matrix - tested == twins | budget
 
 
 def test_refusal_names_the_pair_in_one_line():
