@@ -63,10 +63,10 @@ DESCRIBE: dict[str, Callable[[Any], Technique]] = {
     "LowRankAdapters": lambda cb: Technique(f"LowRankAdapters(r={cb.r})", frozenset({"lora"})),
     "ScheduledPruning": _pruning,
     "PostTrainingQuantization": lambda cb: Technique(
-        f"PostTrainingQuantization({cb.mode!r})", frozenset({"quantization", "ptq"})
+        f"PostTrainingQuantization({cb.mode!r})", frozenset({"ptq"})
     ),
     "QuantizationAwareTraining": lambda cb: Technique(
-        f"QuantizationAwareTraining({cb.mode!r})", frozenset({"quantization", "qat"})
+        f"QuantizationAwareTraining({cb.mode!r})", frozenset({"qat"})
     ),
     "MemoryMonitor": lambda cb: Technique("MemoryMonitor", frozenset({"monitor"})),
 }

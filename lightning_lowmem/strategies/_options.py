@@ -215,9 +215,8 @@ class _LowMemoryOptions:
     def _setup_options(self, trainer: Any) -> None:
         """Before the model moves / is wrapped: plan, then apply the config (precision plugin, model side,
         micro-batches); the optimizer is converted in ``setup_optimizers``."""
-        from lightning_lowmem.functional.applied import apply
-
         from lightning_lowmem.composition import check_composition
+        from lightning_lowmem.functional.applied import apply
 
         module = self.lightning_module  # type: ignore[attr-defined]
         fitting = trainer.state.fn == TrainerFn.FITTING
