@@ -66,8 +66,8 @@ DESCRIBE: dict[str, Callable[[Any], Technique]] = {
         f"PostTrainingQuantization({cb.mode!r})", frozenset({"ptq"})
     ),
     "QuantizationAwareTraining": lambda cb: Technique(
-        f"QuantizationAwareTraining({cb.mode!r})", frozenset({"qat"})
-    ),
+        f"QuantizationAwareTraining({cb.mode!r})", frozenset({"qat"} | ({"grouped_qat"} if "4" in cb.mode else set()))
+    ),  # the 4-bit modes quantize in groups of `group_size` input channels
     "MemoryMonitor": lambda cb: Technique("MemoryMonitor", frozenset({"monitor"})),
 }
 
@@ -93,10 +93,11 @@ RULES: tuple[Rule, ...] = (
          "{b.label} fake-quantizes the layers {a.label} froze and wrapped, so the loss reaches no trainable weight",
          "train adapters on a quantized frozen base with LowRankAdapters(quantize_base='int8') (QLoRA), or run "
          "QuantizationAwareTraining without adapters"),
-    Rule("structural_pruning", "qat",
-         "{a.label} shrinks layers to widths that {b.label}'s quantization groups need not divide (the fit fails "
-         "when the channels are removed)",
-         "prune structurally in one run and train the smaller model with QuantizationAwareTraining in the next"),
+    Rule("structural_pruning", "grouped_qat",
+         "{a.label} shrinks layers to widths that {b.label}'s groups of group_size channels need not divide (the "
+         "fit fails when the channels are removed)",
+         "use QuantizationAwareTraining('int8_weight_only') (per channel), or prune structurally in one run and "
+         "train the smaller model with 4-bit QAT in the next"),
     Rule("qat", "ptq",
          "{a.label} converts the model to int8 at the end of fit and {b.label} would quantize it again",
          "keep QuantizationAwareTraining alone (its fit end gives the quantized model), or drop it and use "
@@ -167,9 +168,10 @@ def techniques_of(trainer: Any) -> list[Technique]:
     return found
 
 
-def refusal(techniques: list[Technique], rules: Iterable[Rule] = RULES) -> str | None:
-    """The first refusal among ``techniques`` (one line), or ``None`` when every pair composes."""
-    for rule in rules:
+def refusal(techniques: list[Technique], rules: Iterable[Rule] | None = None) -> str | None:
+    """The first refusal among ``techniques`` (one line), or ``None`` when every pair composes (``rules``:
+    :data:`RULES`, read at call time)."""
+    for rule in RULES if rules is None else rules:
         for i, a in enumerate(techniques):
             if rule.left not in a.tags:
                 continue

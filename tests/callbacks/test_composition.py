@@ -60,7 +60,7 @@ REFUSED: dict[frozenset[str], str] = {
     frozenset({"lora", "structural"}): "adapters keep their old shapes.*structural=False",
     frozenset({"qat", "ptq"}): "would quantize it again",
     frozenset({"lora", "qat"}): "fake-quantizes the layers.*quantize_base",
-    frozenset({"structural", "qat"}): "group.*prune structurally in one run",
+    frozenset({"structural", "qat"}): "groups of group_size channels.*'int8_weight_only'.*prune structurally",
 }
 #: Lightning itself refuses two callbacks of one class with the same ``state_key`` in ``Trainer()``; our rules
 #: refuse the twins it lets through (tested below with different modes)
@@ -204,6 +204,17 @@ TWINS = {
 }  # fmt: skip
 
 
+def test_structural_pruning_composes_with_per_channel_qat(tiny_blocks, tiny_trainer_kwargs):
+    """Only QAT's 4-bit (grouped) modes are refused beside structural pruning: int8 is per channel."""
+    module = BlocksModule(tiny_blocks)
+    pruning = ScheduledPruning("ln_structured", schedule="linear", target_sparsity=0.5, end_step=2, structural=True)
+    qat = QuantizationAwareTraining("int8_weight_only")
+    trainer = L.Trainer(max_steps=3, limit_val_batches=0, callbacks=[pruning, qat], **tiny_trainer_kwargs)
+    trainer.fit(module)
+    assert trainer.global_step == 3 and module.model.blocks[0].fc1.weight.shape == (8, 8)  # pruned from 16 x 16
+    assert qat.converted  # and converted at fit end
+
+
 def test_a_budget_keeps_what_is_set_explicitly():
     """memory_budget beside a callback is refused only for what the plan chooses: a set option stays fixed."""
     from lightning_lowmem import LowMemoryStrategy
@@ -241,7 +252,7 @@ def test_twins_and_strategy_options_are_refused_before_training(case, tiny_block
 
 def test_every_rule_is_tested():
     """A rule added to composition.RULES without a refused pair above would go untested."""
-    tags = {"structural_pruning": "structural"}
+    tags = {"structural_pruning": "structural", "grouped_qat": "qat"}
     matrix = {frozenset({tags.get(rule.left, rule.left), tags.get(rule.right, rule.right)}) for rule in RULES}
     tested = {pair for pair, expected in REFUSED.items() if expected is not LIGHTNING}
     twins = {frozenset({tag}) for tag in ("ptq", "qat", "compression", "optimizer", "checkpointing")}  # TWINS
