@@ -411,6 +411,17 @@ class _Tee:
         self.file.flush()
 
 
+def no_gpu_reason() -> str | None:
+    """Why this machine cannot run the GPU check (``None``: it can): no torch, or no CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return f"{sys.executable} cannot import torch"
+    if not torch.cuda.is_available():
+        return f"torch.cuda.is_available() is False here (torch {torch.__version__}, CUDA build {torch.version.cuda})"
+    return None
+
+
 def select(parts: list[Part], only: list[str] | None) -> list[Part]:
     """Parts named in ``only`` (``bench`` selects every ``bench:<name>``), in run order."""
     if not only:
@@ -433,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where the bundle goes (default $OUT, else a scratch folder)")
     parser.add_argument("--list", action="store_true", help="print the parts and budgets, run nothing")
     args = parser.parse_args(argv)
+    if not args.dry_run and not args.list:
+        missing = no_gpu_reason()
+        if missing is not None:  # before anything is deleted or written: no "no GPU found" results
+            print(f"error: scripts/gpu_check.py (make gpu-check) needs a CUDA GPU: {missing}. Nothing was run or "
+                  "written. Run it on the GPU machine, or `make gpu-check-dry` (--dry-run) for the CPU check.",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     logs = scratch / "gpu_check_logs"
     logs.mkdir()

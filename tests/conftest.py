@@ -71,10 +71,41 @@ class TinyConvNet(nn.Module):
         return self.head(self.pool(x).flatten(1))
 
 
+class Block(nn.Module):
+    """A residual Linear -> ReLU -> Linear block (what ``ActivationCheckpointing("Block")`` names)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class TinyBlocks(nn.Module):
+    """Linear 16 -> width, two residual ``Block``s, Linear width -> 4: every technique of the package applies."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(16, width)
+        self.blocks = nn.Sequential(Block(width), Block(width))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 16) -> (B, 4)
+        return self.head(self.blocks(torch.relu(self.stem(x))))
+
+
 @pytest.fixture
 def tiny_mlp() -> TinyMLP:
     torch.manual_seed(0)
     return TinyMLP()
+
+
+@pytest.fixture
+def tiny_blocks() -> TinyBlocks:
+    torch.manual_seed(0)
+    return TinyBlocks()
 
 
 @pytest.fixture

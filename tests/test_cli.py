@@ -146,6 +146,22 @@ def test_estimate_impossible_budget_fails_cleanly(capsys):
     assert "no configuration fits" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("budget", "error"), [
+    ("-1", "error: --budget must be >= 0 bytes, got '-1'"),
+    ("lots", "error: --budget='lots' is not a byte size. Use a number with an optional unit from B, KB"),
+])  # fmt: skip
+def test_estimate_a_bad_budget_is_an_error_line_before_the_model_loads(budget, error, capsys):
+    assert main(["estimate", "--budget", budget, "--device", "cpu", *CHARLM_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(error) and err.splitlines()[1] == "see `lowmem estimate --help`"
+
+
+def test_estimate_says_what_a_budget_was_read_as(capsys):
+    """GB is SI (10^9): "24gb" is 22.35 GiB of GPU memory, and the CLI says so before planning."""
+    main(["estimate", "--budget", "10KB", "--device", "cpu", *CHARLM_ARGS])
+    assert capsys.readouterr().err.startswith("--budget '10KB' = 10,000 B = 9.77 KiB\n")
+
+
 @pytest.mark.parametrize("gpu", [False, True], ids=["without-gpu", "with-gpu"])
 def test_estimate_defaults_to_this_machines_device_and_says_so(gpu, monkeypatch, capfd):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
@@ -169,6 +185,21 @@ def test_estimate_batch_shape_replaces_the_data(capsys):
     assert report["peak_bytes"] == expected.peak_bytes
     assert main(["estimate", "--device", "cpu", *model_args]) == 2  # neither data nor a shape
     assert "--batch-shape" in capsys.readouterr().err
+
+
+def test_estimate_a_batch_the_step_cannot_take_is_one_error_line(capsys, monkeypatch):
+    """`--batch-shape 32x64:float32` on a token model printed a 116-line traceback."""
+    monkeypatch.delenv("LOWMEM_DEBUG", raising=False)
+    model_args = CHARLM_ARGS[:10]
+    assert main(["estimate", "--device", "cpu", "--batch-shape", "8x32:float32", *model_args]) == 2
+    err = capsys.readouterr().err
+    first, hint = err.splitlines()
+    assert first.startswith("error: the training step of CharLM failed on the batch (8, 32) float32: ValueError: ")
+    assert "(at charlm.py:" in first and "e.g. 32x64,32x64 for an (inputs, targets) tuple" in first
+    assert "Traceback" not in err and hint == "see `lowmem estimate --help`"
+    monkeypatch.setenv("LOWMEM_DEBUG", "1")
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        main(["estimate", "--device", "cpu", "--batch-shape", "8x32:float32", *model_args])
 
 
 def test_estimate_uses_the_configs_precision_and_memory_callbacks(capsys):

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -264,3 +265,17 @@ def test_dry_run_script_end_to_end_without_the_heavy_parts(tmp_path):
         [("install", "skipped")], [("install", "ok")])  # skipped: no .gpu-wheels/ here, the pinned list parsed
     assert summary["environment"]["command"] == "python3 scripts/gpu_check.py --dry-run"
     assert (tmp_path / "gpu_check_results.tar.gz").exists() and "install" in (tmp_path / "gpu_check.log").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine this would start the real GPU check")
+def test_the_gpu_run_without_a_gpu_refuses_and_writes_nothing(tmp_path):
+    """It once ran every part and wrote benchmarks/results/gpu_check_cuda.* saying "no GPU found"."""
+    results = ROOT / "benchmarks" / "results"
+    before = {path: path.stat().st_mtime_ns for path in results.iterdir()}
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: scripts/gpu_check.py (make gpu-check) needs a CUDA GPU: ")
+    assert "make gpu-check-dry" in result.stderr and result.stderr.count("\n") == 1 and not result.stdout
+    assert list(tmp_path.iterdir()) == []
+    assert {path: path.stat().st_mtime_ns for path in results.iterdir()} == before

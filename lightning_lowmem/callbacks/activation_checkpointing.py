@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_lowmem.composition import check_composition
 from lightning_lowmem.functional.applied import Applied, apply
 from lightning_lowmem.functional.config import CheckpointingConfig, TrainingConfig
 from lightning_lowmem.warnings import LowMemWarning
@@ -73,6 +74,10 @@ class ActivationCheckpointing(L.Callback):
         self.wrapped: list[str] = []
         self._applied: Applied | None = None
         self._restored_wrapped: list[str] | None = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

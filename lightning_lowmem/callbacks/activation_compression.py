@@ -14,6 +14,7 @@ from lightning_lowmem.functional.applied import Applied, apply
 from lightning_lowmem.functional.compression import DEFAULT_MIN_BYTES, CompressionStats
 from lightning_lowmem.functional.config import CompressionConfig, TrainingConfig
 from lightning_lowmem.warnings import NoEffectWarning
+from lightning_lowmem.composition import check_composition
 
 PREFIX = "lowmem/compression"
 
@@ -75,6 +76,7 @@ class ActivationCompression(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         if self.mode == "cpu" and stage == "fit" and trainer.strategy.root_device.type == "cpu":
             warnings.warn(
                 "ActivationCompression(mode='cpu') on a CPU device: activations already live in host memory, "

@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from lightning_lowmem.functional.config import MicrobatchConfig
 from lightning_lowmem.functional.microbatch import MicrobatchLoop, batch_size_of, slice_batch
+from lightning_lowmem.composition import check_composition
 
 __all__ = ["AutoMicrobatch", "batch_size_of", "slice_batch"]
 
@@ -77,6 +78,7 @@ class AutoMicrobatch(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         if stage == "fit":
             self._loop.wrap(pl_module)
 

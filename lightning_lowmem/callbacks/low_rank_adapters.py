@@ -32,6 +32,7 @@ from lightning_lowmem.functional.lora.bookkeeping import (
     wrap_summary,
 )
 from lightning_lowmem.functional.lora.files import lora_config
+from lightning_lowmem.composition import check_composition
 
 PREFIX = "lowmem/lora"
 WRITER = "LowRankAdapters"
@@ -120,6 +121,7 @@ class LowRankAdapters(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         guard_module_loading(trainer, pl_module)  # check what wrote a checkpoint before Lightning loads it
         if lora_layers(pl_module):  # a second fit / validate on the same wrapped module
             config = lora_config(pl_module)

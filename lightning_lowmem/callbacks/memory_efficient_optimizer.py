@@ -14,6 +14,7 @@ from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.optimizers.convert import convert_optimizers
 from lightning_lowmem.functional.optimizers.registry import available_optimizers, check_loaded_state, state_layout
 from lightning_lowmem.functional.optimizers.state import mark_state_dict
+from lightning_lowmem.composition import check_composition
 
 WRITER = "MemoryEfficientOptimizer"
 FORMAT_VERSION = 1
@@ -95,6 +96,7 @@ class MemoryEfficientOptimizer(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         guard_module_loading(trainer, pl_module)  # check what wrote a checkpoint before Lightning loads it
         if stage != "fit" or self._module is not None:
             return

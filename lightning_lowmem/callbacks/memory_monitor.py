@@ -22,6 +22,7 @@ from lightning_lowmem.memory.monitoring import (
     summary_table,
     with_all_ranks,
 )
+from lightning_lowmem.composition import check_composition
 
 PREFIX = "lowmem/memory"
 
@@ -38,7 +39,10 @@ class MemoryMonitor(L.Callback):
       under the memory core's tracker, which logs the peak and its breakdown (``parameters``,
       ``gradients``, ``optimizer_state``, ``activations``, ``other``). This costs Python time per op,
       so it is sampled: the second training step (the first with optimizer state) and then every
-      ``deep_every_n_steps``.
+      ``deep_every_n_steps``. A tracker cannot see inside a compiled graph, so ``torch.compile``-d code
+      (e.g. torchao's 8-bit / 4-bit AdamW step) runs eagerly during a deep step; its eager temporaries
+      can exceed the compiled ones, so read that step's optimizer peak as an upper bound
+      (docs/composition.md). Other steps run compiled, as without the monitor.
 
     Keys are logged under ``lowmem/memory/...`` to every logger of the Trainer, at the step they were
     measured (as Lightning's ``LearningRateMonitor`` does). On several processes (DDP, FSDP) each rank
@@ -101,6 +105,7 @@ class MemoryMonitor(L.Callback):
     # ------------------------------------------------------------------ setup / teardown
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         self._device = trainer.strategy.root_device.type
         if self.snapshot_on_oom:
             if self._device == "cuda":

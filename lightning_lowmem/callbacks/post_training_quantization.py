@@ -30,6 +30,7 @@ from lightning_lowmem.functional.quantization.report import comparison_table, lo
 from lightning_lowmem.functional.quantization.search import expand_units, search_float_fallback, size_and_latency, tied_units
 from lightning_lowmem.model_io import BatchCallError, has_forward_batch, model_inputs
 from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
+from lightning_lowmem.composition import check_composition
 
 __all__ = ["PostTrainingQuantization", "load_quantized_checkpoint", "quantize_like_checkpoint"]
 
@@ -147,6 +148,7 @@ class PostTrainingQuantization(QuantizationCallback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         device = trainer.strategy.root_device.type
         reason = _unsupported_reason(self.mode, device)
         if reason is not None:  # now, not after the whole fit

@@ -21,6 +21,7 @@ from lightning_lowmem.functional.quantization.qat import (
     set_fake_quant_enabled,
 )
 from lightning_lowmem.functional.quantization.report import QuantizationReport, warn_if_mostly_float
+from lightning_lowmem.composition import check_composition
 
 __all__ = ["QuantizationAwareTraining"]
 
@@ -142,6 +143,7 @@ class QuantizationAwareTraining(QuantizationCallback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         self.attach_load_hooks(trainer, pl_module)  # so that `ckpt_path=` may hold converted weights
         if stage != "fit":
             return

@@ -18,6 +18,7 @@ from lightning_lowmem.functional.pruning.schedule import Amount, PruningSchedule
 from lightning_lowmem.functional.pruning.structural import example_row, shrink_to_state_dict_
 from lightning_lowmem.functional.pruning.targets import Target, resolve_targets, rewind_, snapshot
 from lightning_lowmem.functional.pruning.unstructured import PruningReport, prune_
+from lightning_lowmem.composition import check_composition
 
 __all__ = ["ScheduledPruning"]
 
@@ -212,6 +213,7 @@ class ScheduledPruning(Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         if self.structural and self._load_hook is None:  # before Lightning loads a `ckpt_path`'s weights
             self._load_hook = pl_module.register_load_state_dict_pre_hook(self._shrink_before_load)
         if stage != "fit":

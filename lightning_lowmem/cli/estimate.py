@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -154,6 +156,15 @@ def estimate_main(argv: list[str]) -> int:
         print(ESTIMATE_USAGE)
         return 0
     hint = "see `lowmem estimate --help`"
+    if own.budget is not None:
+        from lightning_lowmem.memory.units import describe_bytes
+
+        try:  # before the model loads: a bad size fails at once, a good one says what it was read as
+            understood = describe_bytes(own.budget, name="--budget")
+        except (ValueError, TypeError) as err:
+            _print_error(str(err).replace("`--budget`", "--budget"), hint)
+            return 2
+        print(f"--budget {understood}", file=sys.stderr)
     if not any(a.startswith(("--config", "--model", "-c")) for a in rest):
         _print_error(
             "lowmem estimate needs a model: give the same YAML as `lowmem fit` (--config path.yaml) or a model "
@@ -196,7 +207,33 @@ def estimate_main(argv: list[str]) -> int:
     if batch is None:
         batch = _first_batch(cli.datamodule)
     device = own.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return _report(cli.model, batch, techniques, device, own)
+    try:
+        return _report(cli.model, batch, techniques, device, own)
+    except Exception as err:  # the user's step on this batch: one line, not a traceback (LOWMEM_DEBUG=1: both)
+        if os.environ.get("LOWMEM_DEBUG"):
+            raise
+        _print_error(_step_failed(cli.model, batch, err, from_shape=own.batch_shape is not None), hint)
+        return 2
+
+
+def _step_failed(model: Any, batch: Any, err: BaseException, from_shape: bool) -> str:
+    """One line for an estimate whose training step failed on ``batch``: what, where, and the likely fix."""
+    import traceback
+
+    from lightning_lowmem.cli.errors import one_line
+    from lightning_lowmem.model_io import describe_batch
+
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    fix = (
+        "--batch-shape must give what training_step takes, e.g. 32x64,32x64 for an (inputs, targets) tuple of "
+        "int64 token ids (add :float32 only for float inputs), or input_ids=4x128,labels=4x128 for a dict"
+        if from_shape else "check that the datamodule's batches are what training_step takes"
+    )  # fmt: skip
+    return one_line(
+        f"the training step of {type(model).__name__} failed on the batch {describe_batch(batch)}: "
+        f"{type(err).__name__}: {err}{where}. {fix}; LOWMEM_DEBUG=1 shows the traceback."
+    )
 
 
 def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own: argparse.Namespace) -> int:

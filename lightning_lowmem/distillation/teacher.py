@@ -21,13 +21,18 @@ TeacherSource = Union[nn.Module, Callable[[], nn.Module]]
 def load_teacher_weights(teacher: nn.Module, checkpoint_path: str | Path) -> None:
     """Load a Lightning checkpoint (its ``state_dict``) or a plain state dict file into ``teacher``.
 
+    The file is read with :func:`lightning_lowmem.checkpoints.read_checkpoint`, the package's one reader, so a
+    checkpoint written through ``CompressedCheckpointIO`` (or holding packed sparse tensors) is a teacher too.
+
     Raises:
         FileNotFoundError: no file at ``checkpoint_path``.
     """
+    from lightning_lowmem.checkpoints.reading import read_checkpoint
+
     path = Path(checkpoint_path)
     if not path.exists():
         raise FileNotFoundError(f"`teacher_checkpoint`={str(path)!r} does not exist")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = read_checkpoint(path, map_location="cpu", weights_only=False)
     if isinstance(state, dict) and "state_dict" in state:
         state = state["state_dict"]
     teacher.load_state_dict(state)

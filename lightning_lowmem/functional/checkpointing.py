@@ -182,9 +182,19 @@ def describe_blocks(module: nn.Module, names: list[str]) -> str:
     )
 
 
+def user_class(module: nn.Module) -> type:
+    """The class the user wrote for ``module``: FSDP2's ``fully_shard`` swaps a module's class for a subclass
+    ``FSDP<Name>`` of ``(FSDPModule, <Name>)``, so a policy naming ``<Name>`` must look one step up its MRO."""
+    cls = type(module)
+    for base in cls.__mro__[1:]:
+        if cls.__name__ == f"FSDP{base.__name__}":
+            return base
+    return cls
+
+
 def _class_matches(sub: nn.Module, name: str) -> bool:
-    cls = type(sub)
-    return name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+    classes = {type(sub), user_class(sub)}
+    return any(name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}") for cls in classes)
 
 
 def _match_names(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
@@ -283,7 +293,7 @@ def no_match_message(module: nn.Module, policy: Any) -> str:
     """Why ``policy`` matched nothing in ``module``: the classes it holds and the nearest names, for an error."""
     import difflib
 
-    classes = Counter(type(sub).__name__ for sub in module.modules())
+    classes = Counter(user_class(sub).__name__ for sub in module.modules())
     repeated = [name for name, count in classes.most_common() if count > 1]
     shown = ", ".join(repeated[:12] + sorted(set(classes) - set(repeated))[: max(0, 16 - len(repeated))])
     words = [p for p in (policy if isinstance(policy, (tuple, list)) else [policy]) if isinstance(p, str)]
@@ -291,7 +301,7 @@ def no_match_message(module: nn.Module, policy: Any) -> str:
     close = [match for word in words for match in difflib.get_close_matches(word, names, n=2, cutoff=0.6)]
     hint = f" Did you mean {' or '.join(repr(c) for c in dict.fromkeys(close))}?" if close else ""
     return (
-        f"activation checkpointing policy {_describe(policy)} matched no submodule of {type(module).__name__}.{hint} "
+        f"activation checkpointing policy {_describe(policy)} matched no submodule of {user_class(module).__name__}.{hint} "
         f"Its module classes (repeated first): [{shown}]. Use a class name, a module-name pattern (e.g. 'model.h.*') "
         "or 'auto' (its repeated blocks: children of an nn.ModuleList / nn.Sequential holding parameters and "
         "submodules, of a class that occurs at least twice)"

@@ -16,7 +16,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*(-?\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
@@ -68,3 +68,24 @@ def format_bytes(num_bytes: int | float) -> str:
             return f"{sign}{size:.0f} {unit}" if unit == "B" else f"{sign}{size:.2f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def describe_bytes(value: int | float | str, *, name: str = "value") -> str:
+    """What a byte quantity was understood as, for a log line: ``"'24gb' = 24,000,000,000 B = 22.35 GiB"``.
+
+    KB, MB, GB, TB are powers of 1000 (SI), KiB, MiB, GiB, TiB powers of 1024, so ``"24gb"`` is 22.35 GiB of
+    GPU memory, not 24: saying so at once lets the user write ``"24GiB"`` if that was meant.
+
+    Raises:
+        ValueError, TypeError: as :func:`parse_bytes`.
+
+    Example::
+
+        >>> describe_bytes("24gb")
+        "'24gb' = 24,000,000,000 B = 22.35 GiB"
+        >>> describe_bytes(2**30)
+        '1,073,741,824 B = 1.00 GiB'
+    """
+    num_bytes = parse_bytes(value, name=name)
+    given = f"{value!r} = " if isinstance(value, str) else ""
+    return f"{given}{num_bytes:,} B = {format_bytes(num_bytes)}"

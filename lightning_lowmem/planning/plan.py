@@ -345,7 +345,14 @@ def plan_memory(
         overheads = sum(report.overheads.values()) if include_overheads else 0
         return report.peak_bytes + overheads <= usable
 
-    def predict(config: TrainingConfig, index: int, total: int, complete: bool = False) -> Candidate:
+    # progress numbers every configuration predicted once, in order, out of all the search could try (it stops
+    # at the first that fits): [1/108], [2/108], ... never repeated or skipped
+    plain = TrainingConfig(precision=precision, optimizer=optimizer)
+    first = plain.replace(sharding=sharding_axis[0]) if sharding_axis else plain
+    searchable = len({first, *(config for stage in stages for config in stage)})
+    numbered: dict[TrainingConfig, int] = {}
+
+    def predict(config: TrainingConfig, complete: bool = False) -> Candidate:
         """``complete``: a figure even when it cannot fit (else the model-side run stops at the budget)."""
         known = evaluated.get(config)
         if known is not None and (not complete or known.method != "lower bound"):
@@ -363,7 +370,9 @@ def plan_memory(
             candidate.error = _short_error(err)  # cannot be built on this model: skipped, the search goes on
             candidate.fits = False
         evaluated[config] = candidate
-        _report_progress(candidate, index, total, usable, progress)
+        if config not in numbered:  # a lower bound completed later is the same configuration, not a new one
+            numbered[config] = len(numbered) + 1
+            _report_progress(candidate, numbered[config], max(searchable, len(numbered)), usable, progress)
         return candidate
 
     def skip(config: TrainingConfig, err: Exception) -> None:
@@ -385,18 +394,17 @@ def plan_memory(
         )  # fmt: skip
         return candidate.fits
 
-    plain = TrainingConfig(precision=precision, optimizer=optimizer)
-    baseline = predict(plain.replace(sharding=sharding_axis[0]) if sharding_axis else plain, 1, len(stages[0]), complete=True)
+    baseline = predict(first, complete=True)
     chosen: Candidate | None = None
     for stage in stages:
         ranked = sorted(stage, key=lambda c: expected_slowdown(c, batch_size))
         sharded = any(c.sharding is not None and c.sharding.kind != "ddp" for c in stage)
-        if not predict(ranked[0], 1, len(ranked)).fits and not sharded and not _model_side_can_fit(stage, evaluator, limit, skip):
+        if not predict(ranked[0]).fits and not sharded and not _model_side_can_fit(stage, evaluator, limit, skip):
             continue  # not even the leanest model side that can be built fits: no candidate of this stage can
-        for index, config in enumerate(ranked, start=1):
+        for config in ranked:
             if evaluator.probes + evaluator.full_estimates >= max_estimates:
                 break
-            candidate = predict(config, index, len(ranked))
+            candidate = predict(config)
             if candidate not in tried:
                 tried.append(candidate)
             if candidate.fits and confirm(candidate):
@@ -414,7 +422,7 @@ def plan_memory(
         for config in sorted(stages[-1], key=_leanness, reverse=True):  # complete figures for the message
             if complete == 2:
                 break
-            complete += predict(config, 1, len(stages[-1]), complete=True).error is None
+            complete += predict(config, complete=True).error is None
         raise _no_fit_error(list(evaluated.values()), budget, usable, margin)
     for candidate in [c for c in evaluated.values() if c not in tried]:
         tried.append(candidate)  # the leanest checks, shown after the ranked ones

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_lowmem.functional.compression import CompressionStats
 from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
-from lightning_lowmem.memory.units import format_bytes, parse_bytes
+from lightning_lowmem.memory.units import describe_bytes, format_bytes, parse_bytes
 from lightning_lowmem.warnings import LowMemWarning
 
 PRECISION_PRESETS = PRECISIONS
@@ -215,10 +215,13 @@ class _LowMemoryOptions:
     def _setup_options(self, trainer: Any) -> None:
         """Before the model moves / is wrapped: plan, then apply the config (precision plugin, model side,
         micro-batches); the optimizer is converted in ``setup_optimizers``."""
+        from lightning_lowmem.composition import check_composition
         from lightning_lowmem.functional.applied import apply
 
         module = self.lightning_module  # type: ignore[attr-defined]
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # every pair of switches composes (callbacks' setup checked too), or none is applied
+            check_composition(trainer)
         device_type = self.root_device.type  # type: ignore[attr-defined]
         if fitting and self.memory_budget is not None and self.plan is None:
             self._plan(trainer, module, device_type)
@@ -276,7 +279,7 @@ class _LowMemoryOptions:
             return
         configured = self.precision_plugin.precision  # type: ignore[attr-defined]
         rank_zero_info(
-            f"LowMemoryStrategy: planning memory_budget={format_bytes(self.memory_budget_bytes or 0)} on the first "
+            f"LowMemoryStrategy: planning memory_budget={describe_bytes(self.memory_budget)} on the first "  # type: ignore[arg-type]
             "training batch..."
         )
 

@@ -239,3 +239,18 @@ def test_pruning_callback_prunes_the_student_only(tiny_mlp, tiny_trainer_kwargs)
     zeros = sum(int((w == 0).sum()) for w in weights)
     assert zeros == round(0.5 * sum(w.numel() for w in weights))
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+
+
+def test_teacher_from_a_compressed_checkpoint(tmp_path, tiny_trainer_kwargs):
+    """A checkpoint our own CompressedCheckpointIO wrote is a teacher (bare torch.load could not read it)."""
+    from lightning_lowmem.demo.digits import DigitsClassifier, digits_mlp
+    from lightning_lowmem.plugins import CompressedCheckpointIO
+
+    torch.manual_seed(0)
+    trained = DigitsClassifier(hidden=32, depth=1)
+    trainer = L.Trainer(max_steps=1, plugins=[CompressedCheckpointIO()], **tiny_trainer_kwargs)
+    trainer.strategy.connect(trained)
+    trainer.save_checkpoint(tmp_path / "teacher.ckpt")
+    module = DistillationModule(digits_mlp(16, 1), DigitsClassifier(hidden=32, depth=1), teacher_checkpoint=str(tmp_path / "teacher.ckpt"))
+    x = torch.rand(3, 1, 8, 8)
+    torch.testing.assert_close(module.teacher_logits(x), trained(x))

@@ -110,6 +110,9 @@ def test_chosen_plan_is_re_estimated_in_full_and_reports_progress(model_and_batc
     assert plan.predicted_peak_bytes == estimate_memory(model, batch, device="cpu", config=plan.config).peak_bytes
     assert abs(plan.chosen.per_axis_peak_bytes / plan.predicted_peak_bytes - 1) <= 0.02
     assert [c for c, _, _ in seen][-1] is plan.chosen and all(1 <= i <= total for _, i, total in seen)
+    # each configuration numbered once, in order, out of one total (it printed [1/N] twice and skipped numbers)
+    assert [i for _, i, _ in seen] == list(range(1, len(seen) + 1)) and len({total for _, _, total in seen}) == 1
+    assert len({c.config for c, _, _ in seen}) == len(seen)
     assert f"plan_memory [{seen[-1][1]}/{seen[-1][2]}] {plan.config.describe()}" in caplog.text
     assert any("lower bound" == c.method for c in plan.candidates)  # cheaper mixes ruled out early
     assert "estimate" in str(plan.to_table().columns[2].header)
@@ -121,8 +124,14 @@ def test_micro_batches_are_the_last_resort(model_and_batch):
     plan = plan_memory(model, batch, int(0.6 * plain), device="cpu")
     assert plan.config.micro_batch_size is None  # a whole-batch mix fits: no micro-batch was even tried
     assert all(c.config.micro_batch_size is None for c in plan.candidates)
-    tight = plan_memory(model, batch, int(0.8 * plain), device="cpu", margin=0.0, **AXES_PLAIN)
+    seen = []
+    tight = plan_memory(model, batch, int(0.8 * plain), device="cpu", margin=0.0, **AXES_PLAIN,
+                        progress=lambda candidate, index, total: seen.append((candidate.config, index, total)))
     assert tight.config.micro_batch_size == 8  # the whole batch does not fit: the largest micro-batch that does
+    # over two stages, each configuration numbered once, in order, out of one total (the second stage restarted
+    # at [1/N], and numbers of cached candidates were skipped)
+    assert [i for _, i, _ in seen] == list(range(1, len(seen) + 1)) and len({total for _, _, total in seen}) == 1
+    assert len({config for config, _, _ in seen}) == len(seen) and seen[-1][0] == tight.config
     assert tight.predicted_peak_bytes <= tight.usable_bytes
     assert [c.config.micro_batch_size for c in tight.candidates] == [None, 8]
 

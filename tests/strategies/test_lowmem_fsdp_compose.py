@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lightning_lowmem  # noqa: F401  (registers "lowmem_fsdp")
-from lightning_lowmem.callbacks import ActivationCompression, AutoMicrobatch, MemoryMonitor
+from lightning_lowmem.callbacks import ActivationCheckpointing, ActivationCompression, AutoMicrobatch, MemoryMonitor
 from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
 from tests.strategies.test_lowmem_fsdp import _TinyLM, _trainer
 
@@ -85,3 +85,14 @@ def test_auto_microbatch_under_fsdp_matches_whole_batches(tmp_path):
 def test_cpu_offload_on_a_cpu_run_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"`cpu_offload`=True keeps FSDP's shards in CPU memory.*accelerator='cpu'.*drop cpu_offload"):
         _trainer(tmp_path, 1, LowMemoryFSDPStrategy(cpu_offload=True), 1, [], enable_checkpointing=False).fit(_TinyLM())
+
+
+def test_activation_checkpointing_names_the_users_block_class_under_fsdp(tmp_path):
+    """fully_shard swaps each block's class for ``FSDPBlock``; the policy "Block" still means the user's class."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _TinyLM()
+    checkpointing = ActivationCheckpointing("Block")
+    _trainer(tmp_path, 1, LowMemoryFSDPStrategy(wrap_policy="Block"), 2, [checkpointing], enable_checkpointing=False).fit(model)
+    assert isinstance(model.model.h[0], FSDPModule) and type(model.model.h[0]).__name__ == "FSDPBlock"
+    assert checkpointing.wrapped == ["model.h.0", "model.h.1"]
