@@ -69,6 +69,7 @@ DESCRIBE: dict[str, Callable[[Any], Technique]] = {
         f"QuantizationAwareTraining({cb.mode!r})", frozenset({"qat"} | ({"grouped_qat"} if "4" in cb.mode else set()))
     ),  # the 4-bit modes quantize in groups of `group_size` input channels
     "MemoryMonitor": lambda cb: Technique("MemoryMonitor", frozenset({"monitor"})),
+    "ChunkedCrossEntropy": lambda cb: Technique("ChunkedCrossEntropy", frozenset({"chunked_loss"})),
 }
 
 _ONCE = "keep one of them"
@@ -98,6 +99,10 @@ RULES: tuple[Rule, ...] = (
          "fit fails when the channels are removed)",
          "use QuantizationAwareTraining('int8_weight_only') (per channel), or prune structurally in one run and "
          "train the smaller model with 4-bit QAT in the next"),
+    Rule("chunked_loss", "qat",
+         "{b.label} fake-quantizes the output head too, and {a.label} reads the head's weight as a plain float matrix "
+         "(the fit would stop at its start)",
+         "drop ChunkedCrossEntropy for the QAT run, or run QAT on a model whose loss does not need the chunked head"),
     Rule("qat", "ptq",
          "{a.label} converts the model to int8 at the end of fit and {b.label} would quantize it again",
          "keep QuantizationAwareTraining alone (its fit end gives the quantized model), or drop it and use "

@@ -9,6 +9,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_lowmem.composition import check_composition
 from lightning_lowmem.functional.applied import Applied, apply
 from lightning_lowmem.functional.config import CrossEntropyConfig, TrainingConfig
 from lightning_lowmem.warnings import LowMemWarning
@@ -60,6 +61,10 @@ class ChunkedCrossEntropy(L.Callback):
         self.heads: list[str] = []
         self._applied: Applied | None = None
         self._restored: dict[str, Any] | None = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -16,13 +16,15 @@ import warnings
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_lowmem.functional.cross_entropy import chunked_cross_entropy
 
 from lightning_lowmem import (
     ActivationCheckpointing,
     ActivationCompression,
     AutoMicrobatch,
+    ChunkedCrossEntropy,
     LowRankAdapters,
     MemoryEfficientOptimizer,
     MemoryMonitor,
@@ -48,6 +50,7 @@ SWITCHES: dict[str, object] = {
     "ptq": lambda: PostTrainingQuantization("int8_weight_only", latency_batches=0),
     "qat": lambda: QuantizationAwareTraining("intx4_weight_only", group_size=16),
     "monitor": lambda: MemoryMonitor(summary=False),
+    "chunked_loss": lambda: ChunkedCrossEntropy(head="model.head"),
     "accumulation": {"accumulate_grad_batches": 2},
     "clipping": {"gradient_clip_val": 1.0},
 }  # fmt: skip
@@ -61,12 +64,13 @@ REFUSED: dict[frozenset[str], str] = {
     frozenset({"qat", "ptq"}): "would quantize it again",
     frozenset({"lora", "qat"}): "fake-quantizes the layers.*quantize_base",
     frozenset({"structural", "qat"}): "groups of group_size channels.*'int8_weight_only'.*prune structurally",
+    frozenset({"chunked_loss", "qat"}): "fake-quantizes the output head too.*drop ChunkedCrossEntropy for the QAT run",
 }
 #: Lightning itself refuses two callbacks of one class with the same ``state_key`` in ``Trainer()``; our rules
 #: refuse the twins it lets through (tested below with different modes)
 LIGHTNING = "Found more than one stateful callback of type `(ActivationCheckpointing|ActivationCompression|MemoryEff" \
     "icientOptimizer|AutoMicrobatch|LowRankAdapters|ScheduledPruning|PostTrainingQuantization|QuantizationAware" \
-    "Training|MemoryMonitor)`"
+    "Training|MemoryMonitor|ChunkedCrossEntropy)`"
 REFUSED.update({frozenset({name}): LIGHTNING for name in SWITCHES if not isinstance(SWITCHES[name], dict)})
 REFUSED[frozenset({"pruning", "structural"})] = REFUSED[frozenset({"optimizer", "in_backward"})] = LIGHTNING
 
@@ -77,7 +81,7 @@ LABELS = {
     "microbatch": "AutoMicrobatch", "lora": r"LowRankAdapters\(r=2\)", "structural": r"ScheduledPruning\(structural=True\)",
     "ptq": r"PostTrainingQuantization\('int8_weight_only'\)", "qat": r"QuantizationAwareTraining\('intx4_weight_only'\)",
     "compression": r"ActivationCompression\('int8'\)", "checkpointing": r"ActivationCheckpointing\('Block'\)",
-    "monitor": "MemoryMonitor",
+    "monitor": "MemoryMonitor", "chunked_loss": "ChunkedCrossEntropy",
 }  # fmt: skip
 
 
@@ -95,7 +99,7 @@ class BlocksModule(L.LightningModule):
         return self.model(x)
 
     def training_step(self, batch, batch_idx):
-        return F.cross_entropy(self(batch[0]), batch[1])
+        return chunked_cross_entropy(self(batch[0]), batch[1])  # F.cross_entropy unless the head defers its logits
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
