@@ -117,6 +117,10 @@ RULES: tuple[Rule, ...] = (
           ("compression", "activation compression", "activation_compression="),
           ("checkpointing", "activation checkpointing", "activation_checkpointing="),
       )),
+    Rule("plans_chunked_loss", "chunked_loss",
+         "{a.label} may plan the chunked cross-entropy itself, and {b.label} would apply it a second time",
+         "drop {b.label} (the plan adds the chunked loss to a Hugging Face causal LM when it needs it), or drop "
+         "memory_budget"),
     Rule("plans_microbatch", "microbatch",
          "{a.label} may plan micro-batches (its own loop around training_step) and {b.label} would wrap the same step "
          "again",
@@ -155,7 +159,8 @@ def _strategy_techniques(strategy: Any) -> Iterable[Technique]:
     budget = getattr(strategy, "memory_budget", None)
     if budget is not None:  # the plan chooses every technique not set explicitly (micro-batches always)
         unset = {"optimizer": config.optimizer, "compression": config.compression, "checkpointing": config.checkpointing}
-        planned = {f"plans_{axis}" for axis, value in unset.items() if value is None} | {"plans_microbatch"}
+        planned = {f"plans_{axis}" for axis, value in unset.items() if value is None} | {"plans_microbatch",
+                                                                                           "plans_chunked_loss"}
         found.append(Technique(f"{name}(memory_budget={budget!r})", frozenset(planned)))
     return found
 

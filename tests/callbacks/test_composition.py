@@ -205,6 +205,8 @@ TWINS = {
                                           r"plans activation checkpointing itself"),
     "budget and AutoMicrobatch": (lambda: [AutoMicrobatch()], {"memory_budget": "1GiB"}, {},
                                   r"may plan micro-batches.*Instead, drop AutoMicrobatch"),
+    "budget and ChunkedCrossEntropy": (lambda: [ChunkedCrossEntropy(head="model.head")], {"memory_budget": "1GiB"}, {},
+                                       r"may plan the chunked cross-entropy itself.*Instead, drop ChunkedCrossEntropy"),
 }  # fmt: skip
 
 
@@ -231,7 +233,7 @@ def test_a_budget_keeps_what_is_set_explicitly():
 
     budget = techniques_of(Stub())[-1]
     assert budget.label == "LowMemoryStrategy(memory_budget='1GiB')"
-    assert budget.tags == {"plans_compression", "plans_microbatch"}
+    assert budget.tags == {"plans_compression", "plans_microbatch", "plans_chunked_loss"}
     with pytest.raises(ValueError, match=r"^LowMemoryStrategy\(memory_budget='1GiB'\) and ActivationCompression"):
         check_composition(Stub())
     Stub.callbacks = [MemoryMonitor()]
