@@ -2,11 +2,12 @@
 
 A language model's training peak is usually its output head: ``B·T·V`` logits (128,256 classes for a
 Llama-3 vocabulary), an fp32 upcast of them and the log-softmax saved for backward, all alive at the start of
-the loss backward. Here the forward walks the tokens in chunks and keeps, per token, only the log-sum-exp
-(4 bytes); the backward recomputes the logits one vocabulary slice at a time and writes each slice's
-weight gradient once (a single matmul over all tokens, so it is accumulated in the kernel's own fp32
-precision, not over chunks in bf16), while the hidden-state gradient is accumulated in fp32. The price is one
-more head matmul (the recomputation): 4 instead of 3.
+the loss backward. Here the forward walks the vocabulary in slices and keeps, per token, only the log-sum-exp
+(4 bytes, an online log-sum-exp over the slices); the backward recomputes the logits one slice at a time and
+writes each slice's weight gradient once (a single matmul over all tokens, so it is accumulated in the
+kernel's own fp32 precision, not over chunks in bf16), while the hidden-state gradient is accumulated in fp32.
+Walking the vocabulary (not the tokens) reads the head's weight once per pass; there are usually far fewer
+tokens in a batch than classes. The price is one more head matmul (the recomputation): 4 instead of 3.
 
 The approach follows Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward) with
 plain torch ops, so it runs on CPU and CUDA, under autocast, and on fake tensors (the estimator traces it).
@@ -79,8 +80,9 @@ def linear_cross_entropy(
         reduction: ``"mean"`` (over counted targets), ``"sum"`` or ``"none"`` (one loss per target, shaped
             like ``targets``). Default: ``"mean"``.
         label_smoothing: in ``[0, 1]``, as ``F.cross_entropy``'s. Default: ``0.0``.
-        chunk_size: tokens per chunk (the backward walks the vocabulary in slices of as many logits).
-            Default: ``None`` = :func:`default_chunk_size` (a chunk's logits at most 1/8 of the whole, 32 MiB).
+        chunk_size: the size of the logits held at once, in tokens' worth of whole rows: both passes walk the
+            vocabulary in slices of ``chunk_size * V / N`` classes for all ``N`` tokens. Default: ``None`` =
+            :func:`default_chunk_size` (a slice's logits at most 1/8 of the whole, 32 MiB).
 
     Returns:
         A float32 scalar (``"mean"`` / ``"sum"``; ``nan`` for a mean over no counted target, as
@@ -109,7 +111,10 @@ def linear_cross_entropy(
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Forward: per-token log-sum-exp over token chunks. Backward: logits recomputed per vocabulary slice."""
+    """Both passes walk the vocabulary in slices of ``columns`` classes (each slice's logits for every token, as
+    many as ``rows`` tokens' whole logits): the weight is read once per pass, the (smaller) hidden states once per
+    slice. Forward: an online log-sum-exp (the running maximum rescales the running sum, as flash attention does)
+    and each token's target logit. Backward: each slice's logits again, their softmax minus the one-hot target."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -125,26 +130,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
         counted = targets != ignore_index  # (N,)
-        safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # gather needs valid indices
+        safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # valid indices everywhere
         accumulate = _accumulation_dtype(hidden)
-        lse = hidden.new_empty(num_tokens, dtype=accumulate)  # log-sum-exp of each token's logits
-        losses = hidden.new_empty(num_tokens, dtype=accumulate)
-        for start in range(0, num_tokens, rows):
-            stop = min(start + rows, num_tokens)
-            logits = F.linear(hidden[start:stop], weight, bias).to(accumulate)  # (rows, V): the only chunk-sized tensors
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe_targets[start:stop, None]).squeeze(1)
-            # (1 - eps) * (lse - z_y) + eps * (lse - mean_v z_v): F.cross_entropy's label smoothing
-            chunk_loss = chunk_lse - (1.0 - smoothing) * picked
-            if smoothing:
-                chunk_loss = chunk_loss - smoothing * logits.mean(dim=-1)
-            lse[start:stop] = chunk_lse
-            losses[start:stop] = chunk_loss
+        running_max = hidden.new_full((num_tokens,), float("-inf"), dtype=accumulate)
+        running_sum = hidden.new_zeros(num_tokens, dtype=accumulate)  # sum of exp(logit - running_max)
+        picked = hidden.new_zeros(num_tokens, dtype=accumulate)  # each token's target logit
+        logit_sum = hidden.new_zeros(num_tokens, dtype=accumulate) if smoothing else None
+        columns = _columns(rows, num_tokens, vocab_size)
+        token_index = torch.arange(num_tokens, device=hidden.device)
+        for start in range(0, vocab_size, columns):
+            stop = min(start + columns, vocab_size)
+            bias_slice = bias[start:stop] if bias is not None else None
+            logits = F.linear(hidden, weight[start:stop], bias_slice).to(accumulate)  # (N, columns): the only big tensor
+            slice_max = torch.maximum(running_max, logits.amax(dim=-1))
+            running_sum.mul_(torch.exp(running_max - slice_max))
+            running_max = slice_max
+            if logit_sum is not None:
+                logit_sum += logits.sum(dim=-1)
+            in_slice = (safe_targets >= start) & (safe_targets < stop)
+            hits = torch.where(in_slice, safe_targets - start, torch.zeros_like(safe_targets))
+            picked += torch.where(in_slice, logits[token_index, hits], 0.0)
+            running_sum += logits.sub_(running_max[:, None]).exp_().sum(dim=-1)
             del logits
+        lse = running_max + running_sum.log()  # (N,) log-sum-exp of each token's logits
+        # (1 - eps) * (lse - z_y) + eps * (lse - mean_v z_v): F.cross_entropy's label smoothing
+        losses = lse - (1.0 - smoothing) * picked
+        if logit_sum is not None:
+            losses = losses - smoothing * logit_sum / vocab_size
         losses = torch.where(counted, losses, torch.zeros_like(losses))
         count = counted.sum()
         ctx.save_for_backward(hidden, weight, bias, safe_targets, counted, lse, count)
-        ctx.smoothing, ctx.reduction, ctx.rows, ctx.vocab_size = smoothing, reduction, rows, vocab_size
+        ctx.smoothing, ctx.reduction, ctx.columns = smoothing, reduction, columns
         ctx.autocast = _autocast_state(hidden.device.type)
         if reduction == "none":
             return losses
@@ -156,26 +172,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        num_tokens, vocab_size, smoothing = hidden.shape[0], ctx.vocab_size, ctx.smoothing
-        # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored
+        num_tokens, vocab_size, smoothing = hidden.shape[0], weight.shape[0], ctx.smoothing
+        # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored. It
+        # scales rows of the logits' gradient, so it is applied to the (smaller) hidden states and their gradient
         accumulate = lse.dtype
         scale = grad_output.to(accumulate)
         if ctx.reduction == "mean":
             scale = scale / count
         scale = torch.where(counted, scale.expand(num_tokens), torch.zeros_like(lse))  # (N,)
+        dtype = ctx.autocast or hidden.dtype  # the forward's matmul dtype (autocast's, else the inputs')
+        hidden_c = hidden.to(dtype)  # no copy without autocast
+        scaled_hidden = (hidden_c * scale[:, None].to(dtype)) if need_weight else None  # (N, H)
         grad_hidden = torch.zeros(hidden.shape, dtype=accumulate, device=hidden.device) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         grad_bias = torch.empty_like(bias) if need_bias else None
-        # a vocabulary slice holds as many logits as a forward chunk of tokens
-        columns = max(1, min(vocab_size, math.ceil(ctx.rows * vocab_size / max(num_tokens, 1))))
         token_index = torch.arange(num_tokens, device=hidden.device)
-        dtype = ctx.autocast or hidden.dtype  # the forward's matmul dtype (autocast's, else the inputs')
-        hidden_c = hidden.to(dtype)  # no copy without autocast
-        for start in range(0, vocab_size, columns):
-            stop = min(start + columns, vocab_size)
+        for start in range(0, vocab_size, ctx.columns):
+            stop = min(start + ctx.columns, vocab_size)
             weight_slice = weight[start:stop].to(dtype)
             bias_slice = bias[start:stop].to(dtype) if bias is not None else None
-            # softmax of the slice's logits, then d loss / d logits in place: (N, columns)
+            # softmax of the slice's logits minus the (smoothed) one-hot target, in place: (N, columns)
             grad_logits = F.linear(hidden_c, weight_slice, bias_slice).to(accumulate)
             grad_logits.sub_(lse[:, None]).exp_()
             if smoothing:
@@ -183,15 +199,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             in_slice = (targets >= start) & (targets < stop) & counted
             hits = torch.where(in_slice, targets - start, torch.zeros_like(targets))
             grad_logits[token_index, hits] -= in_slice.to(accumulate) * (1.0 - smoothing)
-            grad_logits.mul_(scale[:, None])
             if grad_bias is not None:
-                grad_bias[start:stop] = grad_logits.sum(0)
+                grad_bias[start:stop] = scale @ grad_logits
             grad_logits = grad_logits.to(dtype)
             if grad_weight is not None:  # (columns, H), one matmul over all tokens, written in place
                 if grad_weight.dtype == dtype:
-                    torch.matmul(grad_logits.T, hidden_c, out=grad_weight[start:stop])
+                    torch.matmul(grad_logits.T, scaled_hidden, out=grad_weight[start:stop])
                 else:  # autocast: the matmul in its dtype, the gradient in the weight's
-                    grad_weight[start:stop] = grad_logits.T @ hidden_c
+                    grad_weight[start:stop] = grad_logits.T @ scaled_hidden
             if grad_hidden is not None:  # (N, H), accumulated in fp32 (in place when the matmul is fp32)
                 if grad_logits.dtype == accumulate:
                     grad_hidden.addmm_(grad_logits, weight_slice)
@@ -199,8 +214,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden += grad_logits @ weight_slice
             del grad_logits
         if grad_hidden is not None:
-            grad_hidden = grad_hidden.to(hidden.dtype)
+            grad_hidden = grad_hidden.mul_(scale[:, None]).to(hidden.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _columns(rows: int, num_tokens: int, vocab_size: int) -> int:
+    """Classes per vocabulary slice: a slice holds as many logits as ``rows`` tokens' whole logits."""
+    return max(1, min(vocab_size, math.ceil(rows * vocab_size / max(num_tokens, 1))))
 
 
 def _accumulation_dtype(hidden: torch.Tensor) -> torch.dtype:
