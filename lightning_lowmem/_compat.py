@@ -7,7 +7,8 @@ public equivalent, only this file changes.
 from __future__ import annotations
 
 import collections
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -80,6 +81,52 @@ class inductor_freezing:  # noqa: N801 - used like a function: ``with inductor_f
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = self._previous
+
+
+def no_dispatch_modes() -> Any:
+    """A context with no ``TorchDispatchMode`` active (no fake mode, no tracker): ops run for real, unseen.
+
+    Why private: ``torch.utils._python_dispatch._disable_current_modes`` is the one way to step out of every
+    active mode from inside a mode's ``__torch_dispatch__``; the estimator runs the batch's mask arithmetic on
+    the real batch there (``planning/_batch_values.py``).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def op_mutates(func: Any) -> bool:
+    """True when the aten overload ``func`` writes to one of its arguments (in-place or ``out=``).
+
+    Why private: an ``OpOverload`` tells it only through its ``_schema`` (``FunctionSchema.is_mutable``).
+    """
+    schema = getattr(func, "_schema", None)
+    return bool(getattr(schema, "is_mutable", False))
+
+
+@contextlib.contextmanager
+def vmap_nesting_kept() -> Iterator[None]:
+    """A context in which FX dead-code elimination keeps functorch's vmap level markers.
+
+    Why private: transformers 4.x builds attention masks under ``torch.vmap``; ``torch.export`` records that as
+    ``_vmap_increment_nesting`` / ``_vmap_decrement_nesting`` calls whose results nothing reads, and
+    torchao's ``convert_pt2e`` then deletes them as dead code, leaving ``_add_batch_dim`` calls that fail at run
+    time ("tensor may have escaped from inside a function being vmapped"). ``torch.fx.node._side_effectful_functions``
+    is the set FX's ``Node.is_impure`` consults; the two markers are added for the duration only.
+    """
+    try:
+        import torch.fx.node as fx_node
+        from torch._functorch import predispatch
+    except ImportError:  # pragma: no cover - a torch without pre-dispatch vmap
+        yield
+        return
+    markers = {predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting}
+    added = markers - fx_node._side_effectful_functions
+    fx_node._side_effectful_functions.update(added)
+    try:
+        yield
+    finally:
+        fx_node._side_effectful_functions.difference_update(added)
 
 
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
