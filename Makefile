@@ -13,7 +13,7 @@ STAMP := $(VENV)/.lowmem-installed
 DEMO_STAMP := $(VENV)/.lowmem-demo
 TORCH_STAMP := $(VENV)/.lowmem-torch
 
-.PHONY: install test test-fast demo demo-quick bench clean
+.PHONY: install test test-fast demo demo-quick bench clean test-compat test-compat-all
 
 install: $(STAMP)
 
@@ -47,7 +47,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info lightning_logs demo_output
+	rm -rf $(VENV) .venv-compat-* build *.egg-info lightning_logs demo_output
 
 # GPU check (docs/gpu.md). Here: `make gpu-wheels` fetches the wheels the GPU machine lacks (scripts/gpu_wheels.txt)
 # into .gpu-wheels/. There (its python3 holds torch; no venv, no registry): `make gpu-check` installs them with
@@ -69,3 +69,38 @@ gpu-check:
 
 gpu-check-dry: $(STAMP)
 	$(PY) scripts/gpu_check.py --dry-run $(DRY_FLAGS)
+
+# Compatibility legs (docs/compatibility.md): `make test-compat COMPAT=<leg>` builds its own .venv-compat-<leg>
+# (torch first, pinned, as above; then the package with the leg's pins), prints the versions it got and runs
+# COMPAT_TESTS there: the HF zoo, the estimator, the quantization tests. Exits non-zero if any fails.
+#   transformers-4  the last transformers 4.x, the rest as `make test` (CI runs this leg; ~4 min on 2 cores)
+#   floors          every declared lower bound that installs here: lightning, torchmetrics, jsonargparse,
+#                   torchao, rich, psutil (+ transformers 4.x); torch stays TORCH_SPEC (see docs/compatibility.md)
+# `make test-compat-all` runs every leg.
+COMPAT ?= transformers-4
+COMPAT_LEGS := transformers-4 floors
+COMPAT_PINS.transformers-4 := transformers==4.57.6
+COMPAT_PINS.floors := lightning==2.4.0 torchmetrics==1.4.0 jsonargparse[signatures]==4.30.0 torchao==0.13.0 \
+	rich==13.0.0 psutil==5.9.0 transformers==4.57.6
+COMPAT_TESTS ?= tests/test_hf_zoo.py tests/planning/test_estimate.py tests/planning/test_batch_values.py \
+	tests/functional/test_checkpointing_hf.py tests/functional/quantization/test_quantization_hf.py \
+	tests/callbacks/test_quantization_callbacks_hf.py tests/distillation/test_hf.py
+COMPAT_VENV := .venv-compat-$(COMPAT)
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.lowmem-compat
+COMPAT_DISTS := torch lightning torchmetrics jsonargparse torchao transformers rich psutil
+
+$(COMPAT_STAMP): pyproject.toml Makefile
+	@test -n "$(COMPAT_PINS.$(COMPAT))" || { echo "error: COMPAT=$(COMPAT) is not a leg; choose one of: $(COMPAT_LEGS)" >&2; exit 2; }
+	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install --quiet --upgrade pip
+	$(COMPAT_PY) -c "import torch" 2>/dev/null || $(COMPAT_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(COMPAT_PY) -m pip install --quiet -e ".[dev]" $(foreach pin,$(COMPAT_PINS.$(COMPAT)),"$(pin)")
+	touch $@
+
+test-compat: $(COMPAT_STAMP)
+	@$(COMPAT_PY) -c "import importlib.metadata as m; print('leg $(COMPAT):', ', '.join(d + ' ' + m.version(d) for d in '$(COMPAT_DISTS)'.split()))"
+	$(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
+test-compat-all:
+	set -e; for leg in $(COMPAT_LEGS); do $(MAKE) test-compat COMPAT=$$leg; done

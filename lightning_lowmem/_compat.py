@@ -7,8 +7,7 @@ public equivalent, only this file changes.
 from __future__ import annotations
 
 import collections
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -104,29 +103,23 @@ def op_mutates(func: Any) -> bool:
     return bool(getattr(schema, "is_mutable", False))
 
 
-@contextlib.contextmanager
-def vmap_nesting_kept() -> Iterator[None]:
-    """A context in which FX dead-code elimination keeps functorch's vmap level markers.
+def keep_vmap_nesting() -> None:
+    """Make FX dead-code elimination keep functorch's vmap level markers, from now on (idempotent).
 
     Why private: transformers 4.x builds attention masks under ``torch.vmap``; ``torch.export`` records that as
-    ``_vmap_increment_nesting`` / ``_vmap_decrement_nesting`` calls whose results nothing reads, and
-    torchao's ``convert_pt2e`` then deletes them as dead code, leaving ``_add_batch_dim`` calls that fail at run
-    time ("tensor may have escaped from inside a function being vmapped"). ``torch.fx.node._side_effectful_functions``
-    is the set FX's ``Node.is_impure`` consults; the two markers are added for the duration only.
+    ``_vmap_increment_nesting`` / ``_vmap_decrement_nesting`` calls whose results nothing reads. They change
+    functorch's nesting level (a side effect), but FX does not know it: torchao's ``convert_pt2e``, and the
+    ``.eval()`` / ``.train()`` of an exported model, delete them as dead code, leaving ``_add_batch_dim`` calls
+    that fail at run time ("tensor may have escaped from inside a function being vmapped").
+    ``torch.fx.node._side_effectful_functions`` is the set ``Node.is_impure`` consults; adding the two markers
+    for good (not only while converting: Lightning calls ``.eval()`` on the installed graph later) is the fix.
     """
     try:
         import torch.fx.node as fx_node
         from torch._functorch import predispatch
     except ImportError:  # pragma: no cover - a torch without pre-dispatch vmap
-        yield
         return
-    markers = {predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting}
-    added = markers - fx_node._side_effectful_functions
-    fx_node._side_effectful_functions.update(added)
-    try:
-        yield
-    finally:
-        fx_node._side_effectful_functions.difference_update(added)
+    fx_node._side_effectful_functions.update({predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting})
 
 
 def data_dependent_errors() -> tuple[type[BaseException], ...]:

@@ -204,7 +204,8 @@ def quantize_static(
             quantizer.set_module_name_qconfig(fqn, None)
         example = ModelCall.of(example_inputs)
         constants = _constants(module, example)
-        with torch.no_grad(), _compat.vmap_nesting_kept():  # transformers 4.x: masks built under vmap
+        _compat.keep_vmap_nesting()  # transformers 4.x builds masks under vmap: keep its markers in the graph
+        with torch.no_grad():
             kwargs = {**example.kwargs, **constants}
             dynamic = _dynamic_batch(inspect.signature(module.forward).bind(*example.args, **kwargs).arguments)
             prepared = None
