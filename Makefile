@@ -73,15 +73,18 @@ gpu-check-dry: $(STAMP)
 # Compatibility legs (docs/compatibility.md): `make test-compat COMPAT=<leg>` builds its own .venv-compat-<leg>
 # (torch first, pinned, as above; then the package with the leg's pins), prints the versions it got and runs
 # COMPAT_TESTS there: the HF zoo, the estimator, the quantization tests. Exits non-zero if any fails.
-#   transformers-4  the last transformers 4.x, the rest as `make test` (CI runs this leg; ~4 min on 2 cores)
-#   floors          every declared lower bound that installs here: lightning, torchmetrics, jsonargparse,
-#                   torchao, rich, psutil (+ transformers 4.x); torch stays TORCH_SPEC (see docs/compatibility.md)
+#   transformers-4  the last transformers 4.x, the rest as `make test` (CI runs a selection: make test-compat-ci)
+#   floors          every declared lower bound: torch 2.11 (PyPI's CUDA build, ~3 GB, runs on CPU; ~6 min to
+#                   install here), lightning, torchmetrics, jsonargparse, torchao, rich, psutil, transformers 4.x
 # `make test-compat-all` runs every leg; `make test-compat-ci` the transformers-4 leg on COMPAT_CI_TESTS (CI, .ci/run).
 COMPAT ?= transformers-4
 COMPAT_LEGS := transformers-4 floors
 COMPAT_PINS.transformers-4 := transformers==4.57.6
-COMPAT_PINS.floors := lightning==2.4.0 torchmetrics==1.4.0 jsonargparse[signatures]==4.30.0 torchao==0.13.0 \
+COMPAT_PINS.floors := lightning==2.4.0 torchmetrics==1.4.0 jsonargparse[signatures]==4.30.0 torchao==0.18.0 \
 	rich==13.0.0 psutil==5.9.0 transformers==4.57.6
+COMPAT_TORCH.transformers-4 := $(TORCH_SPEC)
+COMPAT_TORCH.floors := torch==2.11.0
+COMPAT_EXTRA_TESTS.floors := tests/test_cli.py
 COMPAT_TESTS ?= tests/test_hf_zoo.py tests/planning/test_estimate.py tests/planning/test_batch_values.py \
 	tests/functional/test_checkpointing_hf.py tests/functional/quantization/test_quantization_hf.py \
 	tests/callbacks/test_quantization_callbacks_hf.py tests/distillation/test_hf.py
@@ -103,13 +106,13 @@ $(COMPAT_STAMP): pyproject.toml Makefile
 	@test -n "$(COMPAT_PINS.$(COMPAT))" || { echo "error: COMPAT=$(COMPAT) is not a leg; choose one of: $(COMPAT_LEGS)" >&2; exit 2; }
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install --quiet --upgrade pip
-	$(COMPAT_PY) -c "import torch" 2>/dev/null || $(COMPAT_PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(COMPAT_PY) -m pip install --quiet "$(COMPAT_TORCH.$(COMPAT))"
 	$(COMPAT_PY) -m pip install --quiet -e ".[dev]" $(foreach pin,$(COMPAT_PINS.$(COMPAT)),"$(pin)")
 	touch $@
 
 test-compat: $(COMPAT_STAMP)
 	@$(COMPAT_PY) -c "import importlib.metadata as m; print('leg $(COMPAT):', ', '.join(d + ' ' + m.version(d) for d in '$(COMPAT_DISTS)'.split()))"
-	$(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	$(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_TESTS) $(COMPAT_EXTRA_TESTS.$(COMPAT))
 
 test-compat-ci:
 	$(MAKE) test-compat COMPAT=transformers-4 COMPAT_TESTS='$(COMPAT_CI_TESTS)'

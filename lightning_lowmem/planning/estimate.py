@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem import _compat
+from lightning_lowmem._versions import require
 from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
 from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
@@ -183,6 +184,8 @@ def estimate_memory(
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
+    if any(type(layer).__module__.startswith("transformers.") for layer in module.modules()):
+        require("transformers", "estimate_memory on a Hugging Face model")  # older: untested mask code paths
     loop = resolve_loop(module, loss_fn, loop)
     loss_fn = loss_fn or default_loss
     sharded = ShardedStep(sharding, world_size, device=device)  # validates world_size / sharding
