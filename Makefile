@@ -80,7 +80,7 @@ gpu-check-dry: $(STAMP)
 COMPAT ?= transformers-4
 COMPAT_LEGS := transformers-4 floors
 COMPAT_PINS.transformers-4 := transformers==4.57.6
-COMPAT_PINS.floors := lightning==2.4.0 torchmetrics==1.4.0 jsonargparse[signatures]==4.30.0 torchao==0.18.0 \
+COMPAT_PINS.floors := lightning==2.5.0 torchmetrics==1.4.0 jsonargparse[signatures]==4.48.0 torchao==0.18.0 \
 	rich==13.0.0 psutil==5.9.0 transformers==4.57.6
 COMPAT_TORCH.transformers-4 := $(TORCH_SPEC)
 COMPAT_TORCH.floors := torch==2.11.0

@@ -14,9 +14,9 @@ import re
 
 TESTED_FLOORS: dict[str, tuple[int, ...]] = {
     "torch": (2, 11),
-    "lightning": (2, 4),
+    "lightning": (2, 5),
     "torchmetrics": (1, 4),
-    "jsonargparse": (4, 30),
+    "jsonargparse": (4, 48),
     "torchao": (0, 18),
     "transformers": (4, 57),
 }

@@ -79,16 +79,15 @@ class BatchValues(TorchDispatchMode):
                     self.known.pop(tensor, None)
             return out
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not outs or any(t.numel() > KNOWN_NUMEL_LIMIT for t in outs):
-            return out
-        real_out = self._real(func, flat, spec)  # in place on the real copies too, for a mutating op
-        real_outs = [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)] if real_out is not None else []
-        if len(real_outs) == len(outs):
-            for fake, real in zip(outs, real_outs):
-                self.known[fake] = real
-        else:
-            for tensor in outs:
-                self.known.pop(tensor, None)
+        if outs and all(t.numel() <= KNOWN_NUMEL_LIMIT for t in outs):
+            real_out = self._real(func, flat, spec)  # in place on the real copies too, for a mutating op
+            real_outs = [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)] if real_out is not None else []
+            if len(real_outs) == len(outs):
+                for fake, real in zip(outs, real_outs):
+                    self.known[fake] = real
+                return out
+        for tensor in outs + (tensors if _compat.op_mutates(func) else []):  # too large, or failed for real
+            self.known.pop(tensor, None)
         return out
 
     def _real(self, func: Any, flat: list[Any], spec: Any) -> Any:
