@@ -13,10 +13,10 @@ import importlib.metadata
 import re
 
 TESTED_FLOORS: dict[str, tuple[int, ...]] = {
-    "torch": (2, 11),
+    "torch": (2, 13),
     "lightning": (2, 5),
     "torchmetrics": (1, 4),
-    "jsonargparse": (4, 48),
+    "jsonargparse": (4, 51),
     "torchao": (0, 18),
     "transformers": (4, 57),
 }
