@@ -103,3 +103,15 @@ def test_lowmem_estimate_reports_an_estimation_error_in_one_line(monkeypatch, ca
         err = capsys.readouterr().err
         assert err.splitlines()[0] == "error: estimate_memory could not run Model's training step on fake tensors: second line"
         assert "Traceback" not in err
+
+
+def test_every_hugging_face_family_estimates_with_a_mask_without_one_and_on_meta(hf_family):
+    """transformers 4.x asked `padding_mask.all()` (every family with a mask) and BERT `torch.all(mask == 1)`
+    (even without one): `aten._local_scalar_dense` on fake tensors. Each form of the batch now estimates."""
+    hf_zoo = pytest.importorskip("tests.hf_zoo")
+    module, batch_ = hf_zoo.hf_module(hf_family), hf_zoo.hf_batch(hf_family, seq_len=16)
+    unmasked = {key: value for key, value in batch_.items() if key != "attention_mask"}
+    on_meta = {key: value.to("meta") for key, value in batch_.items()}
+    peaks = [estimate_memory(module, b, device="cpu").peak_bytes for b in (batch_, unmasked, on_meta)]
+    assert all(peak > 0 for peak in peaks)
+    assert peaks[2] == peaks[0]  # the zoo's batch is padded; a meta mask counts as padding everywhere
