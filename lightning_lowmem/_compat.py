@@ -246,7 +246,8 @@ _COLLECTIVE_CONTEXTS: list[Any] = []
 
 
 def around_fsdp_collectives(context: Any) -> None:
-    """Run every ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` inside ``context(kind,
+    """Run every ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` (torch 2.11:
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, :func:`fsdp_collective_names`) inside ``context(kind,
     output, input)`` (a context-manager factory; ``kind`` is ``"all_gather"`` or ``"reduce_scatter"``).
 
     Why private: these two are what FSDP2's default communication (``_fsdp_collectives.DefaultAllGather``
@@ -279,8 +280,21 @@ def around_fsdp_collectives(context: Any) -> None:
         collective.__wrapped__ = original  # type: ignore[attr-defined]
         return collective
 
-    dist.all_gather_single = wrap("all_gather", dist.all_gather_single)
-    dist.reduce_scatter_single = wrap("reduce_scatter", dist.reduce_scatter_single)
+    for kind, name in fsdp_collective_names().items():
+        setattr(dist, name, wrap(kind, getattr(dist, name)))
+
+
+def fsdp_collective_names() -> dict[str, str]:
+    """``{"all_gather": name, "reduce_scatter": name}``: the ``torch.distributed`` functions FSDP2 calls.
+
+    torch 2.13 has ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 neither, and FSDP2 calls
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the same leading ``(output, input)`` arguments).
+    """
+    import torch.distributed as dist
+
+    if hasattr(dist, "all_gather_single"):
+        return {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    return {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
 
 
 def lightning_model_parallel_setup_steps() -> tuple[Any, Any]:
