@@ -74,17 +74,24 @@ gpu-check-dry: $(STAMP)
 # (torch first, pinned, as above; then the package with the leg's pins), prints the versions it got and runs
 # COMPAT_TESTS there: the HF zoo, the estimator, the quantization tests. Exits non-zero if any fails.
 #   transformers-4  the last transformers 4.x, the rest as `make test` (CI runs a selection: make test-compat-ci)
-#   floors          every declared lower bound: torch (= TORCH_SPEC), lightning, torchmetrics, jsonargparse,
+#   floors          every other declared lower bound on TORCH_SPEC's torch: lightning, torchmetrics, jsonargparse,
 #                   torchao, rich, psutil, transformers 4.x
+#   torch-2.11      the floors on torch's own floor, 2.11 (PyPI's CUDA build, ~3 GB, runs on CPU; ~6 min to
+#                   install here), + the FSDP estimate; without the one test that fakes a GPU (a CUDA build
+#                   without a driver fails the first CUDA call the fake lets through)
 # `make test-compat-all` runs every leg; `make test-compat-ci` the transformers-4 leg on COMPAT_CI_TESTS (CI, .ci/run).
 COMPAT ?= transformers-4
-COMPAT_LEGS := transformers-4 floors
+COMPAT_LEGS := transformers-4 floors torch-2.11
 COMPAT_PINS.transformers-4 := transformers==4.57.6
 COMPAT_PINS.floors := lightning==2.5.0 torchmetrics==1.4.0 jsonargparse[signatures]==4.51.0 torchao==0.18.0 \
 	rich==13.0.0 psutil==5.9.0 transformers==4.57.6
 COMPAT_TORCH.transformers-4 := $(TORCH_SPEC)
 COMPAT_TORCH.floors := $(TORCH_SPEC)
 COMPAT_EXTRA_TESTS.floors := tests/test_cli.py
+COMPAT_PINS.torch-2.11 := $(COMPAT_PINS.floors) torch==2.11.0
+COMPAT_TORCH.torch-2.11 := torch==2.11.0
+COMPAT_EXTRA_TESTS.torch-2.11 := tests/test_cli.py tests/planning/test_sharding.py \
+	--deselect "tests/test_cli.py::test_estimate_defaults_to_this_machines_device_and_says_so[with-gpu]"
 COMPAT_TESTS ?= tests/test_hf_zoo.py tests/planning/test_estimate.py tests/planning/test_batch_values.py \
 	tests/functional/test_checkpointing_hf.py tests/functional/quantization/test_quantization_hf.py \
 	tests/callbacks/test_quantization_callbacks_hf.py tests/distillation/test_hf.py

@@ -13,7 +13,7 @@ import importlib.metadata
 import re
 
 TESTED_FLOORS: dict[str, tuple[int, ...]] = {
-    "torch": (2, 13),
+    "torch": (2, 11),
     "lightning": (2, 5),
     "torchmetrics": (1, 4),
     "jsonargparse": (4, 51),
