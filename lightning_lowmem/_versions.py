@@ -20,7 +20,8 @@ TESTED_FLOORS: dict[str, tuple[int, ...]] = {
     "torchao": (0, 18),
     "transformers": (4, 57),
 }
-"""Distribution -> the oldest (major, minor) a compatibility leg ran (``make test-compat COMPAT=floors``)."""
+"""Distribution -> the oldest (major, minor) a compatibility leg ran (``make test-compat COMPAT=floors`` /
+``COMPAT=torch-2.11`` / ``COMPAT=transformers-4``)."""
 
 
 def parse_version(text: str) -> tuple[int, ...]:
