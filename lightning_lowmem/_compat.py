@@ -85,6 +85,46 @@ class inductor_freezing:  # noqa: N801 - used like a function: ``with inductor_f
         inductor_config.freezing = self._previous
 
 
+def no_dispatch_modes() -> Any:
+    """A context with no ``TorchDispatchMode`` active (no fake mode, no tracker): ops run for real, unseen.
+
+    Why private: ``torch.utils._python_dispatch._disable_current_modes`` is the one way to step out of every
+    active mode from inside a mode's ``__torch_dispatch__``; the estimator runs the batch's mask arithmetic on
+    the real batch there (``planning/_batch_values.py``).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def op_mutates(func: Any) -> bool:
+    """True when the aten overload ``func`` writes to one of its arguments (in-place or ``out=``).
+
+    Why private: an ``OpOverload`` tells it only through its ``_schema`` (``FunctionSchema.is_mutable``).
+    """
+    schema = getattr(func, "_schema", None)
+    return bool(getattr(schema, "is_mutable", False))
+
+
+def keep_vmap_nesting() -> None:
+    """Make FX dead-code elimination keep functorch's vmap level markers, from now on (idempotent).
+
+    Why private: transformers 4.x builds attention masks under ``torch.vmap``; ``torch.export`` records that as
+    ``_vmap_increment_nesting`` / ``_vmap_decrement_nesting`` calls whose results nothing reads. They change
+    functorch's nesting level (a side effect), but FX does not know it: torchao's ``convert_pt2e``, and the
+    ``.eval()`` / ``.train()`` of an exported model, delete them as dead code, leaving ``_add_batch_dim`` calls
+    that fail at run time ("tensor may have escaped from inside a function being vmapped").
+    ``torch.fx.node._side_effectful_functions`` is the set ``Node.is_impure`` consults; adding the two markers
+    for good (not only while converting: Lightning calls ``.eval()`` on the installed graph later) is the fix.
+    """
+    try:
+        import torch.fx.node as fx_node
+        from torch._functorch import predispatch
+    except ImportError:  # pragma: no cover - a torch without pre-dispatch vmap
+        return
+    fx_node._side_effectful_functions.update({predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting})
+
+
 def data_dependent_errors() -> tuple[type[BaseException], ...]:
     """Exception types fake tensors raise on data-dependent control flow or output shapes.
 
@@ -209,7 +249,8 @@ _COLLECTIVE_CONTEXTS: list[Any] = []
 
 
 def around_fsdp_collectives(context: Any) -> None:
-    """Run every ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` inside ``context(kind,
+    """Run every ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` (torch 2.11:
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, :func:`fsdp_collective_names`) inside ``context(kind,
     output, input)`` (a context-manager factory; ``kind`` is ``"all_gather"`` or ``"reduce_scatter"``).
 
     Why private: these two are what FSDP2's default communication (``_fsdp_collectives.DefaultAllGather``
@@ -242,8 +283,21 @@ def around_fsdp_collectives(context: Any) -> None:
         collective.__wrapped__ = original  # type: ignore[attr-defined]
         return collective
 
-    dist.all_gather_single = wrap("all_gather", dist.all_gather_single)
-    dist.reduce_scatter_single = wrap("reduce_scatter", dist.reduce_scatter_single)
+    for kind, name in fsdp_collective_names().items():
+        setattr(dist, name, wrap(kind, getattr(dist, name)))
+
+
+def fsdp_collective_names() -> dict[str, str]:
+    """``{"all_gather": name, "reduce_scatter": name}``: the ``torch.distributed`` functions FSDP2 calls.
+
+    torch 2.13 has ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 neither, and FSDP2 calls
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (the same leading ``(output, input)`` arguments).
+    """
+    import torch.distributed as dist
+
+    if hasattr(dist, "all_gather_single"):
+        return {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    return {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
 
 
 def lightning_model_parallel_setup_steps() -> tuple[Any, Any]:

@@ -15,8 +15,9 @@ import torch
 from lightning_lowmem.cli.errors import (
     ConfigError,
     did_you_mean,
+    one_line,
 )
-from lightning_lowmem.cli.runner import _DropMessages, _lightning_cli, _print_error
+from lightning_lowmem.cli.runner import _DropMessages, _debug, _lightning_cli, _print_error
 
 ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
                        [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
@@ -241,7 +242,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
 
     from lightning_lowmem.memory import format_bytes
     from lightning_lowmem.model_io import describe_batch
-    from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
+    from lightning_lowmem.planning.estimate import EstimationError, TrainingConfig, estimate_memory
     from lightning_lowmem.planning.plan import plan_memory
     from lightning_lowmem.planning.plan_report import rich_progress
 
@@ -251,7 +252,10 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     own.budget = own.budget if own.budget is not None else budget
     config = TrainingConfig(**{"optimizer": None, **techniques})  # no optimizer set: configure_optimizers'
     if own.budget is None:
-        report = estimate_memory(model, batch, device=device, config=config, attention_kernel=own.attention_kernel)
+        try:
+            report = estimate_memory(model, batch, device=device, config=config, attention_kernel=own.attention_kernel)
+        except EstimationError as err:  # the step cannot run on fake tensors: one line, no traceback
+            return _estimation_failed(err, own)
         if own.json:
             print(json.dumps(report.to_dict(), indent=2, default=str))
             return 0
@@ -288,6 +292,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         else:
             console.print(str(err), style="bold red", markup=False)
         return 1
+    except EstimationError as err:  # the baseline itself cannot run on fake tensors: one line, no traceback
+        return _estimation_failed(err, own)
     finally:
         fake_logger.removeFilter(fake_filter)
     if own.json:
@@ -300,6 +306,18 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         f"planned in {plan.seconds:.1f} s)"
     )
     return 0
+
+
+def _estimation_failed(err: Exception, own: argparse.Namespace) -> int:
+    """Print an :class:`~lightning_lowmem.planning.estimate.EstimationError` as one ``error:`` line (or JSON);
+    ``LOWMEM_DEBUG=1`` raises it instead."""
+    if _debug():
+        raise err
+    if own.json:
+        print(json.dumps({"error": one_line(err)}))
+    else:
+        _print_error(one_line(err), "LOWMEM_DEBUG=1 shows the full error")
+    return 1
 
 
 def _per_rank_table(report: Any, title: str) -> Any:

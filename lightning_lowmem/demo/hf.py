@@ -37,6 +37,9 @@ def _transformers() -> Any:
         raise ImportError(
             "Hugging Face models need `transformers`: pip install 'lightning-lowmem[hf]' (or pip install transformers)"
         ) from err
+    from lightning_lowmem._versions import require
+
+    require("transformers", "Hugging Face models")
     return transformers
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem import _compat
+from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
     OptimizerScalars,
     apply_model_techniques,
@@ -126,7 +127,7 @@ def probe_model(
         tracker.limit_bytes = limit_bytes
         stopped = False
         try:
-            with tracker:
+            with BatchValues(batch, inputs), tracker:
                 train_step(model, inputs, loss_fn, optimizer, config, autocast_dtype, fake=True, loop=loop)
         except MemoryLimitExceeded:
             stopped = True

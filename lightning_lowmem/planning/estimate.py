@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from lightning_lowmem import _compat
+from lightning_lowmem._versions import require
 from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
+from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
     EstimationError,
     LOOPS,
@@ -194,6 +196,8 @@ def estimate_memory(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
     validate_attention_kernel(attention_kernel)
+    if any(type(layer).__module__.startswith("transformers.") for layer in module.modules()):
+        require("transformers", "estimate_memory on a Hugging Face model")  # older: untested mask code paths
     loop = resolve_loop(module, loss_fn, loop)
     loss_fn = loss_fn or default_loss
     sharded = ShardedStep(sharding, world_size, device=device)  # validates world_size / sharding
@@ -213,7 +217,8 @@ def estimate_memory(
             model.train()
             apply_model_techniques(model, config)
             sharded.shard(model, precision_.preset)
-            batch = fake_batch(batch, true_dtype)
+            batch, real_batch = fake_batch(batch, true_dtype), batch
+            batch_values = BatchValues(real_batch, batch)  # a real step's answers to value questions on the batch
             params = [p for p in model.parameters() if p.requires_grad]
             kwargs = device_optimizer_kwargs(config.optimizer.name, device, optimizer_kwargs)
             opt = build_optimizer(config.optimizer.name, params, kwargs)
@@ -225,10 +230,11 @@ def estimate_memory(
                     create_state(opt, params)
                     if loop == "torch" or in_backward:
                         opt.zero_grad(set_to_none=True)
-                for _ in range(steps - 2):
-                    train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
-                with tracker:
-                    train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
+                with batch_values:
+                    for _ in range(steps - 2):
+                        train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
+                    with tracker:
+                        train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
 
     report = tracker.report
     assert report is not None

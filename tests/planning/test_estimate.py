@@ -116,12 +116,14 @@ def test_data_dependent_control_flow_gives_a_clear_error():
             self.fc = nn.Linear(4, 4)
 
         def forward(self, x):
-            if x.sum() > 0:  # depends on values: fake tensors have none
-                return self.fc(x)
-            return x
+            hidden = self.fc(x)
+            if hidden.sum() > 0:  # depends on an activation's values: fake tensors have none
+                return self.fc(hidden)
+            return hidden
 
     with pytest.raises(EstimationError, match=r"depends on tensor \*values\*.*Tried: FakeTensorMode on CPU"):
         estimate_memory(Gate(), torch.randn(2, 4), device="cpu")
+    # a question about the batch's own values has the real step's answer (tests/planning/test_batch_values.py)
 
 
 def test_real_module_is_untouched():

@@ -69,6 +69,9 @@ def torchao_config(quantize_base: str, in_features: int) -> Any:
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
     except ImportError as err:  # pragma: no cover - torchao is a dependency
         raise ImportError("`quantize_base` needs torchao: `pip install torchao`.") from err
+    from lightning_lowmem._versions import require
+
+    require("torchao", "LoRA's `quantize_base`")
     if quantize_base == "int8":
         return Int8WeightOnlyConfig()
     group_size = next((g for g in (128, 64, 32) if in_features % g == 0), None)

@@ -40,6 +40,9 @@ def _tensor_lr(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def _torchao_optim(class_name: str) -> Callable[..., torch.optim.Optimizer]:
     def build(params: Any, **kw: Any) -> torch.optim.Optimizer:
+        from lightning_lowmem._versions import require
+
+        require("torchao", f"torchao's {class_name}")
         import torchao.optim  # lazy: importing torchao prints warnings on CPU
 
         return _tensor_lr(getattr(torchao.optim, class_name)(params, **kw))

@@ -79,6 +79,9 @@ def _require_torchao() -> None:
         import torchao  # noqa: F401
     except ImportError as error:  # pragma: no cover - torchao is a dependency
         raise ImportError("Quantization needs torchao: `pip install torchao`.") from error
+    from lightning_lowmem._versions import require
+
+    require("torchao", "quantization")
 
 
 def torchao_config(mode: str, *, group_size: int = 32) -> Any:
