@@ -83,6 +83,9 @@ gpu-check-dry: $(STAMP)
 COMPAT ?= transformers-4
 COMPAT_LEGS := transformers-4 floors torch-2.11
 COMPAT_PINS.transformers-4 := transformers==4.57.6
+# LitGPT (the chunked loss's recipe, tests/functional/test_cross_entropy_litgpt.py) resolves only beside transformers
+# 4.x and pins jsonargparse<=4.41, below our floor; its model code imports neither: installed without its pins
+COMPAT_NODEPS.transformers-4 := litgpt==0.5.13
 COMPAT_PINS.floors := lightning==2.5.0 torchmetrics==1.4.0 jsonargparse[signatures]==4.51.0 torchao==0.18.0 \
 	rich==13.0.0 psutil==5.9.0 transformers==4.57.6
 COMPAT_TORCH.transformers-4 := $(TORCH_SPEC)
@@ -94,7 +97,8 @@ COMPAT_EXTRA_TESTS.torch-2.11 := tests/test_cli.py tests/planning/test_sharding.
 	--deselect "tests/test_cli.py::test_estimate_defaults_to_this_machines_device_and_says_so[with-gpu]"
 COMPAT_TESTS ?= tests/test_hf_zoo.py tests/planning/test_estimate.py tests/planning/test_batch_values.py \
 	tests/functional/test_checkpointing_hf.py tests/functional/quantization/test_quantization_hf.py \
-	tests/callbacks/test_quantization_callbacks_hf.py tests/distillation/test_hf.py
+	tests/callbacks/test_quantization_callbacks_hf.py tests/distillation/test_hf.py \
+	tests/callbacks/test_chunked_cross_entropy.py tests/functional/test_cross_entropy_litgpt.py
 # CI's selection: every test that failed on transformers 4.57 before the fix (estimate vs measured per family, GPT-2's
 # Conv1D / T5's tie under PTQ, QAT, int8_static, the int8 teacher) plus the batch-values tests
 COMPAT_CI_TESTS := tests/planning/test_batch_values.py tests/functional/test_checkpointing_hf.py \
@@ -103,7 +107,9 @@ COMPAT_CI_TESTS := tests/planning/test_batch_values.py tests/functional/test_che
 	tests/callbacks/test_quantization_callbacks_hf.py::test_qat_on_gpt2_trains_conv1d_fake_quantized_and_converts_tied_head_once \
 	tests/callbacks/test_quantization_callbacks_hf.py::test_qat_on_t5_converts_the_four_way_tie_once \
 	"tests/callbacks/test_quantization_callbacks_hf.py::test_ptq_quantizes_every_family_timing_dict_batches[gpt2]" \
-	"tests/distillation/test_hf.py::test_bf16_and_int8_hf_teachers_hold_fewer_bytes_and_stay_close[gpt2]"
+	"tests/distillation/test_hf.py::test_bf16_and_int8_hf_teachers_hold_fewer_bytes_and_stay_close[gpt2]" \
+	tests/functional/test_cross_entropy_litgpt.py \
+	tests/callbacks/test_chunked_cross_entropy.py::test_same_weights_as_the_unchunked_loss_and_no_logits_in_training
 COMPAT_VENV := .venv-compat-$(COMPAT)
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.lowmem-compat
@@ -115,6 +121,7 @@ $(COMPAT_STAMP): pyproject.toml Makefile
 	$(COMPAT_PY) -m pip install --quiet --upgrade pip
 	$(COMPAT_PY) -m pip install --quiet "$(COMPAT_TORCH.$(COMPAT))"
 	$(COMPAT_PY) -m pip install --quiet -e ".[dev]" $(foreach pin,$(COMPAT_PINS.$(COMPAT)),"$(pin)")
+	$(if $(COMPAT_NODEPS.$(COMPAT)),$(COMPAT_PY) -m pip install --quiet --no-deps $(COMPAT_NODEPS.$(COMPAT)))
 	touch $@
 
 test-compat: $(COMPAT_STAMP)

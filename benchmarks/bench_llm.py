@@ -77,15 +77,16 @@ def _setups() -> list[Setup]:
     ]  # fmt: skip
 
 
-def _batches(vocab: int, batch: int, seq: int, count: int) -> list[dict[str, torch.Tensor]]:
+def _batches(vocab: int, batch: int, seq: int, count: int, padded: bool = True) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     out = []
     for _ in range(count):
         ids = torch.randint(vocab, (batch, seq), generator=generator)
         mask = torch.ones_like(ids)
         labels = ids.clone()
-        labels[:, -seq // 8 :] = -100  # some padding, as ragged batches have
-        mask[:, -seq // 8 :] = 0
+        if padded:  # some padding, as ragged batches have
+            labels[:, -seq // 8 :] = -100
+            mask[:, -seq // 8 :] = 0
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 
