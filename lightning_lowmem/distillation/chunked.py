@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lightning_lowmem.distillation.losses import check_kd_arguments, kl_per_position
 from lightning_lowmem.functional.cross_entropy.linear import default_chunk_size
 from lightning_lowmem.functional.cross_entropy.models import DeferredLogits
 
@@ -46,10 +47,7 @@ def chunked_kd_loss(
     """
     from lightning_lowmem.functional.cross_entropy.linear import linear_cross_entropy
 
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be > 0, got {temperature}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"`alpha` must be in [0, 1] (weight of the distillation term), got {alpha}")
+    check_kd_arguments(temperature, alpha)
     if tuple(student.shape) != tuple(teacher_logits.shape):
         raise ValueError(
             f"student output shape {tuple(student.shape)} cannot be matched to teacher output shape "
@@ -93,11 +91,7 @@ def _kl_sum(
     temperature: float,
 ) -> torch.Tensor:  # fmt: skip
     """Sum over the kept positions of ``KL(softmax(teacher / T) || softmax(student / T))`` for one chunk."""
-    log_p_student = F.log_softmax(F.linear(hidden, weight, bias).float() / temperature, dim=-1)  # (rows, V)
-    log_p_teacher = F.log_softmax(teacher.float() / temperature, dim=-1)
-    p_teacher = log_p_teacher.exp()
-    # classes a top-k cache left out have p_teacher == 0 (logit -inf): they add nothing, not NaN
-    kl = torch.where(p_teacher > 0, p_teacher * (log_p_teacher - log_p_student), 0.0).sum(-1)  # (rows,)
+    kl = kl_per_position(F.linear(hidden, weight, bias).float(), teacher.float(), temperature)  # (rows,)
     return torch.where(keep, kl, 0.0).sum()
 
 

@@ -75,6 +75,23 @@ def soft_cross_entropy(
     return per_position.mean()
 
 
+def check_kd_arguments(temperature: float, alpha: float) -> None:
+    """Raise ``ValueError`` for a temperature <= 0 or an ``alpha`` outside [0, 1]."""
+    if temperature <= 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"`alpha` must be in [0, 1] (weight of the distillation term), got {alpha}")
+
+
+def kl_per_position(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``KL(softmax(teacher / T) || softmax(student / T))`` of each ``(N, C)`` row, ``(N,)``."""
+    log_p_student = F.log_softmax(student / temperature, dim=-1)
+    log_p_teacher = F.log_softmax(teacher / temperature, dim=-1)
+    p_teacher = log_p_teacher.exp()
+    # classes a top-k cache left out have p_teacher == 0 (logit -inf): they add nothing, not NaN
+    return torch.where(p_teacher > 0, p_teacher * (log_p_teacher - log_p_student), 0.0).sum(-1)
+
+
 def kd_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -122,10 +139,7 @@ def kd_loss(
         >>> float(kd_loss(student, teacher, alpha=1.0))
         0.0
     """
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be > 0, got {temperature}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"`alpha` must be in [0, 1] (weight of the distillation term), got {alpha}")
+    check_kd_arguments(temperature, alpha)
     check_logit_shapes(student_logits, teacher_logits)
     student = _flatten_logits(student_logits)  # (N, C)
     teacher = _flatten_logits(teacher_logits).to(student.dtype)  # (N, C)
@@ -148,11 +162,7 @@ def kd_loss(
         keep = None
     loss = student.new_zeros(())
     if alpha > 0:
-        log_p_student = F.log_softmax(student / temperature, dim=-1)
-        log_p_teacher = F.log_softmax(teacher / temperature, dim=-1)
-        p_teacher = log_p_teacher.exp()
-        # classes a top-k cache left out have p_teacher == 0 (logit -inf): they add nothing, not NaN
-        kl = torch.where(p_teacher > 0, p_teacher * (log_p_teacher - log_p_student), 0.0).sum(-1)  # (N,)
+        kl = kl_per_position(student, teacher, temperature)  # (N,)
         if keep is not None:  # padded / ignored positions are selected away: their logits do not matter
             kl = kl[keep] if bool(keep.any()) else kl[keep].sum()  # no position counts: 0, not NaN
         loss = loss + alpha * temperature**2 * kl.mean()

@@ -241,4 +241,5 @@ def test_chunked_cross_entropy_distils_to_the_same_weights_without_the_students_
     (plain, plain_peak), (ours, chunked_peak) = results
     for name, reference in plain.items():
         torch.testing.assert_close(ours[name], reference, rtol=1e-4, atol=1e-6, msg=name)
-    assert chunked_peak < 0.85 * plain_peak
+    logits_bytes = 4 * 64 * 4096 * 4  # one (B, T, V) fp32 logits tensor of the student
+    assert plain_peak - chunked_peak >= 0.9 * logits_bytes  # the teacher's logits (no grad) are still made whole
