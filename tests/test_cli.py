@@ -308,3 +308,57 @@ def test_estimate_per_rank_for_a_strategy_and_devices(capsys):
     assert "--devices=0 must be an int >= 1" in capsys.readouterr().err
     assert main(["estimate", "--devices", "2", "--strategy", "fdsp", *model_args]) == 2
     assert "--strategy='fdsp' is unknown" in capsys.readouterr().err
+
+
+def _hf_config_folder(tmp_path: Path, **values) -> Path:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
+              "max_position_embeddings": 512, "torch_dtype": "float16", **values}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_estimate_from_a_hugging_face_config_json_equals_the_built_model(tmp_path, capsys):
+    """`--hf-config` builds the config.json's model on meta (float32 master weights, whatever `torch_dtype` says)
+    and estimates the step of a dict batch: the figure estimate_memory gives for the same model and batch."""
+    pytest.importorskip("transformers")
+    from lightning_lowmem.cli.hf_config import hf_config_batch, hf_config_model
+
+    folder = _hf_config_folder(tmp_path)
+    args = ["estimate", "--hf-config", str(folder), "--batch-size", "2", "--seq-len", "64", "--device", "cpu"]
+    assert main([*args, "--json", "--precision", "bf16-true"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = hf_config_model(str(folder / "config.json"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and model.lm_head.weight.is_meta
+    expected = estimate_memory(model, hf_config_batch(2, 64), device="cpu", precision="bf16-true")
+    assert report["peak_bytes"] == expected.peak_bytes
+    params = sum(p.numel() for p in model.parameters())
+    assert report["breakdown"]["parameters"] == 2 * params  # bf16-true
+    assert main([*args, "--budget", "1GiB", "--json"]) == 0  # the planner path
+    assert json.loads(capsys.readouterr().out)["chosen"]["config"]["precision"] == "32-true"
+
+
+@pytest.mark.parametrize(
+    "extra, config, expected",
+    [
+        ([], {"model_type": None}, "has no `model_type`"),
+        (["--seq-len", "0"], {}, "--seq-len must be a positive number of tokens, got 0"),
+        (["--precision", "bf16"], {}, "--precision='bf16' is not a known preset"),
+        (["--model", "x.Y"], {}, "--hf-config takes no other model / data options"),
+    ],
+)
+def test_hf_config_bad_input_is_one_error_line(extra, config, expected, tmp_path, capfd):
+    pytest.importorskip("transformers")
+    folder = _hf_config_folder(tmp_path, **config)
+    if config.get("model_type", "") is None:
+        values = json.loads((folder / "config.json").read_text())
+        del values["model_type"]
+        (folder / "config.json").write_text(json.dumps(values))
+    assert main(["estimate", "--hf-config", str(folder), "--device", "cpu", *extra]) == 2
+    err = capfd.readouterr().err
+    assert expected in err and err.startswith("error:") and "Traceback" not in err
+
+
+def test_hf_config_missing_file_is_one_error_line(tmp_path, capfd):
+    assert main(["estimate", "--hf-config", str(tmp_path / "nope")]) == 2
+    assert "no such file (give a Hugging Face config.json" in capfd.readouterr().err

@@ -21,7 +21,8 @@ from lightning_lowmem.cli.runner import _DropMessages, _debug, _lightning_cli, _
 
 ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
                        [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
-                       (--config CONFIG.yaml | --model CLASS_PATH [--data CLASS_PATH]) [...]
+                       (--config CONFIG.yaml | --model CLASS_PATH [--data CLASS_PATH]
+                        | --hf-config PATH [--batch-size B] [--seq-len T] [--precision P]) [...]
 
 Predict the peak memory of one training step without allocating it, and (with --budget) plan the
 cheapest technique mix that fits. Takes the same model / data / trainer options as `lowmem fit`; the
@@ -41,6 +42,11 @@ options:
                         64x1x8x8:float32,64            float images and int labels
                         input_ids=4x128,attention_mask=4x128,labels=4x128
                                                        a dict batch (Hugging Face models)
+  --hf-config PATH    a Hugging Face config.json (or a checkpoint folder holding one): the model it
+                      describes, built on the meta device (no download, no weights), trained on
+                      dict batches of --batch-size (default 1) x --seq-len (default 2048) tokens
+                      in --precision (default 32-true); e.g. "will Llama-2-7B fit on my 24 GB GPU?":
+                        lowmem estimate --hf-config ./Llama-2-7b-hf --seq-len 2048 --budget 24GiB
   --json              machine-readable output
   --real-weights      build the model for real (default: on the meta device, no weight memory)
   --fine-tune         also plan LoRA / QLoRA candidates
@@ -151,6 +157,10 @@ def estimate_main(argv: list[str]) -> int:
     parser.add_argument("--fine-tune", action="store_true")
     parser.add_argument("--devices", default=None)
     parser.add_argument("--strategy", default=None)
+    parser.add_argument("--hf-config", default=None)
+    parser.add_argument("--batch-size", default=1, type=int)
+    parser.add_argument("--seq-len", default=2048, type=int)
+    parser.add_argument("--precision", default="32-true")
     parser.add_argument("-h", "--help", action="store_true")
     own, rest = parser.parse_known_args(argv)
     if own.help:
@@ -166,6 +176,8 @@ def estimate_main(argv: list[str]) -> int:
             _print_error(str(err).replace("`--budget`", "--budget"), hint)
             return 2
         print(f"--budget {understood}", file=sys.stderr)
+    if own.hf_config is not None:
+        return _estimate_hf_config(own, rest, hint)
     if not any(a.startswith(("--config", "--model", "-c")) for a in rest):
         _print_error(
             "lowmem estimate needs a model: give the same YAML as `lowmem fit` (--config path.yaml) or a model "
@@ -215,6 +227,37 @@ def estimate_main(argv: list[str]) -> int:
             raise
         _print_error(_step_failed(cli.model, batch, err, from_shape=own.batch_shape is not None), hint)
         return 2
+
+
+def _estimate_hf_config(own: argparse.Namespace, rest: list[str], hint: str) -> int:
+    """``--hf-config``: the model of a Hugging Face config.json on meta, a dict batch of meta tensors."""
+    from lightning_lowmem.cli.hf_config import hf_config_batch, hf_config_model
+    from lightning_lowmem.functional.config import PrecisionConfig
+
+    if rest:
+        _print_error(f"--hf-config takes no other model / data options, got {' '.join(rest)}", hint)
+        return 2
+    try:
+        PrecisionConfig(own.precision)
+        batch = hf_config_batch(own.batch_size, own.seq_len)
+        model = hf_config_model(own.hf_config)
+    except (ConfigError, ValueError) as err:
+        _print_error(str(err).replace("`precision`", "--precision"), hint)
+        return 2
+    techniques: dict[str, Any] = {"precision": own.precision}
+    if own.devices is not None or own.strategy is not None:
+        try:
+            devices = int(own.devices) if own.devices is not None else 1
+        except ValueError:
+            _print_error(f"--devices {own.devices!r} must be a number of processes (GPUs)", hint)
+            return 2
+        strategy = (own.strategy or "ddp").removeprefix("lowmem_")
+        if own.budget is None:
+            techniques.update(world_size=devices, sharding=strategy)
+        else:
+            own.sharding_axis = (devices, [strategy] if own.strategy is not None else None)
+    device = own.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return _report(model, batch, techniques, device, own)
 
 
 def _step_failed(model: Any, batch: Any, err: BaseException, from_shape: bool) -> str:
