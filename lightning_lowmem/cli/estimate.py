@@ -348,6 +348,9 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         f"{format_bytes(plan.predicted_peak_bytes)} (budget {format_bytes(plan.budget_bytes)}, device {where}; "
         f"planned in {plan.seconds:.1f} s)"
     )
+    for note in plan.notes:
+        if note.startswith("numerics:"):
+            console.print(note, style="yellow", markup=False)
     return 0
 
 

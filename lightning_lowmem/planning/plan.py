@@ -443,6 +443,9 @@ def plan_memory(
         plan.notes.append(f"skipped {len(labels)} candidate(s) that cannot be built on this model ({reason}).")
     if unknown_optimizer:
         plan.notes.append("configure_optimizers' optimizer is not one the estimator knows: estimated as AdamW, kept.")
+    caveat = numerics_caveat(chosen.config)
+    if caveat is not None:
+        plan.notes.append(caveat)
     plan.notes.append(
         f"{len(evaluated)} candidates predicted from {evaluator.probes} model-side runs and {evaluator.profiles} "
         f"optimizer profiles; {evaluator.full_estimates} full estimate(s)."
@@ -455,6 +458,29 @@ def plan_memory(
     plan.seconds = time.perf_counter() - started
     log.info("plan_memory: %s chosen in %.1f s (%s)", chosen.config.describe(), plan.seconds, plan.notes[-1])
     return plan
+
+
+def numerics_caveat(config: TrainingConfig) -> str | None:
+    """What a ``"-true"`` half-precision mix costs in numerics when its optimizer keeps no float32 master weights
+    (the prior ranks it as free), or ``None``.
+
+    Example::
+
+        >>> numerics_caveat(TrainingConfig(precision="bf16-true", optimizer="adamw"))[:40]
+        'numerics: bf16-true + adamw keeps no flo'
+        >>> numerics_caveat(TrainingConfig(precision="bf16-true", optimizer="adamw_bf16_sr")) is None
+        True
+    """
+    precision, optimizer = config.precision_preset, config.optimizer_name or ""
+    if precision not in ("bf16-true", "16-true") or "_sr" in optimizer:
+        return None
+    base = optimizer.removesuffix("_in_backward")
+    rounded = {"adafactor": "adafactor_bf16_sr"}.get(base, "adamw_bf16_sr")
+    return (
+        f"numerics: {precision} + {optimizer} keeps no float32 master weights, so an update smaller than half a "
+        f"{precision.split('-')[0]} step of a weight (about 0.4% of it in bf16) is rounded away and small learning rates "
+        f"stall; {rounded} (stochastic rounding, the same memory) or bf16-mixed (if it fits) keep them."
+    )
 
 
 def _fixed_axes(

@@ -227,3 +227,19 @@ def test_the_chunked_loss_is_planned_for_a_causal_lm_whose_logits_are_the_peak()
     charlm = plan_memory(CharLM(n_layer=2, n_embd=32, block_size=16), (torch.zeros(4, 16, dtype=torch.long),) * 2,
                          "1GiB", device="cpu")  # fmt: skip
     assert all(c.config.cross_entropy is None for c in charlm.candidates)
+
+
+def test_a_half_precision_plan_without_master_weights_states_the_numerics_caveat():
+    """bf16-true + AdamW ranks as free (1.00x) but rounds small updates away: the plan says so and names the fix."""
+    from lightning_lowmem.planning.plan import numerics_caveat
+
+    model = CharLM(n_layer=2, n_embd=64, block_size=32)
+    batch = (torch.zeros(8, 32, dtype=torch.long),) * 2
+    plan = plan_memory(model, batch, "1GiB", device="cpu", precisions=["bf16-true"], checkpointing=[None],
+                       compressions=[None], optimizers=["adamw"])  # fmt: skip
+    caveats = [note for note in plan.notes if note.startswith("numerics:")]
+    assert caveats == [numerics_caveat(plan.config)] and "adamw_bf16_sr" in caveats[0]
+    assert numerics_caveat(TrainingConfig(precision="bf16-true", optimizer="adafactor_in_backward")).endswith(
+        "adafactor_bf16_sr (stochastic rounding, the same memory) or bf16-mixed (if it fits) keep them.")
+    for config in (TrainingConfig(precision="bf16-mixed"), TrainingConfig(precision="bf16-true", optimizer="adamw_bf16_sr")):
+        assert numerics_caveat(config) is None
