@@ -362,3 +362,16 @@ def test_hf_config_bad_input_is_one_error_line(extra, config, expected, tmp_path
 def test_hf_config_missing_file_is_one_error_line(tmp_path, capfd):
     assert main(["estimate", "--hf-config", str(tmp_path / "nope")]) == 2
     assert "no such file (give a Hugging Face config.json" in capfd.readouterr().err
+
+
+def test_fit_help_lists_our_callbacks_and_short_names_resolve(capsys):
+    """LightningCLI resolves a short class name among the Callback subclasses imported: ours are imported first."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    for name in ("ScheduledPruning", "ChunkedCrossEntropy", "MemoryMonitor", "ActivationCheckpointing"):
+        assert f"lightning_lowmem.{name}" in out
+    with pytest.raises(SystemExit):  # --print_config prints and exits
+        main(["fit", "--model", "lightning_lowmem.demo.CharLM", "--data", "lightning_lowmem.demo.CharLMDataModule",
+              "--trainer.callbacks+=ScheduledPruning", "--print_config"])  # fmt: skip
+    assert "class_path: lightning_lowmem.ScheduledPruning" in capsys.readouterr().out

@@ -108,9 +108,20 @@ def _constructed_class(error: BaseException) -> type | None:
     return None
 
 
+def _import_callbacks() -> None:
+    """Import every public callback class: jsonargparse resolves a short class name (``--trainer.callbacks+=
+    ScheduledPruning``) and lists the choices in ``--help`` among the ``Callback`` subclasses already imported."""
+    import lightning_lowmem.callbacks as callbacks
+
+    for name in callbacks.__all__:
+        getattr(callbacks, name)
+
+
 def _lightning_cli(args: list[str], run: bool = True, estimate_only: bool = False, meta_model: bool = False) -> Any:
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    _import_callbacks()
 
     class LowMemCLI(LightningCLI):
         """LightningCLI whose configuration mistakes raise :class:`ConfigError` (one line)."""
