@@ -8,6 +8,8 @@ import os
 import lightning as L
 import pytest
 import torch
+
+from tests.spawn import fit_saving_results
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 from torch import nn
 from torch.nn.utils import prune as torch_prune
@@ -232,7 +234,7 @@ def test_ddp_two_cpu_processes_have_identical_masks(tmp_path):
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[pruning, _SaveMasks(str(tmp_path))],
     )
-    trainer.fit(TinyModule())
+    fit_saving_results(lambda: trainer.fit(TinyModule()), [tmp_path / "rank0.pt", tmp_path / "rank1.pt"])
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
     assert sum(int((~m).sum()) for m in rank0) == round(0.6 * sum(m.numel() for m in rank0))
