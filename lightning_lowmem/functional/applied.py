@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.functional.config import TrainingConfig
-from lightning_lowmem.functional.registry import technique_for, techniques
+from lightning_lowmem.functional.registry import techniques
 
 __all__ = ["Applied", "apply", "step_context"]
 
@@ -171,16 +171,12 @@ def _training_config(config: Any) -> TrainingConfig:
         return TrainingConfig(**config)
     configs = list(config) if isinstance(config, (list, tuple)) else [config]
     try:
-        fields = [technique_for(c).field for c in configs]
+        return TrainingConfig.of(*configs)
     except TypeError:
         raise TypeError(
             f"`config` must be a TrainingConfig or a dict of its arguments, a technique config (e.g. LoRAConfig(r=8)) "
             f"or a list of them, got {type(config).__name__}: {config!r}"
         ) from None
-    repeated = sorted({f for f in fields if fields.count(f) > 1})
-    if repeated:
-        raise ValueError(f"`config` gives the {repeated[0]!r} technique more than once: {config!r}; give each once")
-    return TrainingConfig(**{"precision": None, "optimizer": None, **dict(zip(fields, configs))})
 
 
 def step_context(config: TrainingConfig, stats: Any = None) -> ContextManager[Any]:

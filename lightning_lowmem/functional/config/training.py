@@ -26,7 +26,7 @@ from lightning_lowmem.functional.config.techniques import (
     QuantizationConfig,
     ShardingConfig,
 )
-from lightning_lowmem.functional.registry import techniques
+from lightning_lowmem.functional.registry import technique_for, techniques
 
 __all__ = ["TrainingConfig"]
 
@@ -123,6 +123,26 @@ class TrainingConfig:
         for own in _OWN_FIELDS:
             object.__setattr__(self, own, values.pop(own, None))
         object.__setattr__(self, "_others", tuple((name, value) for name, value in values.items() if value is not None))
+
+    @classmethod
+    def of(cls, *configs: Any) -> "TrainingConfig":
+        """The mix of these technique configs alone (``None`` skipped); precision and optimizer "as configured
+        elsewhere" unless given.
+
+        Raises:
+            TypeError: an object no technique is registered for. ValueError: a technique given twice.
+
+        Example::
+
+            >>> TrainingConfig.of(LoRAConfig(r=4), MicrobatchConfig(2)).describe()
+            'configured precision + lora(r=4) + configured optimizer + mb 2'
+        """
+        given = [config for config in configs if config is not None]
+        fields = [technique_for(config).field for config in given]
+        repeated = sorted({field for field in fields if fields.count(field) > 1})
+        if repeated:
+            raise ValueError(f"the {repeated[0]!r} technique is given more than once: {given!r}; give each once")
+        return cls(**{"precision": None, "optimizer": None, **dict(zip(fields, given))})
 
     def __getattr__(self, name: str) -> Any:
         """A technique registered beyond the built-in fields: its config, or ``None`` when it is off."""
