@@ -167,7 +167,7 @@ class OptimizerConfig:
     """
 
     name: str
-    hyperparameters: tuple[tuple[str, Any], ...]
+    hyperparameters: tuple[tuple[str, Any], ...] | Mapping[str, Any]  # a mapping given, stored as sorted pairs
 
     def __init__(self, name: str = "adamw", hyperparameters: Mapping[str, Any] | tuple | None = None, **kwargs: Any) -> None:
         from lightning_lowmem.functional.optimizers.registry import _check_name, check_optimizer_kwargs
