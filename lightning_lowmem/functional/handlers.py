@@ -149,12 +149,20 @@ def _lora(module: nn.Module, config: LoRAConfig, applied: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- quantization
+def _quantization_to_shorthand(config: QuantizationConfig | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if config.group_size == QuantizationConfig.group_size or not isinstance(config.mode, str):
+        return {"quantization": config.name}  # a torchao config object is named (JSON-friendly), not rebuilt
+    return {"quantization": {"mode": config.mode, "group_size": config.group_size}}
+
+
 @register_technique(
     QuantizationConfig,
     field="quantization",
     order=10,
     label=lambda c: c.name if c is not None else None,
-    to_shorthand=lambda c: {"quantization": c.name} if c is not None else {},
+    to_shorthand=_quantization_to_shorthand,
 )
 def _quantization(module: nn.Module, config: QuantizationConfig, applied: Any) -> None:
     if config.mode == "int8_static":

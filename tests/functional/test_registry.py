@@ -184,3 +184,20 @@ def test_replace_through_a_flat_keyword_keeps_the_techniques_other_settings():
     assert config.replace(world_size=8).sharding == ShardingConfig("fsdp", 8)
     assert config.replace(compression_min_bytes=1024).compression == CompressionConfig("int8", min_bytes=1024)
     assert config.replace(activation_compression=None).compression is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainingConfig(precision=None, optimizer=None),
+        TrainingConfig(quantization=QuantizationConfig("int4_weight_only", group_size=64), lora={"r": 4}),
+        TrainingConfig(
+            cross_entropy={"chunk_size": 256}, activation_checkpointing=["Block"], nested_checkpointing=True
+        ),
+        TrainingConfig(sharding="zero1", world_size=4, optimizer="adamw8bit", optimizer_kwargs={"lr": 1e-3}),
+        TrainingConfig(activation_compression="cpu", compression_min_bytes=0, micro_batch_size=3),
+    ],
+    ids=["as-configured", "quantized-lora", "chunked-loss-nested", "sharded-optimizer", "compressed-microbatched"],
+)
+def test_every_built_in_round_trips_through_to_dict(config):
+    assert TrainingConfig(**config.to_dict()) == config
