@@ -261,7 +261,7 @@ def _wrap(
     attentions = _attentions(module, selected)  # {attention name: its in_proj_weight adapted?}
     if quantize_base is not None:
         not_linear = [name for name, layer in selected.items() if isinstance(layer, (nn.Conv2d, nn.MultiheadAttention))]
-        not_linear += [name for name in selected if name not in not_linear and mha_out_projections(module).get(name)]
+        not_linear += [name for name in selected if name not in not_linear and name in mha_out_projections(module)]
         if not_linear:
             raise ValueError(
                 f"`quantize_base`={quantize_base!r} stores the frozen base of linear layers only; {not_linear[:4]} are "

@@ -130,3 +130,23 @@ def test_masks_and_attention_weights_as_the_original():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     with pytest.raises(ValueError, match="in_proj_weight is None"):
         LoraMultiheadAttention.from_module(attention, in_proj=True, r=2, alpha=4.0)
+
+
+def test_estimate_memory_of_lora_on_nn_transformer_equals_the_measured_step():
+    import warnings
+
+    from lightning_lowmem.memory import measure_memory
+    from lightning_lowmem.planning.estimate import _train_step, default_loss, estimate_memory
+
+    batch = (TOKENS, LABELS)
+    config = TrainingConfig(lora={"r": 4}, optimizer="adamw")
+    estimate = estimate_memory(transformer_seq2seq(), batch, device="cpu", config=config)
+    model = transformer_seq2seq()
+    optimizer = apply(model, config).build_optimizer()
+    loop = estimate.meta["loop"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train_step(model, batch, default_loss, optimizer, config, None, loop=loop)
+        measured = measure_memory(_train_step, model, batch, default_loss, optimizer, config, None, loop=loop, module=model)
+    assert estimate.peak_bytes == measured.peak_bytes
+    assert len(lora_layers(model)) == 2 * 4 + 2 * 6  # encoder: in_proj, out_proj, linear1, linear2; decoder: + cross
