@@ -127,7 +127,7 @@ def apply_lora_(
     quantize_frozen: bool = False,
     train_modules: str | Sequence[str] | None = "auto",
 ) -> LoraReport:
-    """Put LoRA adapters on chosen linear layers of ``module``, in place, and freeze everything else
+    """Put LoRA adapters on chosen linear, convolution and attention layers of ``module``, in place, and freeze everything else
     (but the ``train_modules``, trained in full).
 
     Args:
@@ -135,10 +135,12 @@ def apply_lora_(
         r: adapter rank, > 0. Default: 8.
         alpha: the update ``B @ A`` is scaled by ``alpha / r``. Default: 16.0.
         dropout: dropout on the adapters' input, in [0, 1). Default: 0.0.
-        target: which layers: ``"all-linear"`` (every ``nn.Linear`` / ``Conv1D`` except output heads:
+        target: which layers: ``"all-linear"`` (every ``nn.Linear`` / ``Conv1D`` and the ``in_proj_weight`` /
+            ``out_proj`` of each ``nn.MultiheadAttention``), ``"all-conv"`` (every ``nn.Conv2d``; grouped /
+            depthwise ones are left out with a warning) or ``"all"`` (both) -- each except output heads:
             those named ``lm_head``, ``head``, ``classifier``, ``score`` or inside a module so named, and
-            those whose weight is an embedding's, e.g. BERT's tied MLM decoder), or a pattern / type or a
-            list of them. A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
+            those whose weight is an embedding's, e.g. BERT's tied MLM decoder -- or a pattern / type or a
+            list of them (an attention's ``in_proj_weight`` is named ``<attention>.in_proj_weight``). A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
             matches ``"h.0.attn.c_attn"``), as an fnmatch glob (``"h.*.mlp.*"``), or a class name
             (``"Conv1D"``). Each pattern must match at least one layer. Default: ``"all-linear"``.
         quantize_base: ``None``, ``"int8"`` or ``"int4"``: store the wrapped layers' frozen weights
@@ -161,7 +163,8 @@ def apply_lora_(
 
     Raises:
         ValueError: bad ``r`` / ``alpha`` / ``dropout`` / ``quantize_base``, a pattern that matches no
-            layer (the message lists layer names), or ``module`` already has adapters.
+            layer (the message lists layer names), a target of convolutions that cannot be adapted only,
+            ``quantize_base`` with convolutions or attention projections, or ``module`` already has adapters.
         TypeError: a ``target`` entry is neither a string nor a type.
         RuntimeError: the backend cannot run ``quantize_base`` (checked before anything is wrapped).
 
