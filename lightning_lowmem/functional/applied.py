@@ -49,6 +49,7 @@ class _Structure:
     children: dict[nn.Module, list[tuple[str, nn.Module]]]
     parameters: dict[nn.Module, list[tuple[str, nn.Parameter | None]]]
     requires_grad: dict[nn.Parameter, bool]
+    nested_tensor: dict[nn.Module, bool] = field(default_factory=dict)  # nn.TransformerEncoder's, which LoRA turns off
 
     @classmethod
     def of(cls, module: nn.Module) -> "_Structure":
@@ -57,6 +58,7 @@ class _Structure:
             children={m: list(m.named_children()) for m in modules},
             parameters={m: list(m.named_parameters(recurse=False)) for m in modules},
             requires_grad={p: p.requires_grad for p in module.parameters()},
+            nested_tensor={m: m.use_nested_tensor for m in modules if isinstance(m, nn.TransformerEncoder)},
         )
 
     def restore(self) -> None:
@@ -72,6 +74,8 @@ class _Structure:
                 setattr(owner, name, param)
         for param, requires_grad in self.requires_grad.items():
             param.requires_grad_(requires_grad)
+        for encoder, nested in self.nested_tensor.items():
+            encoder.use_nested_tensor = nested
 
 
 @dataclass

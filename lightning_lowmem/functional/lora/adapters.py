@@ -283,6 +283,11 @@ def _wrap(
     for name, in_proj in attentions.items():
         attention = module.get_submodule(name)
         _replace(module, name, LoraMultiheadAttention.from_module(attention, in_proj=in_proj, r=r, alpha=alpha))
+    for sub in module.modules():
+        if isinstance(sub, nn.TransformerEncoder) and any(isinstance(m, LoraMultiheadAttention) for m in sub.modules()):
+            # in eval with a padding mask it packs the batch into a NestedTensor for fused kernels that read the
+            # base weights; its layers, kept off those kernels, would fail on it: same numbers, padded
+            sub.use_nested_tensor = False
     for name, layer in selected.items():
         if isinstance(layer, nn.MultiheadAttention):
             continue

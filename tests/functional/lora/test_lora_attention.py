@@ -150,3 +150,23 @@ def test_estimate_memory_of_lora_on_nn_transformer_equals_the_measured_step():
         measured = measure_memory(_train_step, model, batch, default_loss, optimizer, config, None, loop=loop, module=model)
     assert estimate.peak_bytes == measured.peak_bytes
     assert len(lora_layers(model)) == 2 * 4 + 2 * 6  # encoder: in_proj, out_proj, linear1, linear2; decoder: + cross
+
+
+def test_nested_tensor_fast_path_of_nn_transformer_encoder_is_off_while_adapted_and_back_on_undo():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2).eval()  # enable_nested_tensor=True: packs padded batches in eval
+    x, padding = torch.randn(3, 6, 32), torch.zeros(3, 6, dtype=torch.bool)
+    padding[0, -2:] = True
+    with torch.no_grad():
+        reference = encoder(x, src_key_padding_mask=padding)
+    applied = apply(encoder, TrainingConfig(lora={"r": 2}))
+    assert encoder.use_nested_tensor is False
+    _randomise(encoder)
+    with torch.no_grad():  # used to fail: "Nested tensor dimension 0 cannot be transposed"
+        adapted = encoder(x, src_key_padding_mask=padding)
+    assert not torch.allclose(adapted[~padding], reference[~padding], atol=1e-3)  # the adapters act
+    applied.undo()
+    assert encoder.use_nested_tensor is True
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(x, src_key_padding_mask=padding), reference, atol=0, rtol=0)
