@@ -185,8 +185,8 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
                 "peak",
                 "measured": f"{adapted['trainable params']:,} of {full['trainable params']:,} parameters trainable "
                 f"({100 * adapted['trainable params'] / full['trainable params']:.1f}%); optimizer state "
-                f"{full['optimizer state MiB']} -> {adapted['optimizer state MiB']} MiB; peak {full['measured MiB']} -> "
-                f"{adapted['measured MiB']} MiB (predicted {adapted['predicted MiB']}, {adapted['error %']:+.2f}%)",
+                f"{full['optimizer state MiB']} -> {adapted['optimizer state MiB']} MiB; peak "
+                f"{full['measured MiB']} -> {adapted['measured MiB']} MiB (predicted {adapted['predicted MiB']}, {adapted['error %']:+.2f}%)",
                 "met": adapted["error %"] == 0 and full["error %"] == 0,
             }
             for full, adapted in zip(lora[::2], lora[1::2])
@@ -199,9 +199,11 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
                     f"{r['with auto MiB']} MiB ({r['activations ratio']}x), peak {r['peak MiB']} -> "
                     f"{r['peak with auto MiB']} MiB" for r in checkpointing)  # fmt: skip
         + ". LoRA (fp32 + adamw): "
-        + "; ".join(f"{r['model']}, {r['method']}: {r['trainable params']:,} trainable of {r['total params']:,}, "
-                    f"optimizer state {r['optimizer state MiB']} MiB, peak {r['measured MiB']} MiB (predicted "
-                    f"{r['predicted MiB']})" for r in lora)  # fmt: skip
+        + "; ".join(
+            f"{r['model']}, {r['method']}: {r['trainable params']:,} trainable of {r['total params']:,}, optimizer "
+            f"state {r['optimizer state MiB']} MiB, peak {r['measured MiB']} MiB (predicted {r['predicted MiB']})"
+            for r in lora
+        )
     )
     # measured on CPU whatever `device` is: the memory core's tensor bytes, which a CUDA run would only round
     return {"title": "Vision / torch-native models: planner and checkpointing 'auto' (cpu)", "rows": rows,

@@ -1,6 +1,6 @@
-"""Low-rank adapters: the adapter layers ``LoraLinear`` / ``LoraConv2d`` / ``LoraMultiheadAttention`` (``layers``), which
-layers get them (``targets``), the transforms that add and merge them (``adapters``), adapters-only files (``files``) and
-the frozen quantized base of QLoRA (``quantized_base``).
+"""Low-rank adapters: the adapter layers ``LoraLinear`` / ``LoraConv2d`` / ``LoraMultiheadAttention`` (``layers``),
+which layers get them (``targets``), the transforms that add and merge them (``adapters``), adapters-only files
+(``files``) and the frozen quantized base of QLoRA (``quantized_base``).
 """
 
 from __future__ import annotations

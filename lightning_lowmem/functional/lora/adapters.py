@@ -127,8 +127,8 @@ def apply_lora_(
     quantize_frozen: bool = False,
     train_modules: str | Sequence[str] | None = "auto",
 ) -> LoraReport:
-    """Put LoRA adapters on chosen linear, convolution and attention layers of ``module``, in place, and freeze everything else
-    (but the ``train_modules``, trained in full).
+    """Put LoRA adapters on chosen linear, convolution and attention layers of ``module``, in place, and freeze
+    everything else (but the ``train_modules``, trained in full).
 
     Args:
         module: the model (any ``nn.Module``; its parameters may be real, meta or FakeTensors).
@@ -140,9 +140,10 @@ def apply_lora_(
             depthwise ones are left out with a warning) or ``"all"`` (both) -- each except output heads:
             those named ``lm_head``, ``head``, ``classifier``, ``score`` or inside a module so named, and
             those whose weight is an embedding's, e.g. BERT's tied MLM decoder -- or a pattern / type or a
-            list of them (an attention's ``in_proj_weight`` is named ``<attention>.in_proj_weight``). A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
+            list of them. A pattern matches a layer's qualified name exactly, as a dotted suffix (``"c_attn"``
             matches ``"h.0.attn.c_attn"``), as an fnmatch glob (``"h.*.mlp.*"``), or a class name
-            (``"Conv1D"``). Each pattern must match at least one layer. Default: ``"all-linear"``.
+            (``"Conv1D"``); an attention's ``in_proj_weight`` is named ``<attention>.in_proj_weight``. Each
+            pattern must match at least one layer. Default: ``"all-linear"``.
         quantize_base: ``None``, ``"int8"`` or ``"int4"``: store the wrapped layers' frozen weights
             quantized with torchao weight-only quantization (QLoRA). Default: ``None``.
         freeze_base: set ``requires_grad=False`` on every non-adapter parameter of ``module``
@@ -275,8 +276,8 @@ def _wrap(
         module.requires_grad_(False)
     if dropout > 0 and attentions:
         warnings.warn(
-            f"`dropout`={dropout} does not apply to the adapters of the nn.MultiheadAttention layers {list(attentions)[:4]}: "
-            "their update goes through the projection weights.",
+            f"`dropout`={dropout} does not apply to the adapters of the nn.MultiheadAttention layers "
+            f"{list(attentions)[:4]}: their update goes through the projection weights.",
             NoEffectWarning,
             stacklevel=3,
         )

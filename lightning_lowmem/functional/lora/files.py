@@ -40,8 +40,8 @@ def lora_config(module: nn.Module) -> dict[str, Any]:
     if not layers:
         raise ValueError(f"{type(module).__name__} has no LoRA layers: call apply_lora_ first.")
     first = next(iter(layers.values()))
-    dropouts = [layer.lora_dropout for layer in layers.values() if isinstance(getattr(layer, "lora_dropout", None), nn.Dropout)]
-    dropout = dropouts[0].p if dropouts else 0.0
+    dropouts = [getattr(layer, "lora_dropout", None) for layer in layers.values()]  # attentions have none
+    dropout = next((d.p for d in dropouts if isinstance(d, nn.Dropout)), 0.0)
     quantized = {is_quantized(layer.weight) for layer in layers.values()}
     quantize_base = None
     if True in quantized:
@@ -200,6 +200,7 @@ def _load_running_stats(module: nn.Module, tensors: dict[str, torch.Tensor]) -> 
     for key, tensor in tensors.items():
         dest = _layer_name(key, buffers)
         if dest is None or tuple(buffers[dest].shape) != tuple(tensor.shape):
-            raise ValueError(f"running statistic {key} (shape {tuple(tensor.shape)}) fits no buffer of {type(module).__name__}")
+            shape = tuple(tensor.shape)
+            raise ValueError(f"running statistic {key} (shape {shape}) fits no buffer of {type(module).__name__}")
         with torch.no_grad():
             buffers[dest].copy_(tensor)

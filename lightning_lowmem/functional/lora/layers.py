@@ -130,6 +130,20 @@ def conv_refusal(layer: nn.Conv2d) -> str | None:
     return None
 
 
+_CONV_ATTRIBUTES = (
+    "in_channels",
+    "out_channels",
+    "kernel_size",
+    "stride",
+    "padding",
+    "dilation",
+    "transposed",
+    "output_padding",
+    "groups",
+    "padding_mode",
+)  # what nn.Conv2d's forward and repr read
+
+
 class LoraConv2d(nn.Conv2d):
     """A frozen ``nn.Conv2d`` plus a trainable low-rank update, as PEFT does it: ``A`` is a convolution with the
     layer's kernel, stride, padding and dilation into ``r`` channels, ``B`` a 1 x 1 convolution from ``r`` to the
@@ -147,8 +161,7 @@ class LoraConv2d(nn.Conv2d):
         if reason is not None:
             raise ValueError(f"LoraConv2d cannot adapt a convolution with {reason}; adapt groups=1 zero-padded ones.")
         nn.Module.__init__(self)  # not nn.Conv2d.__init__: that would allocate a fresh weight
-        for attribute in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "transposed",
-                          "output_padding", "groups", "padding_mode"):  # fmt: skip
+        for attribute in _CONV_ATTRIBUTES:
             setattr(self, attribute, getattr(layer, attribute))
         self.weight = layer.weight.requires_grad_(False)
         self.bias = layer.bias.requires_grad_(False) if layer.bias is not None else None
@@ -175,8 +188,9 @@ class LoraConv2d(nn.Conv2d):
         out = super().forward(x)  # (B, out, H', W')
         if self.merged:
             return out
-        hidden = F.conv2d(self.lora_dropout(x.to(self.lora_A.dtype)), self.lora_A, None, self.stride, self.padding,
-                          self.dilation)  # (B, r, H', W')  # fmt: skip
+        hidden = F.conv2d(
+            self.lora_dropout(x.to(self.lora_A.dtype)), self.lora_A, None, self.stride, self.padding, self.dilation
+        )  # (B, r, H', W')
         return out + (F.conv2d(hidden, self.lora_B) * self.scaling).to(out.dtype)
 
     def extra_repr(self) -> str:
@@ -208,11 +222,17 @@ class LoraMultiheadAttention(nn.MultiheadAttention):
         """The adapted twin of ``attention`` (its parameters frozen and shared); ``in_proj``: adapt the packed
         ``in_proj_weight`` (needs equal query / key / value widths)."""
         new = cls(
-            attention.embed_dim, attention.num_heads, dropout=attention.dropout,
-            bias=attention.in_proj_bias is not None, add_bias_kv=attention.bias_k is not None,
-            add_zero_attn=attention.add_zero_attn, kdim=attention.kdim, vdim=attention.vdim,
-            batch_first=attention.batch_first, device="meta",
-        )  # fmt: skip  # built on meta (nothing allocated), then given the original's parameters
+            attention.embed_dim,
+            attention.num_heads,
+            dropout=attention.dropout,
+            bias=attention.in_proj_bias is not None,
+            add_bias_kv=attention.bias_k is not None,
+            add_zero_attn=attention.add_zero_attn,
+            kdim=attention.kdim,
+            vdim=attention.vdim,
+            batch_first=attention.batch_first,
+            device="meta",
+        )  # built on meta (nothing allocated), then given the original's parameters
         for name in (*MHA_WEIGHTS, "in_proj_bias", "bias_k", "bias_v"):
             setattr(new, name, getattr(attention, name, None))
         new.out_proj = attention.out_proj
@@ -272,16 +292,32 @@ class LoraMultiheadAttention(nn.MultiheadAttention):
                     value = key
             else:
                 query, key, value = (x.transpose(1, 0) for x in (query, key, value))
-        separate = {} if self._qkv_same_embed_dim else {
-            "use_separate_proj_weight": True, "q_proj_weight": self.q_proj_weight, "k_proj_weight": self.k_proj_weight,
-            "v_proj_weight": self.v_proj_weight,
-        }  # fmt: skip
+        separate = {}  # query / key / value widths differ: three weights instead of in_proj_weight
+        if not self._qkv_same_embed_dim:
+            separate = {"use_separate_proj_weight": True, "q_proj_weight": self.q_proj_weight}
+            separate.update(k_proj_weight=self.k_proj_weight, v_proj_weight=self.v_proj_weight)
         attn_output, attn_weights = F.multi_head_attention_forward(
-            query, key, value, self.embed_dim, self.num_heads, in_weight, self.in_proj_bias, self.bias_k, self.bias_v,
-            self.add_zero_attn, self.dropout, out_weight, self.out_proj.bias, training=self.training,
-            key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
-            average_attn_weights=average_attn_weights, is_causal=is_causal, **separate,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            self.embed_dim,
+            self.num_heads,
+            in_weight,
+            self.in_proj_bias,
+            self.bias_k,
+            self.bias_v,
+            self.add_zero_attn,
+            self.dropout,
+            out_weight,
+            self.out_proj.bias,
+            training=self.training,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+            **separate,
+        )
         if self.batch_first and batched:
             attn_output = attn_output.transpose(1, 0)
         return attn_output, attn_weights

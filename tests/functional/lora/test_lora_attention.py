@@ -103,7 +103,9 @@ def test_out_proj_alone_in_proj_pattern_and_dropout_warning():
     assert type(model.encoder.layers[0].self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
     with pytest.warns(NoEffectWarning, match=r"`dropout`=0.1 does not apply to the adapters of the nn.MultiheadAtt"):
         apply_lora_(mha_classifier(), r=2, dropout=0.1)
-    with pytest.raises(ValueError, match=r"stores the frozen base of linear layers only; \['encoder.layers.0.self_attn'"):
+    with pytest.raises(
+        ValueError, match=r"stores the frozen base of linear layers only; \['encoder.layers.0.self_attn'"
+    ):
         apply_lora_(mha_classifier(), r=2, quantize_base="int8")
 
 
@@ -147,7 +149,9 @@ def test_estimate_memory_of_lora_on_nn_transformer_equals_the_measured_step():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _train_step(model, batch, default_loss, optimizer, config, None, loop=loop)
-        measured = measure_memory(_train_step, model, batch, default_loss, optimizer, config, None, loop=loop, module=model)
+        measured = measure_memory(
+            _train_step, model, batch, default_loss, optimizer, config, None, loop=loop, module=model
+        )
     assert estimate.peak_bytes == measured.peak_bytes
     assert len(lora_layers(model)) == 2 * 4 + 2 * 6  # encoder: in_proj, out_proj, linear1, linear2; decoder: + cross
 
@@ -170,3 +174,33 @@ def test_nested_tensor_fast_path_of_nn_transformer_encoder_is_off_while_adapted_
     assert encoder.use_nested_tensor is True
     with torch.no_grad():
         torch.testing.assert_close(encoder(x, src_key_padding_mask=padding), reference, atol=0, rtol=0)
+
+
+def test_lowrankadapters_trains_the_attention_adapters_and_plan_memory_takes_lora(tiny_trainer_kwargs):
+    import lightning as L
+
+    from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
+    from lightning_lowmem.planning.plan import plan_memory
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = mha_classifier()
+
+        def training_step(self, batch, batch_idx):
+            tokens, labels = batch
+            return nn.functional.cross_entropy(self.model(tokens), labels)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(TOKENS, LABELS), batch_size=2)
+    module, callback = Classifier(), LowRankAdapters(r=2, train_modules=["head"])
+    L.Trainer(max_steps=2, callbacks=[callback], **tiny_trainer_kwargs).fit(module, data)
+    attention = module.model.encoder.layers[0].self_attn
+    assert "model.encoder.layers.0.self_attn" in callback.report.wrapped
+    assert attention.lora_B.abs().sum() > 0 and attention.out_proj.lora_B.abs().sum() > 0
+    plan = plan_memory(
+        mha_classifier(), (TOKENS, LABELS), 8 * 2**20, device="cpu", micro_batch_sizes=[None], loras=[{"r": 4}]
+    )
+    assert plan.config.lora is not None and plan.predicted_peak_bytes <= plan.usable_bytes

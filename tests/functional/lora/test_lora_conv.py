@@ -181,8 +181,9 @@ def test_plan_memory_lora_axis_on_cnns():
     plan = plan_memory(model, batch, 10 * 2**20, device="cpu", margin=0.0, micro_batch_sizes=[None], loras=loras)
     assert plan.config.lora is not None and plan.config.lora.target == "all-conv"
     # "all-linear" cannot be built on a CNN whose only Linear is its head: skipped with the fix, never fatal
-    plan = plan_memory(hf_resnet(), batch, 10 * 2**20, device="cpu", margin=0.0, micro_batch_sizes=[None],
-                       loras=[None, {"r": 4}])  # fmt: skip
+    plan = plan_memory(
+        hf_resnet(), batch, 10 * 2**20, device="cpu", margin=0.0, micro_batch_sizes=[None], loras=[None, {"r": 4}]
+    )
     assert any("target='all-conv'" in reason for reason in plan.skipped)
 
 
