@@ -263,6 +263,11 @@ def _wrap(
     freeze_base: bool,
 ) -> LoraReport:
     attentions = _attentions(module, selected)  # {attention name: its in_proj_weight adapted?}
+    if "" in selected or "" in attentions:
+        raise ValueError(
+            f"`module` is itself the {type(module).__name__} to adapt; apply_lora_ replaces layers inside a model, "
+            "in place. Hint: pass a container, e.g. nn.Sequential(layer)."
+        )
     if quantize_base is not None:
         not_linear = [name for name, layer in selected.items() if isinstance(layer, (nn.Conv2d, nn.MultiheadAttention))]
         not_linear += [name for name in selected if name not in not_linear and name in mha_out_projections(module)]

@@ -204,3 +204,10 @@ def test_lowrankadapters_trains_the_attention_adapters_and_plan_memory_takes_lor
         mha_classifier(), (TOKENS, LABELS), 8 * 2**20, device="cpu", micro_batch_sizes=[None], loras=[{"r": 4}]
     )
     assert plan.config.lora is not None and plan.predicted_peak_bytes <= plan.usable_bytes
+
+
+def test_a_bare_attention_or_layer_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"`module` is itself the MultiheadAttention to adapt; .*nn.Sequential\(layer\)"):
+        apply_lora_(nn.MultiheadAttention(8, 2), target="out_proj")
+    model = nn.Sequential(nn.MultiheadAttention(8, 2))  # no linear layer but its projections: "all-linear" adapts them
+    assert apply_lora_(model, r=2).wrapped == ["0", "0.out_proj"]
