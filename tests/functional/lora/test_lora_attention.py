@@ -207,7 +207,9 @@ def test_lowrankadapters_trains_the_attention_adapters_and_plan_memory_takes_lor
 
 
 def test_a_bare_attention_or_layer_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"`module` is itself the MultiheadAttention to adapt; .*nn.Sequential\(layer\)"):
+    with pytest.raises(
+        ValueError, match=r"`module` is itself the MultiheadAttention to adapt; .*nn.Sequential\(layer\)"
+    ):
         apply_lora_(nn.MultiheadAttention(8, 2), target="out_proj")
     model = nn.Sequential(nn.MultiheadAttention(8, 2))  # no linear layer but its projections: "all-linear" adapts them
     assert apply_lora_(model, r=2).wrapped == ["0", "0.out_proj"]
