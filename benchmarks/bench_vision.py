@@ -1,7 +1,9 @@
 """Models users bring beyond HF text: the planner's answer on a tiny Hugging Face ResNet at a budget only
 ``bf16-true`` fits (predicted vs measured peak), the same on a flat ``nn.Sequential`` CNN where checkpointing
 ``"auto"`` has no block to wrap (those candidates skipped and listed, not "nothing fits"), and checkpointing
-``"auto"``'s activation bytes on the ResNet and an ``nn.Transformer`` (measured by the memory core, CPU).
+``"auto"``'s activation bytes on the ResNet and an ``nn.Transformer``, and LoRA against full fine-tuning on both
+(LoRA on the ResNet's convolutions, on the Transformer's ``nn.MultiheadAttention`` projections and linear layers):
+trainable parameters, predicted and measured peaks (memory core, CPU).
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ def _checkpointing_row(name: str, model: nn.Module, batch: Any) -> dict[str, Any
     }
 
 
+def _lora_row(name: str, model: nn.Module, batch: Any, lora: dict[str, Any] | None) -> dict[str, Any]:
+    """Full fine-tuning (``lora=None``) or LoRA, fp32 + AdamW: trainable parameters, predicted vs measured peak."""
+    config = TrainingConfig(optimizer="adamw", lora=lora)
+    estimate = estimate_memory(model, batch, device="cpu", config=config, loop=LOOP)
+    measured = _measured_peak(model, batch, config)
+    copy_ = copy.deepcopy(model)
+    _apply_model_techniques(copy_, config)
+    trainable = sum(p.numel() for p in copy_.parameters() if p.requires_grad)
+    return {
+        "model": name,
+        "method": "full fine-tuning" if lora is None else f"LoRA r={lora['r']}, target={lora['target']}",
+        "trainable params": trainable,
+        "total params": sum(p.numel() for p in model.parameters()),
+        "optimizer state MiB": mib(estimate.breakdown["optimizer_state"]),
+        "predicted MiB": mib(estimate.peak_bytes),
+        "measured MiB": mib(measured),
+        "error %": round(100 * (estimate.peak_bytes / measured - 1), 2),
+    }
+
+
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     small = quick or smoke()
     batch = _batch(8 if small else 16, 32 if small else 64)
@@ -135,6 +157,14 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         _checkpointing_row("HF ResNet (tiny)", _resnet(small), batch),
         _checkpointing_row("nn.Transformer 2+2 layers", Seq2Seq(), (tokens, torch.randint(0, 10, (8,)))),
     ]
+    lora = []
+    for label, build, data, target in (
+        ("HF ResNet (tiny)", lambda: _resnet(small), batch, "all-conv"),
+        ("nn.Transformer 2+2 layers", Seq2Seq, (tokens, torch.randint(0, 10, (8,))), "all-linear"),
+    ):
+        torch.manual_seed(0)
+        model = build()
+        lora += [_lora_row(label, model, data, None), _lora_row(label, model, data, {"r": 8, "target": target})]
     rows = [resnet_row, cnn_row]
     targets = [
         {
@@ -149,6 +179,18 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
                         f"{cnn_row['skipped candidates']}: {'; '.join(cnn['skipped'])}",
             "met": cnn["chosen"] == "bf16-true" and cnn_row["skipped candidates"] > 0,
         },
+        *(
+            {
+                "target": f"{full['model']}, {adapted['method']} vs full fine-tuning: the estimate equals the measured "
+                "peak",
+                "measured": f"{adapted['trainable params']:,} of {full['trainable params']:,} parameters trainable "
+                f"({100 * adapted['trainable params'] / full['trainable params']:.1f}%); optimizer state "
+                f"{full['optimizer state MiB']} -> {adapted['optimizer state MiB']} MiB; peak "
+                f"{full['measured MiB']} -> {adapted['measured MiB']} MiB (predicted {adapted['predicted MiB']}, {adapted['error %']:+.2f}%)",
+                "met": adapted["error %"] == 0 and full["error %"] == 0,
+            }
+            for full, adapted in zip(lora[::2], lora[1::2])
+        ),
     ]
     notes = (
         "CPU, memory core (exact tensor bytes). Budget = midway between the full estimates of bf16-true + adamw and "
@@ -156,7 +198,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         + "; ".join(f"{r['model']}: {r['auto wraps']} blocks wrapped, activations {r['activations MiB']} -> "
                     f"{r['with auto MiB']} MiB ({r['activations ratio']}x), peak {r['peak MiB']} -> "
                     f"{r['peak with auto MiB']} MiB" for r in checkpointing)  # fmt: skip
+        + ". LoRA (fp32 + adamw): "
+        + "; ".join(
+            f"{r['model']}, {r['method']}: {r['trainable params']:,} trainable of {r['total params']:,}, optimizer "
+            f"state {r['optimizer state MiB']} MiB, peak {r['measured MiB']} MiB (predicted {r['predicted MiB']})"
+            for r in lora
+        )
     )
     # measured on CPU whatever `device` is: the memory core's tensor bytes, which a CUDA run would only round
     return {"title": "Vision / torch-native models: planner and checkpointing 'auto' (cpu)", "rows": rows,
-            "targets": targets, "notes": notes, "checkpointing": checkpointing}  # fmt: skip
+            "targets": targets, "notes": notes, "checkpointing": checkpointing, "lora": lora}  # fmt: skip

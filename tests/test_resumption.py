@@ -102,6 +102,33 @@ class _OutOfMemoryOnce(TinyLM):
         return super().training_step(batch, batch_idx)
 
 
+class _TinyCNN(L.LightningModule):
+    """conv-BN-ReLU x 2 (3 x 3), a 1 x 1 conv and a head on 8 fixed 8 x 8 images; the same base weights in every run
+    (adapters-only LoRA checkpoints: the base is the model's own pretrained weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            nn = torch.nn
+            stem = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+            body = [nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 1)]
+            self.model = nn.Sequential(*stem, *body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))  # head: 9
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return torch.nn.functional.cross_entropy(self.model(images), labels)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        images = torch.randn(SAMPLES, 3, 8, 8, generator=generator)
+        labels = torch.randint(0, 4, (SAMPLES,), generator=generator)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=BATCH)
+
+
 def _distillation(root: Path, cache: bool = False) -> dict[str, Any]:
     from lightning_lowmem.distillation import DistillationModule
 
@@ -176,6 +203,11 @@ CONFIGS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "lora": lambda root: {"same_base": True, **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, alpha=8.0))(root)},
     "qlora-int8": lambda root: {"same_base": True,
                                 **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, quantize_base="int8"))(root)},
+    # LoRA on convolutions; BatchNorm's running statistics travel in the adapters-only checkpoint
+    "lora-conv": lambda root: {
+        "module": _TinyCNN(),
+        **_callbacks(_lazy(_CB + "LowRankAdapters", r=2, target="all-conv", train_modules=["9"]))(root),
+    },
     "lora-save-base-weights": _callbacks(_lazy(_CB + "LowRankAdapters", r=4, save_base_weights=True)),
     "activation-compression-int8": _callbacks(_lazy(_CB + "ActivationCompression", "int8", min_bytes=0)),
     "activation-compression-bf16": _callbacks(_lazy(_CB + "ActivationCompression", "bf16", min_bytes=0)),

@@ -40,7 +40,7 @@ FORMAT_VERSION = 1
 
 
 class LowRankAdapters(L.Callback):
-    """Wrap chosen linear layers with LoRA adapters at ``setup`` and train only the adapters.
+    """Wrap chosen linear / convolution layers with LoRA adapters at ``setup`` and train only the adapters.
 
     At ``setup`` (before ``configure_optimizers`` runs) every matching ``nn.Linear`` / Hugging Face
     ``Conv1D`` of the LightningModule gets a trainable low-rank update and every other parameter is
@@ -55,7 +55,8 @@ class LowRankAdapters(L.Callback):
         r: adapter rank, > 0. Default: 8.
         alpha: the update is scaled by ``alpha / r``. Default: 16.0.
         dropout: dropout on the adapters' input, in [0, 1). Default: 0.0.
-        target: ``"all-linear"`` (every linear layer but output heads such as ``lm_head``) or layer
+        target: ``"all-linear"`` (every linear layer but output heads such as ``lm_head``, attention
+            projections included), ``"all-conv"`` (every ``nn.Conv2d``), ``"all"`` (both) or layer
             name patterns / class names (``["c_attn", "c_proj"]``, ``"h.*.mlp.*"``, ``"Conv1D"``);
             each pattern must match a layer. Default: ``"all-linear"``.
         quantize_base: ``None``, ``"int8"`` or ``"int4"``: hold the wrapped layers' frozen weights

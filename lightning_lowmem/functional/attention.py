@@ -4,9 +4,11 @@
 ``out_proj.weight`` / ``out_proj.bias`` as tensors: ``out_proj``'s own ``forward`` is never called. A
 transform that swaps or wraps ``out_proj`` (a LoRA adapter, a QAT fake-quantizer) is therefore never run,
 and one that changes the weight's type (an int8 torchao tensor) breaks the functional call outside
-``torch.inference_mode``. The transforms ask :func:`mha_out_projections` which layers to leave alone and warn
+``torch.inference_mode``. QAT and PTQ ask :func:`mha_out_projections` which layers to leave alone and warn
 with :func:`left_alone_message`; pruning masks the tensors in place, so it prunes them (and
-``in_proj_weight``) for real.
+``in_proj_weight``) for real; LoRA replaces the whole attention with
+:class:`~lightning_lowmem.functional.lora.layers.LoraMultiheadAttention`, which calls the functional form with
+the adapted weights.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from torch import nn
@@ -53,6 +53,7 @@ class _Structure:
     children: dict[nn.Module, list[tuple[str, nn.Module]]]
     parameters: dict[nn.Module, list[tuple[str, nn.Parameter | None]]]
     requires_grad: dict[nn.Parameter, bool]
+    nested_tensor: dict[nn.Module, bool] = field(default_factory=dict)  # nn.TransformerEncoder's, which LoRA turns off
 
     @classmethod
     def of(cls, module: nn.Module) -> "_Structure":
@@ -61,6 +62,7 @@ class _Structure:
             children={m: list(m.named_children()) for m in modules},
             parameters={m: list(m.named_parameters(recurse=False)) for m in modules},
             requires_grad={p: p.requires_grad for p in module.parameters()},
+            nested_tensor={m: m.use_nested_tensor for m in modules if isinstance(m, nn.TransformerEncoder)},
         )
 
     def restore(self) -> None:
@@ -76,6 +78,8 @@ class _Structure:
                 setattr(owner, name, param)
         for param, requires_grad in self.requires_grad.items():
             param.requires_grad_(requires_grad)
+        for encoder, nested in self.nested_tensor.items():
+            encoder.use_nested_tensor = nested
 
 
 @contextlib.contextmanager

@@ -68,7 +68,7 @@ def test_a_target_that_matches_nothing_lists_the_real_layer_names(hf_family):
     leaves = sorted(EXPECTED_LEAVES[hf_family][0] | {"lm_head", "decoder"} & {"gpt2": {"lm_head"}, "llama": {"lm_head"},
                     "bert": {"decoder"}, "t5": {"lm_head"}}[hf_family])  # fmt: skip
     wrong = "c_attn" if hf_family != "gpt2" else "q_proj"
-    with pytest.raises(ValueError, match=rf"pattern '{wrong}' matches no nn.Linear / Conv1D layer of HFLanguageModel; "
-                                         rf"its linear layers end in: {leaves}".replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=rf"pattern '{wrong}' matches no nn.Linear / Conv1D / nn.Conv2d / nn.MultiheadAttention "
+                                         rf"layer of HFLanguageModel; its layers end in: {leaves}".replace("[", r"\[").replace("]", r"\]")):
         apply_lora_(module, target=[wrong])
     assert not lora_layers(module)  # nothing wrapped

@@ -1,6 +1,6 @@
 """nn.MultiheadAttention reads out_proj.weight and in_proj_weight as tensors (F.multi_head_attention_forward):
-no transform may leave a wrapper there that is never called. LoRA / QAT / PTQ leave out_proj alone and say so;
-pruning masks in_proj_weight for real."""
+no transform may leave a wrapper there that is never called. LoRA adapts both for real (LoraMultiheadAttention);
+QAT / PTQ leave out_proj alone and say so; pruning masks in_proj_weight for real."""
 
 from __future__ import annotations
 
@@ -26,19 +26,26 @@ def _train(model, steps=2):
         optimizer.step()
 
 
-def test_lora_adapts_only_layers_whose_forward_runs_and_names_the_ones_left_out():
+def test_lora_adapts_in_proj_weight_and_out_proj_for_real():
     model = mha_classifier()
-    with pytest.warns(NoEffectWarning, match=OUT_PROJ):
-        report = apply_lora_(model, target="all-linear")
-    assert report.wrapped == [f"encoder.layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)]
+    report = apply_lora_(model, target="all-linear")  # no warning: nothing is left out any more
+    expected = []
+    for i in (0, 1):
+        layer = f"encoder.layers.{i}"
+        expected += [f"{layer}.self_attn", f"{layer}.self_attn.out_proj", f"{layer}.linear1", f"{layer}.linear2"]
+    assert report.wrapped == expected
     _train(model)
     adapters = {name: p for name, p in model.named_parameters() if name.endswith("lora_B")}
-    assert len(adapters) == 4 and all(p.abs().sum() > 0 for p in adapters.values())  # every adapter trained
+    assert len(adapters) == 8 and all(p.abs().sum() > 0 for p in adapters.values())  # every adapter trained
+    assert "encoder.layers.0.self_attn.lora_B" in adapters  # in_proj_weight's (Q / K / V) adapter
 
 
-def test_lora_targeting_only_mha_out_proj_is_refused_naming_it():
-    with pytest.raises(ValueError, match=OUT_PROJ + r".*Nothing else matched"):
-        apply_lora_(mha_classifier(), target="out_proj")
+def test_lora_targeting_only_mha_out_proj_trains_it():
+    model = mha_classifier()
+    report = apply_lora_(model, target="out_proj")
+    assert report.wrapped == [f"encoder.layers.{i}.self_attn.out_proj" for i in (0, 1)]
+    _train(model)
+    assert all(model.encoder.layers[i].self_attn.out_proj.lora_B.abs().sum() > 0 for i in (0, 1))
 
 
 @pytest.mark.parametrize("build", [mha_classifier, transformer_seq2seq])

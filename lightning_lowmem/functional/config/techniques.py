@@ -267,8 +267,8 @@ class LoRAConfig:
         r: adapter rank, > 0. Default: 8.
         alpha: the update is scaled by ``alpha / r``. Default: 16.0.
         dropout: dropout on the adapters' input, in [0, 1). Default: 0.0.
-        target: ``"all-linear"``, a layer name pattern / class name, or a list of them (kept as a
-            tuple). Default: ``"all-linear"``.
+        target: ``"all-linear"``, ``"all-conv"``, ``"all"``, a layer name pattern / class name, or a list of
+            them (kept as a tuple). Default: ``"all-linear"``.
         quantize_base: ``None``, ``"int8"`` or ``"int4"`` (QLoRA). Default: ``None``.
         quantize_frozen: with ``quantize_base``, also quantize the other frozen weights. Default: ``False``.
         freeze_base: freeze every non-adapter parameter. Default: ``True``.

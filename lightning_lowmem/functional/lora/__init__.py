@@ -1,5 +1,6 @@
-"""Low-rank adapters: ``LoraLinear`` and the transforms that add and merge them (``adapters``), adapters-only files (``files``) and
-the frozen quantized base of QLoRA (``quantized_base``).
+"""Low-rank adapters: the adapter layers ``LoraLinear`` / ``LoraConv2d`` / ``LoraMultiheadAttention`` (``layers``),
+which layers get them (``targets``), the transforms that add and merge them (``adapters``), adapters-only files
+(``files``) and the frozen quantized base of QLoRA (``quantized_base``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from typing import TYPE_CHECKING
 from lightning_lowmem._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
+    "LoraConv2d": "lightning_lowmem.functional.lora.layers",
     "LoraLinear": "lightning_lowmem.functional.lora.adapters",
+    "LoraMultiheadAttention": "lightning_lowmem.functional.lora.layers",
     "LoraReport": "lightning_lowmem.functional.lora.adapters",
     "apply_lora_": "lightning_lowmem.functional.lora.adapters",
     "load_adapters": "lightning_lowmem.functional.lora.files",
@@ -36,3 +39,4 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
         unmerge_lora_,
     )
     from lightning_lowmem.functional.lora.files import load_adapters, lora_config, lora_state_dict, save_adapters
+    from lightning_lowmem.functional.lora.layers import LoraConv2d, LoraMultiheadAttention

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.lora.adapters import ADAPTER_SUFFIXES, LoraReport
+from lightning_lowmem.functional.lora.adapters import ADAPTER_SUFFIXES, RUNNING_STAT_SUFFIXES, LoraReport
 
 __all__ = [
     "adapter_entries",
@@ -123,10 +123,11 @@ def checkpoint_record(settings: dict[str, Any], target: Any, *, save_base_weight
 
 
 def adapter_entries(state_dict: dict[str, Any], trained: Sequence[str] = ()) -> dict[str, Any]:
-    """The adapter tensors of a state dict (keys ending in ``.lora_A`` / ``.lora_B``) and those of the modules
-    ``trained`` in full beside them."""
+    """The adapter tensors of a state dict (keys ending in ``.lora_A`` / ``.lora_B``), those of the modules
+    ``trained`` in full beside them, and the running statistics of normalisation layers (BatchNorm's)."""
     prefixes = tuple(f"{name}." for name in trained)
-    return {k: v for k, v in state_dict.items() if k.endswith(ADAPTER_SUFFIXES) or (prefixes and k.startswith(prefixes))}
+    kept = ADAPTER_SUFFIXES + RUNNING_STAT_SUFFIXES
+    return {k: v for k, v in state_dict.items() if k.endswith(kept) or (prefixes and k.startswith(prefixes))}
 
 
 def settings_conflict(entry: dict[str, Any], settings: dict[str, Any], version: int) -> str | None:

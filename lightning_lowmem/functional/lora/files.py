@@ -13,9 +13,10 @@ from torch import nn
 
 from lightning_lowmem.functional.lora.adapters import (
     ADAPTER_SUFFIXES,
+    RUNNING_STAT_SUFFIXES,
     LoraReport,
     _count_params,
-    _is_candidate,
+    is_candidate,
     _validate,
     _wrap,
     lora_layers,
@@ -39,7 +40,8 @@ def lora_config(module: nn.Module) -> dict[str, Any]:
     if not layers:
         raise ValueError(f"{type(module).__name__} has no LoRA layers: call apply_lora_ first.")
     first = next(iter(layers.values()))
-    dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
+    dropouts = [getattr(layer, "lora_dropout", None) for layer in layers.values()]  # attentions have none
+    dropout = next((d.p for d in dropouts if isinstance(d, nn.Dropout)), 0.0)
     quantized = {is_quantized(layer.weight) for layer in layers.values()}
     quantize_base = None
     if True in quantized:
@@ -49,11 +51,12 @@ def lora_config(module: nn.Module) -> dict[str, Any]:
 
 
 def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """What LoRA trains: the adapter tensors (``<layer>.lora_A`` / ``<layer>.lora_B``) and the tensors of the
-    modules trained in full (``train_modules``), detached, keyed as in ``state_dict()``."""
+    """What LoRA trains: the adapter tensors (``<layer>.lora_A`` / ``<layer>.lora_B``), the tensors of the
+    modules trained in full (``train_modules``) and the running statistics of BatchNorm layers (which training
+    updates), detached, keyed as in ``state_dict()``."""
     trained = tuple(f"{name}." for name in trained_modules(module))
     return {key: value.detach() for key, value in module.state_dict().items()
-            if key.endswith(ADAPTER_SUFFIXES) or key.startswith(trained)}  # fmt: skip
+            if key.endswith(ADAPTER_SUFFIXES + RUNNING_STAT_SUFFIXES) or key.startswith(trained)}  # fmt: skip
 
 
 def save_adapters(module: nn.Module, path: str | os.PathLike) -> None:
@@ -71,6 +74,7 @@ def _read(source: str | os.PathLike | dict[str, Any], weights_only: bool) -> tup
     adapters = {k: v for k, v in state.items() if isinstance(k, str) and k.endswith(ADAPTER_SUFFIXES)}
     trained = tuple(f"{name}." for name in (config or {}).get("train_modules") or ())
     adapters.update({k: v for k, v in state.items() if isinstance(k, str) and trained and k.startswith(trained)})
+    adapters.update({k: v for k, v in state.items() if isinstance(k, str) and k.endswith(RUNNING_STAT_SUFFIXES)})
     return adapters, config
 
 
@@ -121,7 +125,7 @@ def load_adapters(
         raise ValueError("`source` holds no adapter tensors (keys ending in .lora_A / .lora_B).")
     prefixes = sorted({key.rsplit(".", 1)[0] for key in adapters})
     if not lora_layers(module):
-        candidates = {name: sub for name, sub in module.named_modules() if _is_candidate(sub)}
+        candidates = {name: sub for name, sub in module.named_modules() if is_candidate(sub)}
         mapping = {p: _layer_name(p, candidates) for p in prefixes}
         missing = [p for p, name in mapping.items() if name is None]
         if missing:
@@ -156,6 +160,7 @@ def load_adapters(
             if alpha is not None:
                 layer.alpha, layer.scaling = alpha, alpha / layer.r
     _load_trained(module, full, config.get("train_modules") or [])
+    _load_running_stats(module, {k: v for k, v in full.items() if k.endswith(RUNNING_STAT_SUFFIXES)})
     trainable, total = _count_params(module)
     cfg = lora_config(module)
     return LoraReport(
@@ -186,3 +191,16 @@ def _load_trained(module: nn.Module, tensors: dict[str, torch.Tensor], names: li
             with torch.no_grad():
                 own[dest].copy_(tensor)
     train_in_full_(module, [name for name in mapped if name not in trained_modules(module)])
+
+
+def _load_running_stats(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy saved BatchNorm running statistics into the matching buffers of ``module`` (keys may carry extra
+    leading components, as adapter keys may)."""
+    buffers = dict(module.named_buffers())
+    for key, tensor in tensors.items():
+        dest = _layer_name(key, buffers)
+        if dest is None or tuple(buffers[dest].shape) != tuple(tensor.shape):
+            shape = tuple(tensor.shape)
+            raise ValueError(f"running statistic {key} (shape {shape}) fits no buffer of {type(module).__name__}")
+        with torch.no_grad():
+            buffers[dest].copy_(tensor)

@@ -203,7 +203,7 @@ def test_bad_input(tiny_gpt, tiny_mlp):
         apply_lora_(tiny_gpt, quantize_base="nf4")
     with pytest.raises(TypeError, match="`target` entries must be .*got int"):
         apply_lora_(tiny_gpt, target=[3])
-    with pytest.raises(ValueError, match="found no nn.Linear / Conv1D layer"):
+    with pytest.raises(ValueError, match="found no linear layer in _HeadOnly"):
         apply_lora_(_HeadOnly(), target="all-linear")
     apply_lora_(tiny_mlp, target=[nn.Linear])
     assert len(lora_layers(tiny_mlp)) == 3

@@ -101,9 +101,9 @@ def test_lowrankadapters_trains_the_head_and_keeps_it_in_adapter_only_checkpoint
     torch.testing.assert_close(fresh.classifier.weight, module.model.classifier.weight)
 
 
-def test_a_head_inside_a_container_is_a_head_and_a_cnn_without_linear_layers_is_refused():
+def test_a_head_inside_a_container_is_a_head_and_all_linear_on_a_cnn_names_all_conv():
     from tests.vision_zoo import hf_resnet
 
     # HF ResNet's head is classifier = Sequential(Flatten, Linear): its Linear is no body layer to adapt
-    with pytest.raises(ValueError, match=r"found no nn.Linear / Conv1D layer .* Its \d+ nn.Conv2d layers get no adapters"):
+    with pytest.raises(ValueError, match=r"found no linear layer in \w+; its \d+ nn.Conv2d layers get adapters with target='all-conv'"):
         apply_lora_(hf_resnet())
