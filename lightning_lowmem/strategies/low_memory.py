@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
+from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.strategies._options import (
     PRECISION_PRESETS,
     _LowMemoryOptions,
@@ -71,7 +72,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         optimizer: a :func:`~lightning_lowmem.functional.optimizers.available_optimizers` name that
             replaces the configured optimizer (``lr`` / ``weight_decay`` kept). Default: ``None`` (keep).
         optimizer_kwargs: extra arguments for ``optimizer``. Default: ``None``.
-        compression_min_bytes: saved tensors smaller than this are not compressed. Default: 65536.
+        compression_min_bytes: saved tensors smaller than this are not compressed. Default: ``COMPRESSION_MIN_BYTES`` (64 KiB).
         expandable_segments: set the CUDA allocator's ``expandable_segments`` before CUDA initialises
             (``None``: leave it). Default: ``None``.
         prefetch: copy the next batch to the GPU on a side stream while this one trains (CUDA only).
@@ -102,7 +103,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         zero_optimizer: bool = False,
         optimizer: str | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
-        compression_min_bytes: int = 65536,
+        compression_min_bytes: int = COMPRESSION_MIN_BYTES,
         expandable_segments: bool | None = None,
         prefetch: bool = False,
         **kwargs: Any,
@@ -186,7 +187,7 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
         bucket_cap_mb: float = 25,
         optimizer: str | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
-        compression_min_bytes: int = 65536,
+        compression_min_bytes: int = COMPRESSION_MIN_BYTES,
         expandable_segments: bool | None = None,
         prefetch: bool = False,
         **kwargs: Any,

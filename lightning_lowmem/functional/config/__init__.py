@@ -20,6 +20,13 @@ Example::
     'bf16-true + ckpt(auto) + adamw8bit'
 """
 
+from lightning_lowmem.functional.config.constants import (
+    COMPRESSION_MIN_BYTES,
+    COMPRESSION_MODES,
+    GROUP_SIZE,
+    QAT_MODES,
+    QUANTIZATION_MODES,
+)
 from lightning_lowmem.functional.config.techniques import (
     CROSS_ENTROPY_MODES,
     PRECISIONS,
@@ -37,7 +44,12 @@ from lightning_lowmem.functional.config.techniques import (
 from lightning_lowmem.functional.config.training import TrainingConfig
 
 __all__ = [
+    "COMPRESSION_MIN_BYTES",
+    "COMPRESSION_MODES",
     "CROSS_ENTROPY_MODES",
+    "GROUP_SIZE",
+    "QAT_MODES",
+    "QUANTIZATION_MODES",
     "PRECISIONS",
     "SHARDINGS",
     "CheckpointingConfig",

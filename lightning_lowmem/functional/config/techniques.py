@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from lightning_lowmem.functional.compression import COMPRESSION_MODES, DEFAULT_MIN_BYTES
+from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES, COMPRESSION_MODES, GROUP_SIZE
 
 __all__ = [
     "PRECISIONS",
@@ -120,11 +120,11 @@ class CompressionConfig:
 
     Args:
         mode: ``"bf16"``, ``"int8"`` or ``"cpu"``. Default: ``"int8"``.
-        min_bytes: saved tensors smaller than this stay exact. Default: 65536.
+        min_bytes: saved tensors smaller than this stay exact. Default: :data:`COMPRESSION_MIN_BYTES` (64 KiB).
     """
 
     mode: str = "int8"
-    min_bytes: int = DEFAULT_MIN_BYTES
+    min_bytes: int = COMPRESSION_MIN_BYTES
 
     def __post_init__(self) -> None:
         if self.mode not in COMPRESSION_MODES:
