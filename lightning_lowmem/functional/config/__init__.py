@@ -24,9 +24,11 @@ from lightning_lowmem.functional.config.constants import (
     COMPRESSION_MIN_BYTES,
     COMPRESSION_MODES,
     GROUP_SIZE,
+    PRUNING_METHODS,
     QAT_MODES,
     QUANTIZATION_MODES,
 )
+from lightning_lowmem.functional.config.pruning import PruningConfig
 from lightning_lowmem.functional.config.techniques import (
     CROSS_ENTROPY_MODES,
     PRECISIONS,
@@ -48,6 +50,7 @@ __all__ = [
     "COMPRESSION_MODES",
     "CROSS_ENTROPY_MODES",
     "GROUP_SIZE",
+    "PRUNING_METHODS",
     "QAT_MODES",
     "QUANTIZATION_MODES",
     "PRECISIONS",
@@ -59,6 +62,7 @@ __all__ = [
     "MicrobatchConfig",
     "OptimizerConfig",
     "PrecisionConfig",
+    "PruningConfig",
     "QuantizationConfig",
     "ShardingConfig",
     "TrainingConfig",

@@ -10,7 +10,14 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["COMPRESSION_MIN_BYTES", "COMPRESSION_MODES", "GROUP_SIZE", "QAT_MODES", "QUANTIZATION_MODES"]
+__all__ = [
+    "COMPRESSION_MIN_BYTES",
+    "COMPRESSION_MODES",
+    "GROUP_SIZE",
+    "PRUNING_METHODS",
+    "QAT_MODES",
+    "QUANTIZATION_MODES",
+]
 
 #: activation compression: saved tensors smaller than this stay exact (below it the bookkeeping costs more
 #: than it saves). 64 KiB.
@@ -33,3 +40,12 @@ QUANTIZATION_MODES: dict[str, str] = {
 
 #: modes quantization-aware training can train for (torchao's QATConfig infers the fake quantizers from them).
 QAT_MODES: tuple[str, ...] = ("int8_weight_only", "int4_weight_only", "intx4_weight_only")
+
+#: the pruning methods (``torch.nn.utils.prune``'s names, plus ``"nm"``: keep n of every m weights).
+PRUNING_METHODS: tuple[str, ...] = (
+    "l1_unstructured",
+    "random_unstructured",
+    "ln_structured",
+    "random_structured",
+    "nm",
+)
