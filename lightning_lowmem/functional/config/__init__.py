@@ -29,6 +29,7 @@ from lightning_lowmem.functional.config.constants import (
     QUANTIZATION_MODES,
 )
 from lightning_lowmem.functional.config.pruning import PruningConfig
+from lightning_lowmem.functional.config.qat import QATConfig
 from lightning_lowmem.functional.config.techniques import (
     CROSS_ENTROPY_MODES,
     PRECISIONS,
@@ -63,6 +64,7 @@ __all__ = [
     "OptimizerConfig",
     "PrecisionConfig",
     "PruningConfig",
+    "QATConfig",
     "QuantizationConfig",
     "ShardingConfig",
     "TrainingConfig",
