@@ -67,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "prepare_qat_": "lightning_lowmem.functional.quantization",
     "convert_qat_": "lightning_lowmem.functional.quantization",
     "compile_inference": "lightning_lowmem.functional.quantization",
+    "quantize_within_tolerance": "lightning_lowmem.functional.quantization",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -101,4 +102,5 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
         prepare_qat_,
         quantize_,
         quantize_static,
+        quantize_within_tolerance,
     )

@@ -11,7 +11,7 @@ Example::
     >>> QATConfig("int8_dynamic")
     Traceback (most recent call last):
     ...
-    ValueError: `mode`='int8_dynamic' is not a QAT mode; choose one of ['int8_weight_only', 'int4_weight_only', 'intx4_weight_only'].
+    ValueError: `mode`='int8_dynamic' is not a QAT mode; choose one of ['int8_weight_only', ...].
 """
 
 from __future__ import annotations

@@ -328,7 +328,9 @@ def quantized_copy(module: nn.Module, mode: str, names: Sequence[str], *, group_
 
 
 @contextmanager
-def temporarily_quantized(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = GROUP_SIZE) -> Iterator[nn.Module]:
+def temporarily_quantized(
+    module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = GROUP_SIZE
+) -> Iterator[nn.Module]:
     """``module`` with exactly ``names`` quantized inside the block; float again after it (the same layer
     objects and weight Parameters: Conv1D layers and ties come back as they were). What the accuracy search
     evaluates.

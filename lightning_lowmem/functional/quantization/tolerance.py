@@ -71,7 +71,8 @@ def search_layers_within_tolerance(
     )
     quantized = expand_units(units, result.quantized)
     kept = [name for name in candidates if name not in quantized]
-    return ToleranceReport(result.met, result.baseline, result.metric, quantized, kept, result.sensitivity, result.tried)
+    met, sensitivity, tried = result.met, result.sensitivity, result.tried
+    return ToleranceReport(met, result.baseline, result.metric, quantized, kept, sensitivity, tried)
 
 
 def quantize_within_tolerance(
@@ -146,7 +147,9 @@ def quantize_within_tolerance(
         with temporarily_quantized(module, mode, names, group_size=config.group_size):
             return float(evaluate(module))
 
-    outcome = search_layers_within_tolerance(module, candidates, evaluate_layers, tolerance, higher_is_better=higher_is_better)
+    outcome = search_layers_within_tolerance(
+        module, candidates, evaluate_layers, tolerance, higher_is_better=higher_is_better
+    )
     if outcome.met:
         chosen = set(outcome.quantized)
         outcome.report = quantize_(module, config, filter_fn=lambda _, fqn: fqn in chosen, embeddings=embeddings)
