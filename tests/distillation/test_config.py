@@ -18,7 +18,11 @@ BAD = [
     (dict(alpha=1.5), ValueError, r"`alpha` must be in \[0, 1\] \(weight of the distillation term\), got 1.5"),
     (dict(hint_weight=-1.0), ValueError, r"`hint_weight` must be >= 0"),
     (dict(loss="kdd"), ValueError, r"`loss`='kdd' is not registered; choose from \["),
-    (dict(teacher_precision="int4"), ValueError, r"`teacher_precision`='int4' is unknown; choose from \['32', 'bf16', 'int8'\]"),
+    (
+        dict(teacher_precision="int4"),
+        ValueError,
+        r"`teacher_precision`='int4' is unknown; choose from \['32', 'bf16', 'int8'\]",
+    ),
     (dict(cache_top_k=0, teacher_cache="c.pt"), ValueError, r"`cache_top_k` must be a positive int or None, got 0"),
     (dict(cache_dtype="bfloat16", teacher_cache="c.pt"), ValueError, r"`cache_dtype`='bfloat16' is not supported"),
     (dict(hint_layers={"a": "b"}, teacher_cache="c.pt"), ValueError, r"`hint_layers` need the live teacher's features"),
@@ -63,6 +67,8 @@ def test_distillation_losses_adds_the_weighted_hints():
     config = DistillationConfig(alpha=1.0, hint_layers={"s": "t"}, hint_weight=0.5)
     logits = torch.zeros(2, 3)
     features = ({"s": torch.ones(2, 4)}, {"t": torch.zeros(2, 4)})
-    losses = distillation_losses(config, logits, logits, None, student_features=features[0], teacher_features=features[1])
+    losses = distillation_losses(
+        config, logits, logits, None, student_features=features[0], teacher_features=features[1]
+    )
     assert float(losses["hint_loss"]) == 1.0  # MSE of ones against zeros
     assert math.isclose(float(losses["loss"]), 0.5)  # 0 (same logits) + 0.5 * 1

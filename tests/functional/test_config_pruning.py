@@ -11,22 +11,38 @@ from lightning_lowmem.callbacks import ScheduledPruning
 from lightning_lowmem.functional import PruningConfig, prune_, sparsity
 
 BAD = [
-    (dict(parameter_names=[""]), ValueError, r"`parameter_names` entries must be parameter names like 'weight', got ''"),
+    (
+        dict(parameter_names=[""]),
+        ValueError,
+        r"`parameter_names` entries must be parameter names like 'weight', got ''",
+    ),
     (dict(parameter_names="weight"), TypeError, r"`parameter_names` must be a list of names like \['weight'\]"),
     (dict(amount=1.5), ValueError, r"`amount`=1.5 must be in \[0, 1\] when a float; allowed"),
     (dict(amount="half"), TypeError, r"`amount`='half' must be a float in \[0, 1\], an int >= 0 or a callable"),
-    (dict(method="nm", n=4, m=2), ValueError, r"`n`=4, `m`=2: N:M pruning needs ints with 1 <= n < m \(e.g. n=2, m=4\)"),
+    (
+        dict(method="nm", n=4, m=2),
+        ValueError,
+        r"`n`=4, `m`=2: N:M pruning needs ints with 1 <= n < m \(e.g. n=2, m=4\)",
+    ),
     (dict(verbose=3), ValueError, r"`verbose`=3 must be 0, 1 or 2"),
     (dict(structural_ratio=1.0), ValueError, r"`structural_ratio`=1.0 must be in \[0, 1\)"),
     (dict(pruning_fn="l3"), ValueError, r"`pruning_fn`='l3' is unknown; choose one of \['l1_unstructured'"),
     (dict(method="l3"), ValueError, r"`method`='l3' is unknown; choose one of \['l1_unstructured'"),
-    (dict(pruning_fn="random_unstructured", method="nm"), ValueError, r"`method`='nm' and `pruning_fn`='random_unstructured' disagree"),
+    (
+        dict(pruning_fn="random_unstructured", method="nm"),
+        ValueError,
+        r"`method`='nm' and `pruning_fn`='random_unstructured' disagree",
+    ),
     (dict(pruning_dim="0"), TypeError, r"`pruning_dim`='0' must be an int or None"),
     (dict(pruning_norm=0), ValueError, r"`pruning_norm`=0 must be a number > 0"),
     (dict(structural=1), TypeError, r"`structural` must be True or False, got int: 1"),
     (dict(apply_pruning="yes"), TypeError, r"`apply_pruning` must be True, False or a callable\(epoch\) -> bool"),
     (dict(start_step=-1), ValueError, r"`start_step`=-1 must be an int >= 0"),
-    (dict(target_sparsity=0.5, start_step=10, end_step=5), ValueError, r"`end_step`=5 must be an int > `start_step`=10"),
+    (
+        dict(target_sparsity=0.5, start_step=10, end_step=5),
+        ValueError,
+        r"`end_step`=5 must be an int > `start_step`=10",
+    ),
     (dict(schedule="cosine"), ValueError, r"`schedule`='cosine' is unknown; choose one of \['constant'"),
     (dict(target_sparsity=1.5), ValueError, r"`target_sparsity`=1.5 must be a float in \[0, 1\]"),
 ]
@@ -62,7 +78,8 @@ def test_config_resolves_the_method_and_the_schedule():
     schedule = config.sparsity_schedule()
     assert schedule.sparsity_at(0) == 0.0 and schedule.sparsity_at(8) == pytest.approx(0.8)
     assert schedule.sparsity_at(4) == pytest.approx(0.8 * (1 - 0.5**3))  # cubic by default, not linear (0.4)
-    assert PruningConfig(schedule="linear", target_sparsity=0.8, end_step=8).sparsity_schedule().sparsity_at(4) == pytest.approx(0.4)
+    linear = PruningConfig(schedule="linear", target_sparsity=0.8, end_step=8).sparsity_schedule()
+    assert linear.sparsity_at(4) == pytest.approx(0.4)
     assert PruningConfig(amount=0.5).sparsity_schedule() is None and not PruningConfig().step_mode
     assert PruningConfig().names == ("weight", "bias") and PruningConfig().norm == 1
     assert hash(PruningConfig(parameter_names=["weight"])) == hash(PruningConfig(parameter_names=("weight",)))
@@ -71,8 +88,14 @@ def test_config_resolves_the_method_and_the_schedule():
 def test_scheduled_pruning_builds_its_config():
     callback = ScheduledPruning("l1_unstructured", schedule="cubic", target_sparsity=0.8, end_step=100, n=3, m=8)
     assert callback.config == PruningConfig(schedule="cubic", target_sparsity=0.8, end_step=100, n=3, m=8)
-    assert (callback.method, callback.final_sparsity, callback.parameter_names) == ("l1_unstructured", 0.8, ["weight", "bias"])
-    assert callback.sparsity_schedule is not callback.config.sparsity_schedule()  # a fresh one per call: runs own theirs
+    assert (callback.method, callback.final_sparsity, callback.parameter_names) == (
+        "l1_unstructured",
+        0.8,
+        ["weight", "bias"],
+    )
+    assert (
+        callback.sparsity_schedule is not callback.config.sparsity_schedule()
+    )  # a fresh one per call: runs own theirs
 
 
 def test_prune_takes_the_config_or_its_shorthand():

@@ -81,6 +81,8 @@ def test_configs_are_accepted_where_the_shorthand_is():
 
 
 def test_callbacks_keep_their_config():
-    assert PostTrainingQuantization("intx4_weight_only", group_size=64).config == QuantizationConfig("intx4_weight_only", 64)
+    assert PostTrainingQuantization("intx4_weight_only", group_size=64).config == QuantizationConfig(
+        "intx4_weight_only", 64
+    )
     callback = QuantizationAwareTraining("int8_weight_only", start_step=5, skip_modules=["head"])
     assert callback.config == QATConfig("int8_weight_only", start_step=5, skip_modules=("head",))
