@@ -11,8 +11,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.functional.applied import Applied, apply
-from lightning_lowmem.functional.compression import DEFAULT_MIN_BYTES, CompressionStats
+from lightning_lowmem.functional.compression import CompressionStats
 from lightning_lowmem.functional.config import CompressionConfig
+from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.warnings import NoEffectWarning
 from lightning_lowmem.composition import check_composition
 
@@ -38,7 +39,7 @@ class ActivationCompression(L.Callback):
 
     Args:
         mode: ``"bf16"``, ``"int8"`` or ``"cpu"``. Default: ``"int8"``.
-        min_bytes: tensors smaller than this are not packed. Default: 65536.
+        min_bytes: tensors smaller than this are not packed. Default: ``COMPRESSION_MIN_BYTES`` (64 KiB).
         log_stats: log the figures above through ``pl_module.log``. Default: ``True``.
 
     Raises:
@@ -60,7 +61,7 @@ class ActivationCompression(L.Callback):
         True
     """
 
-    def __init__(self, mode: str = "int8", min_bytes: int = DEFAULT_MIN_BYTES, log_stats: bool = True) -> None:
+    def __init__(self, mode: str = "int8", min_bytes: int = COMPRESSION_MIN_BYTES, log_stats: bool = True) -> None:
         self.config = CompressionConfig(mode, min_bytes)  # validates
         self.mode = mode
         self.min_bytes = min_bytes

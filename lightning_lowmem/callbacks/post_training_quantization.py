@@ -16,6 +16,7 @@ from lightning_lowmem.checkpoints.quantized import (  # re-exported: the documen
     load_quantized_checkpoint,
     quantize_like_checkpoint,
 )
+from lightning_lowmem.functional.config.constants import GROUP_SIZE
 from lightning_lowmem.functional.quantization.arguments import check_ptq_arguments, check_submodule
 from lightning_lowmem.functional.quantization.calibration import StaticChild, device_of
 from lightning_lowmem.functional.quantization.layers import check_patterns, tied_groups
@@ -27,7 +28,12 @@ from lightning_lowmem.functional.quantization.ptq import (
     temporarily_quantized,
 )
 from lightning_lowmem.functional.quantization.report import comparison_table, logged_metrics, tolerance_failure_message
-from lightning_lowmem.functional.quantization.search import expand_units, search_float_fallback, size_and_latency, tied_units
+from lightning_lowmem.functional.quantization.search import size_and_latency
+from lightning_lowmem.functional.quantization.tolerance import (
+    ToleranceReport,
+    quantize_within_tolerance,
+    search_layers_within_tolerance,
+)
 from lightning_lowmem.model_io import BatchCallError, has_forward_batch, model_inputs
 from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 from lightning_lowmem.composition import check_composition
@@ -83,7 +89,7 @@ class PostTrainingQuantization(QuantizationCallback):
         monitor: a metric logged in ``validation_step`` (e.g. ``"val_acc"``). Default: ``None``.
         tolerance: largest allowed drop of ``monitor`` (in its units). Needs ``monitor``. Default: ``None``.
         monitor_mode: ``"max"`` if higher ``monitor`` is better, ``"min"`` otherwise. Default: ``"max"``.
-        group_size: group length of the int4 modes. Default: ``32``.
+        group_size: group length of the int4 modes. Default: ``GROUP_SIZE`` (32).
         latency_batches: times the first validation batch is run for the latency column (``0`` disables).
             On CPU, eager torchao int8 is *slower* than float (the table says so); the fast path is
             ``int8_static`` with ``compile=True``. Default: ``10``.
@@ -93,11 +99,13 @@ class PostTrainingQuantization(QuantizationCallback):
             call of each input shape compiles). Default: ``False``.
 
     Override points: :meth:`quantize` (the whole conversion; callable on demand, e.g. before ``test``),
-    :meth:`evaluate` (the metric of the model with exactly some layers quantized, for the tolerance
-    search; default: your ``validation_step`` in a throw-away Trainer), :meth:`measure` (the size /
-    latency columns). The transforms live in :mod:`lightning_lowmem.functional.quantization` (``ptq``,
-    ``calibration``, ``search``, ``report``); checkpoint loading goes through the state-dict matcher shared
-    with ``QuantizationAwareTraining``.
+    :meth:`validation_metric` (the metric of the model as it is, the ``evaluate`` the tolerance search is
+    given; default: your ``validation_step`` in a throw-away Trainer), :meth:`evaluate` (``int8_static``: the
+    metric with exactly some layers in the int8 graph), :meth:`measure` (the size / latency columns). The
+    callback decides *when*; the tolerance search is the functional workflow
+    :func:`~lightning_lowmem.functional.quantization.tolerance.quantize_within_tolerance`, and the transforms
+    live in :mod:`lightning_lowmem.functional.quantization` (``ptq``, ``calibration``, ``search``, ``report``);
+    checkpoint loading goes through the state-dict matcher shared with ``QuantizationAwareTraining``.
 
     Raises:
         ValueError: unknown ``mode`` / ``monitor_mode``, ``tolerance`` without ``monitor`` or < 0,
@@ -123,15 +131,16 @@ class PostTrainingQuantization(QuantizationCallback):
         monitor: str | None = None,
         tolerance: float | None = None,
         monitor_mode: str = "max",
-        group_size: int = 32,
+        group_size: int = GROUP_SIZE,
         latency_batches: int = 10,
         module_name: str | None = None,
         calibration_batches: int = 8,
         compile: bool = False,
     ) -> None:
-        check_ptq_arguments(
+        self.config = check_ptq_arguments(  # the mode and group_size as a QuantizationConfig, checked once
             mode, skip_modules=skip_modules, embeddings=embeddings, monitor=monitor, tolerance=tolerance,
             monitor_mode=monitor_mode, module_name=module_name, calibration_batches=calibration_batches, compile=compile,
+            group_size=group_size,
         )  # fmt: skip
         super().__init__(mode)
         self.skip_modules = list(skip_modules)
@@ -232,18 +241,8 @@ class PostTrainingQuantization(QuantizationCallback):
             device = device_of(pl_module)
             batches = (move_data_to_device(item, device) for item in loader)
             calls = self._static.calibrate(pl_module, batches, self.calibration_batches)
-        result = None
-        chosen = candidates
-        units = tied_units(pl_module, candidates)  # a tied group is one candidate of the search
-        if self.monitor is not None and self.tolerance is not None:
-            if loader is None:
-                raise ValueError(f"`monitor`={self.monitor!r} needs a validation loader to evaluate on; none is attached.")
-            result = search_float_fallback(
-                list(units),
-                lambda names: self.evaluate(trainer, pl_module, loader, expand_units(units, names), calls),
-                tolerance=self.tolerance,
-                higher_is_better=self.monitor_mode == "max",
-            )
+        result = self._search(trainer, pl_module, loader, candidates, calls)  # None without a tolerance
+        if result is not None:
             before["metric"] = result.baseline
             if not result.met:
                 message = tolerance_failure_message(self.monitor, self.tolerance, result.baseline, result.sensitivity)
@@ -251,13 +250,15 @@ class PostTrainingQuantization(QuantizationCallback):
                 self.summary = {"met": False, "before": before, "after": None, "kept_float": candidates}
                 rank_zero_info(comparison_table(self.mode, before, None, candidates))
                 return None
-            chosen = expand_units(units, result.quantized)
-        if self.mode == "int8_static":
+        chosen = candidates if result is None else result.quantized
+        if result is not None and result.report is not None:  # the in-place search converted the model already
+            report = result.report
+        elif self.mode == "int8_static":
             report = self._static.build(pl_module, chosen, calls)
             self._static.install(pl_module, report.module)
         else:
             report = quantize_(
-                pl_module, self.mode, filter_fn=lambda _, fqn: fqn in chosen, group_size=self.group_size, embeddings=self.embeddings
+                pl_module, self.config, filter_fn=lambda _, fqn: fqn in chosen, embeddings=self.embeddings
             )
         self.quantized = sorted(set(self.quantized) | set(report.converted))
         self.conv1d = sorted(set(self.conv1d) | set(report.conv1d))
@@ -272,6 +273,35 @@ class PostTrainingQuantization(QuantizationCallback):
         if trainer.logger is not None:
             trainer.logger.log_metrics(logged_metrics(before, after, kept, report), step=trainer.global_step)
         return report
+
+    def _search(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loader: Any, candidates: list[str], calls: Any
+    ) -> ToleranceReport | None:
+        """The tolerance search (``monitor`` and ``tolerance`` given): the functional workflow
+        :func:`~lightning_lowmem.functional.quantization.tolerance.quantize_within_tolerance` for the in-place
+        modes, which also converts; for ``int8_static`` the search alone over the calibrated graph."""
+        if self.monitor is None or self.tolerance is None:
+            return None
+        if loader is None:
+            raise ValueError(f"`monitor`={self.monitor!r} needs a validation loader to evaluate on; none is attached.")
+        higher_is_better = self.monitor_mode == "max"
+        if self.mode == "int8_static":
+            return search_layers_within_tolerance(
+                pl_module,
+                candidates,
+                lambda names: self.evaluate(trainer, pl_module, loader, names, calls),
+                self.tolerance,
+                higher_is_better=higher_is_better,
+            )
+        return quantize_within_tolerance(
+            pl_module,
+            self.config,
+            lambda module: self.validation_metric(trainer, module, loader),
+            self.tolerance,
+            higher_is_better=higher_is_better,
+            filter_fn=lambda _, fqn: fqn in set(candidates),
+            embeddings=self.embeddings,
+        )
 
     def _loader(self, trainer: L.Trainer) -> Any:
         for loader in (trainer.val_dataloaders, trainer.train_dataloader):
@@ -310,15 +340,22 @@ class PostTrainingQuantization(QuantizationCallback):
     def evaluate(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loader: Any, names: Sequence[str], calls: Any
     ) -> float:
-        """``monitor`` of ``pl_module`` with exactly ``names`` quantized; the float weights come back after."""
+        """``monitor`` of ``pl_module`` with exactly ``names`` quantized; the float weights come back after
+        (the ``int8_static`` search; the in-place modes' search quantizes itself and calls
+        :meth:`validation_metric`)."""
         with self._quantized_for_evaluation(pl_module, names, calls):
-            accelerator = "gpu" if device_of(pl_module).type == "cuda" else "cpu"
-            evaluator = L.Trainer(
-                accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, callbacks=[],
-                limit_val_batches=trainer.limit_val_batches,  # the user's own validation budget
-            )  # fmt: skip
-            results = evaluator.validate(pl_module, dataloaders=loader, verbose=False)
+            return self.validation_metric(trainer, pl_module, loader)
+
+    def validation_metric(self, trainer: L.Trainer, pl_module: L.LightningModule, loader: Any) -> float:
+        """``monitor`` of ``pl_module`` as it is now: your ``validation_step`` over ``loader`` in a throw-away
+        Trainer (the ``evaluate`` the tolerance search is given)."""
+        accelerator = "gpu" if device_of(pl_module).type == "cuda" else "cpu"
+        evaluator = L.Trainer(
+            accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[],
+            limit_val_batches=trainer.limit_val_batches,  # the user's own validation budget
+        )  # fmt: skip
+        results = evaluator.validate(pl_module, dataloaders=loader, verbose=False)
         pl_module.trainer = trainer
         metrics = results[0] if results else {}
         if self.monitor not in metrics:

@@ -10,10 +10,11 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_lowmem.callbacks._quantization_base import QuantizationCallback
+from lightning_lowmem.functional.config.constants import GROUP_SIZE
+from lightning_lowmem.functional.config.qat import QATConfig
 from lightning_lowmem.functional.quantization.layers import is_conv1d
 from lightning_lowmem.functional.quantization.ptq import dequantize_
 from lightning_lowmem.functional.quantization.qat import (
-    QAT_MODES,
     convert_qat_,
     prepare_qat_,
     qat_base_config,
@@ -58,7 +59,10 @@ class QuantizationAwareTraining(QuantizationCallback):
         skip_modules: submodules kept in float (qualified names, dotted suffixes, globs or class names); an
             entry naming nothing raises at ``setup``, listing the model's layers. Default: ``()``.
         filter_fn: ``filter_fn(layer, fqn) -> bool``. Default: ``None``.
-        group_size: group length of the int4 modes. Default: ``32``.
+        group_size: group length of the int4 modes. Default: ``GROUP_SIZE`` (32).
+
+    The arguments are validated once, by the :class:`~lightning_lowmem.functional.config.QATConfig` this builds
+    (kept as :attr:`config`).
 
     Override points: :meth:`prepare` (``setup``: swap in the fake-quantized layers, returns their names),
     :meth:`convert` (fit end: real quantized weights, returns a ``QuantizationReport``),
@@ -85,16 +89,17 @@ class QuantizationAwareTraining(QuantizationCallback):
         convert_on_fit_end: bool = True,
         skip_modules: Sequence[str] = (),
         filter_fn: Callable[[nn.Module, str], bool] | None = None,
-        group_size: int = 32,
+        group_size: int = GROUP_SIZE,
     ) -> None:
-        if mode not in QAT_MODES:
-            raise ValueError(f"`mode`={mode!r} is not a QAT mode; choose one of {list(QAT_MODES)}.")
-        if not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"`start_step` must be an int >= 0, got {start_step!r}.")
-        if freeze_bn_step is not None and (not isinstance(freeze_bn_step, int) or freeze_bn_step < 0):
-            raise ValueError(f"`freeze_bn_step` must be None or an int >= 0, got {freeze_bn_step!r}.")
-        if isinstance(skip_modules, str):
-            raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
+        self.config = QATConfig(  # every check is the config's (#27)
+            mode,
+            start_step=start_step,
+            freeze_bn_step=freeze_bn_step,
+            convert_on_fit_end=convert_on_fit_end,
+            skip_modules=skip_modules,
+            filter_fn=filter_fn,
+            group_size=group_size,
+        )
         super().__init__(mode)
         self.start_step = start_step
         self.freeze_bn_step = freeze_bn_step

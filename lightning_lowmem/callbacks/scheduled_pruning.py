@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_lowmem.functional.pruning.arguments import check_pruning_arguments, resolve_method, step_schedule
+from lightning_lowmem.functional.config.pruning import DEFAULT_PARAMETER_NAMES, PruningConfig
 from lightning_lowmem.functional.pruning.bookkeeping import restore_masks_, sparsity_lines, sync_masks_, target_masks
 from lightning_lowmem.functional.pruning.masks import apply_masks_, layer_sparsity, remove_pruning_
 from lightning_lowmem.functional.pruning.schedule import Amount, PruningSchedule
@@ -87,9 +87,13 @@ class ScheduledPruning(Callback):
     ``targets``: which parameters, rewind; ``structural``: removal); this class decides *when*, logs, and
     saves what a resumed run needs (masks, last pruned step/epoch, structural shapes, LTH originals).
 
+    The arguments are validated once, by the :class:`~lightning_lowmem.functional.config.PruningConfig` this
+    builds (kept as :attr:`config`).
+
     Raises:
         ValueError / TypeError: bad ``amount``, unknown method or schedule, ``end_step <= start_step``,
-            ``n >= m``, unknown ``parameter_names``; a parameter name no module has (at ``setup``).
+            ``n >= m``, unknown ``parameter_names`` (the config's checks); a parameter name no module has (at
+            ``setup``).
 
     Example::
 
@@ -97,7 +101,7 @@ class ScheduledPruning(Callback):
         0.8
     """
 
-    PARAMETER_NAMES = ("weight", "bias")
+    PARAMETER_NAMES = DEFAULT_PARAMETER_NAMES
 
     def __init__(
         self,
@@ -129,22 +133,43 @@ class ScheduledPruning(Callback):
         seed: int = 0,
         prune_embeddings: bool = False,
     ) -> None:
-        self.method = resolve_method(pruning_fn, method)
-        self.parameter_names = list(parameter_names or self.PARAMETER_NAMES)
-        self._names_given = parameter_names is not None
-        check_pruning_arguments(
-            self.method, self.parameter_names, amount, n=n, m=m, verbose=verbose, structural_ratio=structural_ratio
+        self.config = config = PruningConfig(  # every check is the config's (#27)
+            pruning_fn=pruning_fn,
+            parameters_to_prune=parameters_to_prune,
+            parameter_names=parameter_names,
+            use_global_unstructured=use_global_unstructured,
+            amount=amount,
+            apply_pruning=apply_pruning,
+            make_pruning_permanent=make_pruning_permanent,
+            use_lottery_ticket_hypothesis=use_lottery_ticket_hypothesis,
+            resample_parameters=resample_parameters,
+            pruning_dim=pruning_dim,
+            pruning_norm=pruning_norm,
+            verbose=verbose,
+            prune_on_train_epoch_end=prune_on_train_epoch_end,
+            schedule=schedule,
+            target_sparsity=target_sparsity,
+            start_step=start_step,
+            end_step=end_step,
+            frequency=frequency,
+            initial_sparsity=initial_sparsity,
+            method=method,
+            n=n,
+            m=m,
+            structural=structural,
+            structural_ratio=structural_ratio,
+            seed=seed,
+            prune_embeddings=prune_embeddings,
         )
-        self.step_mode = schedule is not None or target_sparsity is not None
-        self.final_sparsity = target_sparsity if target_sparsity is not None else amount
-        self.sparsity_schedule: PruningSchedule | None = step_schedule(
-            schedule, self.final_sparsity, start_step, end_step, frequency, initial_sparsity, step_mode=self.step_mode
-        )
+        self.method, self._names_given = config.pruning_fn, parameter_names is not None
+        self.parameter_names = list(config.parameter_names or self.PARAMETER_NAMES)
+        self.step_mode, self.final_sparsity = config.step_mode, config.final_sparsity
+        self.sparsity_schedule: PruningSchedule | None = config.sparsity_schedule()
         self.start_step = start_step
         self.parameters_to_prune, self.use_global_unstructured, self.amount = parameters_to_prune, use_global_unstructured, amount
         self._apply_pruning, self._make_pruning_permanent = apply_pruning, make_pruning_permanent
         self.use_lottery_ticket_hypothesis, self.resample_parameters = use_lottery_ticket_hypothesis, resample_parameters
-        self.pruning_dim, self.pruning_norm = pruning_dim, pruning_norm if pruning_norm is not None else 1
+        self.pruning_dim, self.pruning_norm = pruning_dim, config.norm
         self.verbose, self.prune_on_train_epoch_end = verbose, prune_on_train_epoch_end
         self.n, self.m, self.structural, self.structural_ratio, self.seed = n, m, structural, structural_ratio, seed
         self.prune_embeddings = prune_embeddings

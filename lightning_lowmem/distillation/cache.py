@@ -35,9 +35,25 @@ from torch.utils.data import default_collate
 
 from lightning_lowmem.model_io import batch_size, describe_batch, forward_batch, output_logits
 
-__all__ = ["StaleCacheError", "TeacherCache", "build_teacher_cache", "dataset_fingerprint", "sample_key"]
+__all__ = [
+    "StaleCacheError",
+    "TeacherCache",
+    "build_teacher_cache",
+    "check_cache_arguments",
+    "dataset_fingerprint",
+    "sample_key",
+]
 
 CACHE_VERSION = 1
+
+
+def check_cache_arguments(top_k: int | None, dtype: str, prefix: str = "") -> None:
+    """Raise ``ValueError`` for a ``top_k`` that is not a positive int or ``None``, or a ``dtype`` other than
+    ``"float16"`` / ``"float32"`` (``prefix`` names the arguments as the caller does, e.g. ``"cache_"``)."""
+    if dtype not in ("float16", "float32"):
+        raise ValueError(f"`{prefix}dtype`={dtype!r} is not supported; choose 'float16' or 'float32'")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"`{prefix}top_k` must be a positive int or None, got {top_k}")
 
 
 class StaleCacheError(ValueError):
@@ -221,10 +237,7 @@ def build_teacher_cache(
     Raises:
         ValueError: bad ``top_k`` / ``dtype`` / ``batch_size``, an empty dataset, or samples of different shapes.
     """
-    if dtype not in ("float16", "float32"):
-        raise ValueError(f"`dtype`={dtype!r} is not supported; choose 'float16' or 'float32'")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"`top_k` must be a positive int or None, got {top_k}")
+    check_cache_arguments(top_k, dtype)
     if batch_size <= 0:
         raise ValueError(f"`batch_size` must be > 0, got {batch_size}")
     if len(dataset) == 0:

@@ -36,15 +36,8 @@ from lightning_lowmem.distillation.batches import (
     takes_labels,
 )
 from lightning_lowmem.distillation.cache import TeacherCache, batch_keys, build_teacher_cache
-from lightning_lowmem.distillation.losses import (
-    FeatureRecorder,
-    call_loss,
-    check_logit_shapes,
-    feature_loss,
-    find_module,
-    get_loss,
-    make_adapter,
-)
+from lightning_lowmem.distillation.config import DistillationConfig, distillation_losses
+from lightning_lowmem.distillation.losses import FeatureRecorder, check_logit_shapes, find_module, make_adapter
 from lightning_lowmem.distillation.teacher import TEACHER_PRECISIONS, load_teacher_weights, prepare_teacher  # noqa: F401
 from lightning_lowmem.functional.cross_entropy.models import DeferredLogits
 from lightning_lowmem.model_io import BatchCallError, forward_batch, output_logits, output_loss
@@ -94,6 +87,10 @@ class DistillationModule(L.LightningModule):
             Default: ``"adamw"``.
         ignore_index: label value ignored by losses and metrics. Default: -100.
 
+    The loss, teacher and cache arguments are validated once, by the
+    :class:`~lightning_lowmem.distillation.config.DistillationConfig` this builds (kept as :attr:`config`);
+    :meth:`distillation_loss` is :func:`~lightning_lowmem.distillation.config.distillation_losses` of it.
+
     Raises:
         ValueError: missing student or teacher, unknown ``teacher_precision`` / ``loss``, bad numbers,
             hint layers that do not exist (close names listed) or hints combined with a cache.
@@ -137,17 +134,18 @@ class DistillationModule(L.LightningModule):
             raise TypeError(f"`teacher` must be an nn.Module or a callable returning one, got {type(teacher).__name__}")
         if teacher is student:
             raise ValueError("`teacher` and `student` are the same object; the teacher must be a separate, frozen model")
-        if teacher_precision not in TEACHER_PRECISIONS:
-            raise ValueError(f"`teacher_precision`={teacher_precision!r} is unknown; choose from {list(TEACHER_PRECISIONS)}")
-        if temperature <= 0:
-            raise ValueError(f"`temperature` must be > 0, got {temperature}")
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"`alpha` must be in [0, 1] (weight of the distillation term), got {alpha}")
-        if hint_layers and teacher_cache is not None:
-            raise ValueError("`hint_layers` need the live teacher's features; they cannot be used with `teacher_cache`")
-        if cache_top_k is not None and cache_top_k <= 0:
-            raise ValueError(f"`cache_top_k` must be a positive int or None, got {cache_top_k}")
-        get_loss(loss)  # raises for an unknown name
+        self.config = DistillationConfig(  # every check of the loss arguments is the config's (#27)
+            loss=loss,
+            temperature=temperature,
+            alpha=alpha,
+            hint_layers=hint_layers,
+            hint_weight=hint_weight,
+            teacher_precision=teacher_precision,
+            teacher_cache=teacher_cache,
+            cache_top_k=cache_top_k,
+            cache_dtype=cache_dtype,
+            ignore_index=ignore_index,
+        )
         self.save_hyperparameters(ignore=["student", "teacher"])
         self.student = student
         # plain lists: the teacher (and its source) must never become a registered child
@@ -346,41 +344,18 @@ class DistillationModule(L.LightningModule):
         Returns:
             ``{"loss": total, "logit_loss": ..., "hint_loss": ...}`` (``hint_loss`` only with hints).
         """
-        if isinstance(student_logits, DeferredLogits):  # ChunkedCrossEntropy: the KD term in chunks
-            if self.hparams.loss != "kd":
-                raise ValueError(
-                    f"`loss`={self.hparams.loss!r} needs the student's whole logits, which ChunkedCrossEntropy does not "
-                    "compute in training; use loss='kd' (computed in chunks) or drop ChunkedCrossEntropy"
-                )
-            from lightning_lowmem.distillation.chunked import chunked_kd_loss
-
-            logit_loss = chunked_kd_loss(
-                student_logits, teacher_logits, targets, temperature=self.hparams.temperature, alpha=self.hparams.alpha,
-                ignore_index=self.hparams.ignore_index, mask=mask, hard_loss=student_loss,
-            )  # fmt: skip
-        else:
-            logit_loss = call_loss(
-                get_loss(self.hparams.loss),
-                student_logits,
-                teacher_logits,
-                targets,
-                temperature=self.hparams.temperature,
-                alpha=self.hparams.alpha,
-                ignore_index=self.hparams.ignore_index,
-                mask=mask,
-                hard_loss=student_loss,
-            )
-        losses = {"logit_loss": logit_loss, "loss": logit_loss}
-        if self.hparams.hint_layers:
-            hint = sum(
-                feature_loss(
-                    student_features[s_name], teacher_features[t_name], self.hint_adapters[self._adapter_key(s_name)]
-                )
-                for s_name, t_name in self.hparams.hint_layers.items()
-            )
-            losses["hint_loss"] = hint
-            losses["loss"] = logit_loss + self.hparams.hint_weight * hint
-        return losses
+        hints = self.config.hints
+        return distillation_losses(
+            self.config,
+            student_logits,
+            teacher_logits,
+            targets,
+            mask=mask,
+            student_loss=student_loss,
+            student_features=student_features,
+            teacher_features=teacher_features,
+            adapters={name: self.hint_adapters[self._adapter_key(name)] for name in hints},
+        )
 
     def _student_step(self, batch: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         output = self.call_model(self.student, batch, "student")

@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "MicrobatchConfig": "lightning_lowmem.functional.config",
     "LoRAConfig": "lightning_lowmem.functional.config",
     "QuantizationConfig": "lightning_lowmem.functional.config",
+    "PruningConfig": "lightning_lowmem.functional.config",
+    "QATConfig": "lightning_lowmem.functional.config",
     "ShardingConfig": "lightning_lowmem.functional.config",
     "CrossEntropyConfig": "lightning_lowmem.functional.config",
     "apply": "lightning_lowmem.functional.applied",
@@ -69,6 +71,7 @@ _EXPORTS: dict[str, str] = {
     "prepare_qat_": "lightning_lowmem.functional.quantization",
     "convert_qat_": "lightning_lowmem.functional.quantization",
     "compile_inference": "lightning_lowmem.functional.quantization",
+    "quantize_within_tolerance": "lightning_lowmem.functional.quantization",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -84,6 +87,8 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
         MicrobatchConfig,
         OptimizerConfig,
         PrecisionConfig,
+        PruningConfig,
+        QATConfig,
         QuantizationConfig,
         ShardingConfig,
         TrainingConfig,
@@ -103,4 +108,5 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
         prepare_qat_,
         quantize_,
         quantize_static,
+        quantize_within_tolerance,
     )

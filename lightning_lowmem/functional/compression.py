@@ -20,17 +20,28 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
 from lightning_lowmem import _compat
 
+if TYPE_CHECKING:
+    from lightning_lowmem.functional.config.techniques import CompressionConfig
+
 __all__ = ["COMPRESSION_MODES", "CompressionStats", "compress_activations", "exact_activations"]
 
-COMPRESSION_MODES: tuple[str, ...] = ("bf16", "int8", "cpu")
-DEFAULT_MIN_BYTES = 1 << 16  # 64 KiB: below this the bookkeeping costs more than it saves
+
+def __getattr__(name: str) -> Any:
+    """``COMPRESSION_MODES`` and ``DEFAULT_MIN_BYTES`` (the old name of ``COMPRESSION_MIN_BYTES``) live in
+    :mod:`lightning_lowmem.functional.config.constants`; read lazily, since importing the config package here
+    at import time would run ``functional/config/__init__`` (which imports this module) half-way."""
+    if name in ("COMPRESSION_MODES", "DEFAULT_MIN_BYTES"):
+        from lightning_lowmem.functional.config import constants
+
+        return constants.COMPRESSION_MODES if name == "COMPRESSION_MODES" else constants.COMPRESSION_MIN_BYTES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _local = threading.local()
 
@@ -224,7 +235,7 @@ class _Packer:
 
 @contextlib.contextmanager
 def compress_activations(
-    mode: str = "int8", min_bytes: int = DEFAULT_MIN_BYTES, stats: CompressionStats | None = None
+    mode: str | CompressionConfig = "int8", min_bytes: int | None = None, stats: CompressionStats | None = None
 ) -> Iterator[CompressionStats]:
     """Store the tensors saved for backward inside this block compressed (or offloaded).
 
@@ -233,15 +244,18 @@ def compress_activations(
     all (only the checkpointed region's inputs are, and those are compressed).
 
     Args:
-        mode: ``"bf16"``, ``"int8"`` or ``"cpu"`` (see the module docstring). Default: ``"int8"``.
-        min_bytes: tensors smaller than this are kept as they are. Default: 65536 (64 KiB).
+        mode: a :class:`~lightning_lowmem.functional.config.CompressionConfig`, or its shorthand: ``"bf16"``,
+            ``"int8"`` or ``"cpu"`` (see the module docstring), which builds one with ``min_bytes``.
+            Default: ``"int8"``.
+        min_bytes: with a mode name, tensors smaller than this are kept as they are. Default: ``None``:
+            :data:`~lightning_lowmem.functional.config.constants.COMPRESSION_MIN_BYTES` (64 KiB).
         stats: a :class:`CompressionStats` to add counts to (e.g. one per training run). Default: a new one.
 
     Yields:
         The :class:`CompressionStats` being filled.
 
     Raises:
-        ValueError: ``mode`` is unknown or ``min_bytes`` is negative.
+        ValueError: ``mode`` is unknown or ``min_bytes`` is negative (the config's checks).
         TypeError: ``min_bytes`` is not an int.
 
     Example::
@@ -253,13 +267,14 @@ def compress_activations(
         >>> stats.packed, stats.ratio
         (4, 2.0)
     """
-    if mode not in COMPRESSION_MODES:
-        raise ValueError(f"`mode`={mode!r} is unknown; choose one of {list(COMPRESSION_MODES)}")
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
-        raise TypeError(f"`min_bytes` must be an int (bytes), got {type(min_bytes).__name__}: {min_bytes!r}")
-    if min_bytes < 0:
-        raise ValueError(f"`min_bytes`={min_bytes} must be >= 0 (0 packs every float tensor)")
+    from lightning_lowmem.functional.config.techniques import CompressionConfig
+
+    if not isinstance(mode, CompressionConfig):
+        mode = CompressionConfig(mode) if min_bytes is None else CompressionConfig(mode, min_bytes)
+    elif min_bytes is not None:
+        raise ValueError(f"`min_bytes`={min_bytes!r} is given beside a CompressionConfig; set it in the config")
+    config = mode
     stats = stats if stats is not None else CompressionStats()
-    packer = _Packer(mode, min_bytes, stats)
+    packer = _Packer(config.mode, config.min_bytes, stats)
     with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
         yield stats

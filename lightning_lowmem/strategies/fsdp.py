@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_lowmem import _compat
 from lightning_lowmem.functional.config import OptimizerConfig
+from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.strategies._options import _LowMemoryOptions, precision_plugin, validate_precision
 
 __all__ = ["LowMemoryFSDPStrategy"]
@@ -93,7 +94,7 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
         memory_budget: int | str | None = None,
         optimizer: str | OptimizerConfig | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
-        compression_min_bytes: int = 65536,
+        compression_min_bytes: int = COMPRESSION_MIN_BYTES,
         expandable_segments: bool | None = None,
         prefetch: bool = False,
         zero_optimizer: bool = False,

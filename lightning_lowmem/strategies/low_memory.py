@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from typing_extensions import override
 
 from lightning_lowmem.functional.config import OptimizerConfig
+from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.strategies._options import (
     PRECISION_PRESETS,
     _LowMemoryOptions,
@@ -76,7 +77,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         optimizer_kwargs: with ``optimizer=None``, the configured optimizer's arguments for the
             ``memory_budget`` planner. Deprecated with a named ``optimizer`` (a ``DeprecationWarning``): give
             ``OptimizerConfig(name, **hyperparameters)`` instead. Default: ``None``.
-        compression_min_bytes: saved tensors smaller than this are not compressed. Default: 65536.
+        compression_min_bytes: saved tensors smaller than this are not compressed. Default: ``COMPRESSION_MIN_BYTES`` (64 KiB).
         expandable_segments: set the CUDA allocator's ``expandable_segments`` before CUDA initialises
             (``None``: leave it). Default: ``None``.
         prefetch: copy the next batch to the GPU on a side stream while this one trains (CUDA only).
@@ -107,7 +108,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         zero_optimizer: bool = False,
         optimizer: str | OptimizerConfig | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
-        compression_min_bytes: int = 65536,
+        compression_min_bytes: int = COMPRESSION_MIN_BYTES,
         expandable_segments: bool | None = None,
         prefetch: bool = False,
         **kwargs: Any,
@@ -191,7 +192,7 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
         bucket_cap_mb: float = 25,
         optimizer: str | OptimizerConfig | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
-        compression_min_bytes: int = 65536,
+        compression_min_bytes: int = COMPRESSION_MIN_BYTES,
         expandable_segments: bool | None = None,
         prefetch: bool = False,
         **kwargs: Any,

@@ -82,6 +82,37 @@ def test_tight_tolerance_keeps_sensitive_layer_float(tiny_trainer_kwargs):
     assert 0 < drop <= 2.5
 
 
+def test_the_search_is_the_functional_workflow(tiny_trainer_kwargs, monkeypatch):
+    """#27: the callback decides when and supplies `evaluate` (its validation_step); quantize_within_tolerance
+    does the work, and on a plain module with a plain evaluate it chooses the same layers."""
+    import lightning_lowmem.callbacks.post_training_quantization as ptq_callback
+    from lightning_lowmem.functional.config import QuantizationConfig
+    from lightning_lowmem.functional.quantization.tolerance import quantize_within_tolerance
+
+    calls = []
+
+    def spy(module, config, evaluate, tolerance, **kwargs):
+        calls.append((config, tolerance, kwargs["higher_is_better"]))
+        return quantize_within_tolerance(module, config, evaluate, tolerance, **kwargs)
+
+    monkeypatch.setattr(ptq_callback, "quantize_within_tolerance", spy)
+    callback = PostTrainingQuantization("intx4_weight_only", monitor="val_err", monitor_mode="min", tolerance=2.5)
+    fit(callback, tiny_trainer_kwargs)
+    assert calls == [(QuantizationConfig("intx4_weight_only"), 2.5, False)]
+    assert callback.summary["kept_float"] == ["fc2"]
+
+    plain = ErrorModule()  # no Trainer: the same metric, computed by hand
+    inputs, targets = plain.data.tensors
+
+    def val_err(module):
+        with torch.no_grad():
+            return float(F.mse_loss(module(inputs), targets))
+
+    outcome = quantize_within_tolerance(plain, "intx4_weight_only", val_err, 2.5, higher_is_better=False)
+    assert outcome.met and outcome.quantized == ["fc1"] and outcome.kept_float == ["fc2"]
+    assert outcome.sensitivity == pytest.approx({"fc1": 1.8, "fc2": 2.1}, abs=0.3)  # the drops the test above measured
+
+
 def test_zero_tolerance_refuses_and_leaves_model_float(tiny_trainer_kwargs):
     callback = PostTrainingQuantization("intx4_weight_only", monitor="val_err", monitor_mode="min", tolerance=0.0)
     with pytest.warns(LowMemWarning, match="no configuration keeps 'val_err' within tolerance"):

@@ -203,3 +203,22 @@ def test_estimate_memory_uses_the_same_transforms():
     )
     assert plain.breakdown["activations"] >= 2.5 * int8.breakdown["activations"]
     assert int8.breakdown["activations"] > both.breakdown["activations"]
+
+
+def test_compress_activations_takes_its_config_and_validates_only_through_it():
+    """#27: the mode name is a shorthand that builds a CompressionConfig; the errors are the config's."""
+    from lightning_lowmem.functional.config import COMPRESSION_MIN_BYTES, CompressionConfig
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    with compress_activations(CompressionConfig("bf16", min_bytes=0)) as stats:
+        mlp(torch.randn(128, 256)).square().mean().backward()
+    assert (stats.packed, stats.ratio) == (4, 2.0)
+    with compress_activations("bf16") as stats:  # default min_bytes: the 16 KiB activations stay exact
+        mlp(torch.randn(4, 256)).square().mean().backward()
+    assert stats.packed == 0 and COMPRESSION_MIN_BYTES == 65536
+    with pytest.raises(ValueError, match=r"`mode`='int4' is unknown; choose one of \['bf16', 'int8', 'cpu'\]"):
+        with compress_activations("int4"):
+            pass
+    with pytest.raises(ValueError, match=r"`min_bytes`=5 is given beside a CompressionConfig; set it in the config"):
+        with compress_activations(CompressionConfig("int8"), min_bytes=5):
+            pass

@@ -20,6 +20,16 @@ Example::
     'bf16-true + ckpt(auto) + adamw8bit'
 """
 
+from lightning_lowmem.functional.config.constants import (
+    COMPRESSION_MIN_BYTES,
+    COMPRESSION_MODES,
+    GROUP_SIZE,
+    PRUNING_METHODS,
+    QAT_MODES,
+    QUANTIZATION_MODES,
+)
+from lightning_lowmem.functional.config.pruning import PruningConfig
+from lightning_lowmem.functional.config.qat import QATConfig
 from lightning_lowmem.functional.config.techniques import (
     CROSS_ENTROPY_MODES,
     PRECISIONS,
@@ -37,7 +47,13 @@ from lightning_lowmem.functional.config.techniques import (
 from lightning_lowmem.functional.config.training import TrainingConfig
 
 __all__ = [
+    "COMPRESSION_MIN_BYTES",
+    "COMPRESSION_MODES",
     "CROSS_ENTROPY_MODES",
+    "GROUP_SIZE",
+    "PRUNING_METHODS",
+    "QAT_MODES",
+    "QUANTIZATION_MODES",
     "PRECISIONS",
     "SHARDINGS",
     "CheckpointingConfig",
@@ -47,6 +63,8 @@ __all__ = [
     "MicrobatchConfig",
     "OptimizerConfig",
     "PrecisionConfig",
+    "PruningConfig",
+    "QATConfig",
     "QuantizationConfig",
     "ShardingConfig",
     "TrainingConfig",

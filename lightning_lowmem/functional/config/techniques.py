@@ -10,7 +10,12 @@ from typing import Any, Mapping
 
 import torch
 
-from lightning_lowmem.functional.compression import COMPRESSION_MODES, DEFAULT_MIN_BYTES
+from lightning_lowmem.functional.config.constants import (
+    COMPRESSION_MIN_BYTES,
+    COMPRESSION_MODES,
+    GROUP_SIZE,
+    QUANTIZATION_MODES,
+)
 
 __all__ = [
     "PRECISIONS",
@@ -120,11 +125,11 @@ class CompressionConfig:
 
     Args:
         mode: ``"bf16"``, ``"int8"`` or ``"cpu"``. Default: ``"int8"``.
-        min_bytes: saved tensors smaller than this stay exact. Default: 65536.
+        min_bytes: saved tensors smaller than this stay exact. Default: :data:`COMPRESSION_MIN_BYTES` (64 KiB).
     """
 
     mode: str = "int8"
-    min_bytes: int = DEFAULT_MIN_BYTES
+    min_bytes: int = COMPRESSION_MIN_BYTES
 
     def __post_init__(self) -> None:
         if self.mode not in COMPRESSION_MODES:
@@ -326,26 +331,41 @@ class LoRAConfig:
 
 @dataclass(frozen=True, eq=False)
 class QuantizationConfig:
-    """Weight quantization: a mode name of :data:`lightning_lowmem.functional.quantization.MODES` or a torchao
-    config object (e.g. ``Int8WeightOnlyConfig(group_size=64)``).
+    """Weight quantization: a mode name of :data:`~lightning_lowmem.functional.config.QUANTIZATION_MODES` or a
+    torchao config object (e.g. ``Int8WeightOnlyConfig(group_size=64)``).
+
+    The one place a quantization mode and a group size are checked: ``quantize_``, ``quantizable_layers``,
+    ``PostTrainingQuantization`` and :class:`~lightning_lowmem.functional.config.QATConfig` build one.
 
     Args:
         mode: the mode name or the torchao config. Two configs are equal when their names (or the torchao
-            configs' ``repr``) are.
-        group_size: group size for the grouped modes. Default: 32.
+            configs' ``repr``) are. Default: ``"int8_weight_only"``.
+        group_size: group length of the grouped (int4) modes, an int >= 1.
+            Default: :data:`~lightning_lowmem.functional.config.GROUP_SIZE` (32).
+
+    Raises:
+        ValueError: an unknown mode name (with a did-you-mean), a bad ``group_size``.
+        TypeError: ``mode`` neither a name nor a torchao config object.
+
+    Example::
+
+        >>> QuantizationConfig("intx4_weight_only", group_size=64).grouped
+        True
+        >>> QuantizationConfig("int8_weight_onyl")
+        Traceback (most recent call last):
+        ...
+        ValueError: `mode`='int8_weight_onyl' is not a known quantization mode; ... Did you mean 'int8_weight_only'?
     """
 
     mode: Any = "int8_weight_only"
-    group_size: int = 32
+    group_size: int = GROUP_SIZE
 
     def __post_init__(self) -> None:
         if isinstance(self.mode, str):
-            from lightning_lowmem.functional.quantization.modes import MODES
-
-            if self.mode not in MODES:
+            if self.mode not in QUANTIZATION_MODES:
                 raise ValueError(
-                    f"`quantization`={self.mode!r} is not a known quantization mode; choose one of {list(MODES)} "
-                    f"or pass a torchao config object.{_did_you_mean(self.mode, tuple(MODES))}"
+                    f"`mode`={self.mode!r} is not a known quantization mode; choose one of {list(QUANTIZATION_MODES)} "
+                    f"or pass a torchao config object.{_did_you_mean(self.mode, tuple(QUANTIZATION_MODES))}"
                 )
         elif not type(self.mode).__module__.startswith("torchao"):
             raise TypeError(
@@ -353,11 +373,16 @@ class QuantizationConfig:
                 f"Int8WeightOnlyConfig()), got {type(self.mode).__name__}: {self.mode!r}"
             )
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"`group_size` must be an int >= 1 (e.g. 32, 64, 128), got {self.group_size!r}")
+            raise ValueError(f"`group_size` must be a positive int (e.g. 32, 64, 128), got {self.group_size!r}")
 
     @property
     def name(self) -> str:
         return self.mode if isinstance(self.mode, str) else type(self.mode).__name__
+
+    @property
+    def grouped(self) -> bool:
+        """The mode stores int4 values in groups of ``group_size`` inputs (a layer's width must divide)."""
+        return self.mode in ("int4_weight_only", "intx4_weight_only")
 
     def _key(self) -> tuple:
         return (self.mode if isinstance(self.mode, str) else repr(self.mode), self.group_size)
@@ -367,6 +392,33 @@ class QuantizationConfig:
 
     def __hash__(self) -> int:
         return hash(self._key())
+
+    @classmethod
+    def of(cls, mode: Any, group_size: int = GROUP_SIZE) -> QuantizationConfig:
+        """``mode`` itself when it is a config, else ``QuantizationConfig(mode, group_size)``: how the functional
+        entry points take a config or its flat shorthand (``quantize_(model, "int8_weight_only", group_size=64)``).
+
+        Raises:
+            ValueError: ``group_size`` given beside a config (set it in the config), and the config's own checks.
+        """
+        if not isinstance(mode, QuantizationConfig):
+            return cls(mode, group_size)
+        if group_size != GROUP_SIZE and group_size != mode.group_size:
+            raise ValueError(f"`group_size`={group_size!r} is given beside a QuantizationConfig; set it in the config")
+        return mode
+
+    def mode_name(self, owner: str) -> str:
+        """``mode`` as a name, for the entry points that dispatch on it.
+
+        Raises:
+            TypeError: ``mode`` is a torchao config object, which ``owner`` cannot run.
+        """
+        if not isinstance(self.mode, str):
+            raise TypeError(
+                f"{owner} takes a mode name of {list(QUANTIZATION_MODES)}, got the torchao config {self.mode!r}; "
+                "apply it with torchao.quantization.quantize_(model, config)"
+            )
+        return self.mode
 
     def torchao_config(self) -> Any:
         """The torchao config this stands for."""

@@ -95,7 +95,7 @@ def quantize_base_layers_(module: nn.Module, layers: dict[str, nn.Linear], quant
     """Quantize the base weights of ``layers`` (qualified name -> adapter layer of ``module``), frozen."""
     from torchao.quantization import quantize_
 
-    from lightning_lowmem.functional.quantization.ptq import drop_zero_point
+    from lightning_lowmem.functional.quantization.modes import drop_zero_point
 
     for name, layer in layers.items():  # one config per layer: int4's group size depends on in_features
         config = torchao_config(quantize_base, layer.in_features)
@@ -132,7 +132,7 @@ def quantize_frozen_(module: nn.Module, quantize_base: str, adapter_type: type[n
     """Quantize the frozen, unshared weights of plain linear layers and embedding tables (not adapters)."""
     from torchao.quantization import quantize_
 
-    from lightning_lowmem.functional.quantization.ptq import embedding_config
+    from lightning_lowmem.functional.quantization.modes import embedding_config
 
     owners: dict[int, int] = {}
     for sub in module.modules():

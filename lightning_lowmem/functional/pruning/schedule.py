@@ -1,4 +1,5 @@
-"""When a pruning run prunes: the argument checks and the step-schedule bookkeeping of ``ScheduledPruning``.
+"""When a pruning run prunes: the argument checks :class:`~lightning_lowmem.functional.config.PruningConfig` runs
+and the step-schedule bookkeeping of ``ScheduledPruning``.
 
 :class:`PruningSchedule` holds the window (``start_step``, ``end_step``, ``frequency``) and the
 ``step -> sparsity`` function of a step-mode run; ``end_step=None`` is resolved later, once the run's
@@ -13,7 +14,7 @@ from typing import Any, Callable, Union
 
 from torch.nn.utils import prune as torch_prune
 
-from lightning_lowmem.functional.pruning.unstructured import METHODS
+from lightning_lowmem.functional.config.constants import PRUNING_METHODS as METHODS
 from lightning_lowmem.schedules import SCHEDULES, build_schedule
 
 __all__ = ["PruningSchedule", "check_amount", "check_start_step", "method_name"]
@@ -22,7 +23,7 @@ _TORCH_FUNCTION_NAMES = ("l1_unstructured", "random_unstructured", "ln_structure
 Amount = Union[int, float, Callable[[int], Union[int, float]]]
 
 
-def method_name(pruning_fn: Any) -> Any:
+def method_name(pruning_fn: Any, argument: str = "pruning_fn") -> Any:
     """Map ``torch.nn.utils.prune.l1_unstructured`` (the function) to its name; keep strings/classes.
 
     Raises:
@@ -38,14 +39,14 @@ def method_name(pruning_fn: Any) -> Any:
     if isinstance(pruning_fn, str):
         name = pruning_fn.lower()
         if name not in METHODS:
-            raise ValueError(f"`pruning_fn`={pruning_fn!r} is unknown; choose one of {list(METHODS)}")
+            raise ValueError(f"`{argument}`={pruning_fn!r} is unknown; choose one of {list(METHODS)}")
         return name
     if isinstance(pruning_fn, type) and issubclass(pruning_fn, torch_prune.BasePruningMethod):
         return pruning_fn
     if callable(pruning_fn) and getattr(pruning_fn, "__name__", None) in _TORCH_FUNCTION_NAMES:
         return pruning_fn.__name__
     raise TypeError(
-        f"`pruning_fn`={pruning_fn!r} must be one of {list(METHODS)}, a torch.nn.utils.prune function of those"
+        f"`{argument}`={pruning_fn!r} must be one of {list(METHODS)}, a torch.nn.utils.prune function of those"
         " names, or a torch.nn.utils.prune.BasePruningMethod subclass"
     )
 

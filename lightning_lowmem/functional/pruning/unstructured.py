@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.config.constants import PRUNING_METHODS
 from lightning_lowmem.functional.pruning.masks import (
     MASK_SUFFIX,
     FilterFn,
@@ -43,6 +44,9 @@ from lightning_lowmem.functional.pruning.masks import (
 from lightning_lowmem.functional.pruning.sparse_format import from_sparse_state_dict, to_sparse_state_dict
 from lightning_lowmem.warnings import NoEffectWarning
 
+if TYPE_CHECKING:
+    from lightning_lowmem.functional.config.pruning import PruningConfig
+
 __all__ = [
     "METHODS",
     "PruningReport",
@@ -62,7 +66,7 @@ __all__ = [
     "weight_dims",
 ]
 
-METHODS = ("l1_unstructured", "random_unstructured", "ln_structured", "random_structured", "nm")
+METHODS = PRUNING_METHODS  # the name this module always exported
 Amount = Union[int, float]
 
 
@@ -79,15 +83,6 @@ class PruningReport:
     num_pruned: int = 0
     num_prunable: int = 0
     mask_bytes: int = 0
-
-
-def _check_amount(amount: Any) -> None:
-    if isinstance(amount, bool) or not isinstance(amount, (int, float)):
-        raise TypeError(f"`amount`={amount!r} must be a float in [0, 1] or an int >= 0, got {type(amount).__name__}")
-    if isinstance(amount, int) and amount < 0:
-        raise ValueError(f"`amount`={amount} must be >= 0 when an int (an absolute number of weights to prune)")
-    if isinstance(amount, float) and not 0.0 <= amount <= 1.0:
-        raise ValueError(f"`amount`={amount} must be in [0, 1] when a float (a fraction of the weights to prune)")
 
 
 def _num_to_prune(amount: Amount, total: int, already: int, relative: bool) -> int:
@@ -129,22 +124,10 @@ def _nm_mask(weight: torch.Tensor, mask: torch.Tensor, in_dim: int, n: int, m: i
     return keep.reshape(w.shape).movedim(-1, in_dim)
 
 
-def _validate(method: Any, n: int, m: int, dim: int | None, norm: float) -> None:
-    if isinstance(method, str) and method not in METHODS:
-        raise ValueError(f"`method`={method!r} is unknown; choose one of {list(METHODS)}")
-    if method == "nm":
-        if not (isinstance(n, int) and isinstance(m, int)) or n < 1 or m < 2 or n >= m:
-            raise ValueError(f"N:M pruning needs ints 1 <= n < m, got n={n!r}, m={m!r} (e.g. n=2, m=4)")
-    if dim is not None and not isinstance(dim, int):
-        raise TypeError(f"`dim`={dim!r} must be an int or None (None: the output-channel dim of each module)")
-    if not isinstance(norm, (int, float)) or norm <= 0:
-        raise ValueError(f"`norm`={norm!r} must be a number > 0 (e.g. 1 or 2; float('inf') allowed)")
-
-
 @torch.no_grad()
 def prune_(
     module: nn.Module,
-    target_sparsity: Amount,
+    target_sparsity: Amount | PruningConfig,
     method: str | type = "l1_unstructured",
     *,
     global_: bool = False,
@@ -161,11 +144,17 @@ def prune_(
 ) -> PruningReport:
     """Compute ``bool`` masks reaching ``target_sparsity`` and zero the pruned weights, in place.
 
+    The arguments are a :class:`~lightning_lowmem.functional.config.PruningConfig` (pass it as
+    ``target_sparsity``: the config's method, parameter names, ``use_global_unstructured`` (not for ``"nm"``),
+    ``n``/``m``, ``pruning_dim``/``pruning_norm``, ``prune_embeddings`` and ``seed`` apply, pruning to its
+    ``final_sparsity``), or its flat shorthand below, which builds one (every check is the config's).
+    ``filter_fn``, ``parameters_to_prune`` pairs, ``relative`` and ``generator`` belong to the call.
+
     Args:
         module: the model to prune.
-        target_sparsity: float in [0, 1] = fraction of weights (structured: of channels) pruned after the
-            call; int = that number of weights (channels) per tensor, or in total when ``global_``.
-            Ignored by ``"nm"``, whose sparsity is ``1 - n/m``.
+        target_sparsity: a ``PruningConfig``, or a float in [0, 1] = fraction of weights (structured: of
+            channels) pruned after the call; int = that number of weights (channels) per tensor, or in total
+            when ``global_``. Ignored by ``"nm"``, whose sparsity is ``1 - n/m``.
         method: one of :data:`METHODS`, or a ``torch.nn.utils.prune.BasePruningMethod`` subclass
             (local only; its float mask is turned into a bool one). Default: ``"l1_unstructured"``.
         global_: rank weights (or channels, by norm per element) across all targets. Default: ``False``.
@@ -185,7 +174,8 @@ def prune_(
         A :class:`PruningReport`.
 
     Raises:
-        ValueError: unknown method, bad ``amount``, ``n >= m``, a parameter name no module has.
+        ValueError: unknown method, bad ``amount``, ``n >= m``, a parameter name no module has; shorthand
+            arguments beside a config.
         TypeError: ``target_sparsity`` / ``dim`` of the wrong type.
 
     Example::
@@ -193,10 +183,47 @@ def prune_(
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> prune_(model, 0.75, global_=True).sparsity
         0.75
+        >>> from lightning_lowmem.functional.config import PruningConfig
+        >>> prune_(nn.Linear(8, 8), PruningConfig(target_sparsity=0.5, parameter_names=["weight"])).sparsity
+        0.5
     """
-    _validate(method, n, m, dim, norm)
-    if method != "nm":
-        _check_amount(target_sparsity)
+    from lightning_lowmem.functional.config.pruning import PruningConfig
+
+    if isinstance(target_sparsity, PruningConfig):
+        shorthand = dict(method=method, global_=global_, parameter_names=tuple(parameter_names), n=n, m=m, dim=dim)
+        shorthand["norm"] = norm
+        shorthand["embeddings"] = embeddings
+        defaults = dict(method="l1_unstructured", global_=False, parameter_names=("weight",), n=2, m=4, norm=1)
+        defaults.update(dim=None, embeddings=False)
+        given = sorted(name for name, value in shorthand.items() if value != defaults[name])
+        if given:
+            raise ValueError(f"`{'`, `'.join(given)}` given beside a PruningConfig; set them in the config (one place)")
+        config = target_sparsity
+        if generator is None and config.pruning_fn in ("random_unstructured", "random_structured"):
+            generator = torch.Generator().manual_seed(config.seed)
+        global_ = config.use_global_unstructured and isinstance(config.pruning_fn, str) and config.pruning_fn != "nm"
+        if parameters_to_prune is None and config.parameters_to_prune:  # "fqn.param" strings or (module, name) pairs
+            pairs = [entry.rpartition(".") if isinstance(entry, str) else entry for entry in config.parameters_to_prune]
+            parameters_to_prune = [(module.get_submodule(p[0]), p[2]) if len(p) == 3 else p for p in pairs]
+    else:
+        config = PruningConfig(
+            method=method,
+            amount=target_sparsity,
+            use_global_unstructured=global_,
+            parameter_names=list(parameter_names),
+            pruning_dim=dim,
+            pruning_norm=norm,
+            n=n,
+            m=m,
+            prune_embeddings=embeddings,
+        )
+    if callable(config.final_sparsity):
+        raise TypeError(
+            f"`amount`={config.final_sparsity!r} must be a float in [0, 1] or an int >= 0 here; a callable(epoch) "
+            "amount is ScheduledPruning's per-epoch rule"
+        )
+    method, target_sparsity, parameter_names = config.pruning_fn, config.final_sparsity, config.names
+    n, m, dim, norm, embeddings = config.n, config.m, config.pruning_dim, config.norm, config.prune_embeddings
     targets = collect_prunable(module, parameter_names, filter_fn, parameters_to_prune, embeddings=embeddings)
     if not targets:
         warnings.warn("prune_ matched no parameter: nothing was pruned", NoEffectWarning, stacklevel=2)

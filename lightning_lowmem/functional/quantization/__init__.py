@@ -1,7 +1,8 @@
 """Quantization: post-training (weight-only and dynamic, ``ptq``), static int8 through PT2E (``static``),
 quantization-aware training (``qat``), the torchao configs behind each mode name (``modes``), layer
 selection and Hugging Face ``Conv1D`` conversion (``layers``), portable checkpoints of quantized weights
-(``serialization``), the per-layer float fallback search (``search``) and inference compilation (``compile``).
+(``serialization``), the per-layer float fallback search (``search``), quantizing within a metric tolerance
+(``tolerance``) and inference compilation (``compile``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "QAT_MODES": "lightning_lowmem.functional.quantization.qat",
     "QuantizationReport": "lightning_lowmem.functional.quantization.ptq",
     "StaticInt8Module": "lightning_lowmem.functional.quantization.static",
+    "ToleranceReport": "lightning_lowmem.functional.quantization.tolerance",
     "ToleranceSearchResult": "lightning_lowmem.functional.quantization.search",
     "available_modes": "lightning_lowmem.functional.quantization.modes",
     "compile_inference": "lightning_lowmem.functional.quantization.compile",
@@ -28,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "quantizable_layers": "lightning_lowmem.functional.quantization.ptq",
     "quantize_": "lightning_lowmem.functional.quantization.ptq",
     "quantize_static": "lightning_lowmem.functional.quantization.static",
+    "quantize_within_tolerance": "lightning_lowmem.functional.quantization.tolerance",
     "search_float_fallback": "lightning_lowmem.functional.quantization.search",
     "torchao_config": "lightning_lowmem.functional.quantization.modes",
 }
@@ -51,3 +54,4 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
         search_float_fallback,
     )
     from lightning_lowmem.functional.quantization.static import StaticInt8Module, quantize_static
+    from lightning_lowmem.functional.quantization.tolerance import ToleranceReport, quantize_within_tolerance

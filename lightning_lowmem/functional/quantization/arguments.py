@@ -7,7 +7,9 @@ from typing import Sequence
 
 from torch import nn
 
-from lightning_lowmem.functional.quantization.modes import MODES, _include_embeddings
+from lightning_lowmem.functional.config.constants import GROUP_SIZE
+from lightning_lowmem.functional.config.techniques import QuantizationConfig
+from lightning_lowmem.functional.quantization.modes import _include_embeddings
 
 __all__ = ["check_ptq_arguments", "check_submodule"]
 
@@ -23,12 +25,17 @@ def check_ptq_arguments(
     module_name: str | None = None,
     calibration_batches: int = 8,
     compile: bool = False,
-) -> None:
+    group_size: int = GROUP_SIZE,
+) -> QuantizationConfig:
     """Raise if the post-training quantization arguments do not go together (same names and defaults as
-    :class:`~lightning_lowmem.callbacks.PostTrainingQuantization`).
+    :class:`~lightning_lowmem.callbacks.PostTrainingQuantization`). The mode and the group size are checked
+    by the :class:`~lightning_lowmem.functional.config.QuantizationConfig` it builds, their one place.
+
+    Returns:
+        The :class:`~lightning_lowmem.functional.config.QuantizationConfig` of ``mode`` and ``group_size``.
 
     Raises:
-        ValueError: unknown ``mode`` / ``monitor_mode``, ``tolerance`` without ``monitor`` or < 0,
+        ValueError: unknown ``mode`` / ``monitor_mode``, a bad ``group_size``, ``tolerance`` without ``monitor`` or < 0,
             ``calibration_batches`` not an int > 0, ``int8_static`` without ``module_name`` or with
             ``embeddings=True``, ``module_name`` / ``compile`` with another mode.
         TypeError: ``skip_modules`` is a string, ``embeddings`` not a bool or ``None``.
@@ -36,13 +43,14 @@ def check_ptq_arguments(
     Example::
 
         >>> check_ptq_arguments("int8_dynamic", monitor="val_acc", tolerance=0.01)
+        QuantizationConfig(mode='int8_dynamic', group_size=32)
         >>> check_ptq_arguments("int8_static")
         Traceback (most recent call last):
         ...
         ValueError: `mode`='int8_static' needs `module_name`: ...
     """
-    if mode not in MODES:
-        raise ValueError(f"`mode`={mode!r} is not a known quantization mode; choose one of {list(MODES)}.")
+    config = QuantizationConfig(mode, group_size)
+    config.mode_name("PostTrainingQuantization")
     if mode == "int8_static" and not module_name:
         raise ValueError(
             "`mode`='int8_static' needs `module_name`: the submodule (e.g. 'model') to replace by its exported "
@@ -65,6 +73,7 @@ def check_ptq_arguments(
     if isinstance(skip_modules, str):
         raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
     _include_embeddings(mode, embeddings)  # validates it
+    return config
 
 
 def check_submodule(module: nn.Module, module_name: str) -> nn.Module:

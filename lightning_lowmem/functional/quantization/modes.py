@@ -7,11 +7,12 @@ inside the functions that need it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.config.constants import GROUP_SIZE, QUANTIZATION_MODES
 from lightning_lowmem.functional.quantization.serialization import keep_portable_
 
 __all__ = [
@@ -24,19 +25,7 @@ __all__ = [
     "torchao_config",
 ]
 
-MODES: dict[str, str] = {
-    "int8_dynamic": "int8 weights + int8 dynamic activations (torchao Int8DynamicActivationInt8WeightConfig)",
-    "int8_weight_only": "int8 weights, float activations (torchao Int8WeightOnlyConfig)",
-    "int4_weight_only": "packed int4 weights, bf16 activations (torchao Int4WeightOnlyConfig; CUDA only)",
-    "intx4_weight_only": "int4 values stored in int8 bytes (torchao IntxWeightOnlyConfig; any device)",
-    "int8_static": "int8 weights + calibrated static int8 activations (torchao pt2e, X86InductorQuantizer)",
-}
-
-
-def _check_mode(mode: str, allowed: Iterable[str] = MODES) -> None:
-    allowed = tuple(allowed)
-    if not isinstance(mode, str) or mode not in allowed:
-        raise ValueError(f"`mode`={mode!r} is not a known quantization mode; choose one of {list(allowed)}.")
+MODES = QUANTIZATION_MODES  # the mode names and what each is (functional/config/constants.py)
 
 
 def _unsupported_reason(mode: str, device: str) -> str | None:
@@ -84,9 +73,19 @@ def _require_torchao() -> None:
     require("torchao", "quantization")
 
 
-def torchao_config(mode: str, *, group_size: int = 32) -> Any:
-    """The torchao config object behind ``mode`` (not for ``"int8_static"``)."""
-    _check_mode(mode, [m for m in MODES if m != "int8_static"])
+def _not_in_place(mode: str) -> ValueError:
+    return ValueError(
+        f"`mode`={mode!r} has no torchao config: choose one of {[m for m in MODES if m != 'int8_static']} "
+        "(int8_static goes through quantize_static; validate user input with QuantizationConfig(mode) first)"
+    )
+
+
+def torchao_config(mode: str, *, group_size: int = GROUP_SIZE) -> Any:
+    """The torchao config object behind ``mode`` (not for ``"int8_static"``).
+
+    ``mode`` and ``group_size`` are taken as validated: user input goes through
+    :class:`~lightning_lowmem.functional.config.QuantizationConfig` (``QuantizationConfig(mode).torchao_config()``),
+    the one place the mode and the group size are checked."""
     _require_torchao()
     import torchao.quantization as tq
     from torchao.quantization.granularity import PerGroup
@@ -99,14 +98,18 @@ def torchao_config(mode: str, *, group_size: int = 32) -> Any:
         from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
 
         return tq.Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
-    return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+    if mode == "intx4_weight_only":
+        return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+    raise _not_in_place(mode)
 
 
-def embedding_config(mode: str, *, group_size: int = 32) -> Any:
+def embedding_config(mode: str, *, group_size: int = GROUP_SIZE) -> Any:
     """The torchao config ``mode`` applies to ``nn.Embedding`` tables (weight-only: a lookup has no
     activations to quantize): int8 per row for the int8 modes, int4 values in groups of ``group_size``
-    (stored one per int8 byte) for the int4 modes. Not for ``"int8_static"``."""
-    _check_mode(mode, [m for m in MODES if m != "int8_static"])
+    (stored one per int8 byte) for the int4 modes. Not for ``"int8_static"``; ``mode`` is taken as validated
+    (see :func:`torchao_config`)."""
+    if mode not in MODES or mode == "int8_static":
+        raise _not_in_place(mode)
     _require_torchao()
     import torchao.quantization as tq
     from torchao.quantization.granularity import PerAxis, PerGroup

@@ -44,6 +44,8 @@ import torch
 from torch import nn
 
 from lightning_lowmem.functional.attention import left_alone_message, mha_out_projections
+from lightning_lowmem.functional.config.constants import GROUP_SIZE
+from lightning_lowmem.functional.config.techniques import QuantizationConfig
 from lightning_lowmem.functional.quantization.layers import (
     check_patterns,
     convert_conv1d_,
@@ -54,7 +56,6 @@ from lightning_lowmem.functional.quantization.layers import (
 )
 from lightning_lowmem.functional.quantization.modes import (  # re-exported: part of this module's API
     MODES,
-    _check_mode,
     _include_embeddings,
     _needs_group,
     _unsupported_reason,
@@ -118,11 +119,11 @@ def warn_mha_left_float(module: nn.Module, what: str, stacklevel: int = 2) -> li
 
 def quantizable_layers(
     module: nn.Module,
-    mode: str = "int8_dynamic",
+    mode: str | QuantizationConfig = "int8_dynamic",
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     skip_modules: Sequence[str] = (),
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
     embeddings: bool | None = None,
 ) -> list[str]:
     """Fully-qualified names of the layers ``mode`` would quantize.
@@ -141,7 +142,8 @@ def quantizable_layers(
         >>> quantizable_layers(model), quantizable_layers(model, embeddings=False)
         (['0', '1', '2'], ['1'])
     """
-    _check_mode(mode)
+    config = QuantizationConfig.of(mode, group_size)  # the checks of the mode and the group size
+    mode, group_size = config.mode_name("quantizable_layers"), config.group_size
     if isinstance(skip_modules, str):
         raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
     with_embeddings = _include_embeddings(mode, embeddings)
@@ -163,13 +165,13 @@ def quantizable_layers(
 
 def quantize_(
     module: nn.Module,
-    mode: str,
+    mode: str | QuantizationConfig,
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     skip_modules: Sequence[str] = (),
     calibration_data: Iterable[Any] | None = None,
     example_inputs: tuple[Any, ...] | None = None,
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
     embeddings: bool | None = None,
 ) -> QuantizationReport:
     """Quantize the ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` layers of ``module`` in place (static
@@ -177,7 +179,8 @@ def quantize_(
 
     Args:
         module: the model.
-        mode: one of :data:`MODES`.
+        mode: a :class:`~lightning_lowmem.functional.config.QuantizationConfig` with a mode name, or its
+            shorthand: one of :data:`MODES` (with ``group_size``), which builds one.
         filter_fn: ``filter_fn(layer, fqn) -> bool`` chooses layers. Default: ``None`` (every candidate).
         skip_modules: submodules kept in float (their children too): qualified names, dotted suffixes
             (``"lm_head"``), fnmatch globs (``"*.attn.*"``) or class names. Default: ``()``.
@@ -186,7 +189,7 @@ def quantize_(
             model to calibrate activation ranges. Default: ``None``.
         example_inputs: ``"int8_static"`` only: inputs used to export the model. Default: the first
             calibration batch.
-        group_size: group length of the int4 modes. Default: ``32``.
+        group_size: with a mode name, the group length of the int4 modes. Default: ``GROUP_SIZE`` (32).
         embeddings: quantize ``nn.Embedding`` tables too (weight-only, :func:`embedding_config`).
             Default: ``None``: yes for the in-place modes, no for ``"int8_static"`` (``True`` there
             raises).
@@ -215,11 +218,10 @@ def quantize_(
         >>> report.converted, round(report.size_ratio, 1)
         (['0', '2'], 3.6)
     """
-    _check_mode(mode)
+    config = QuantizationConfig.of(mode, group_size)  # the checks of the mode and the group size
+    mode, group_size = config.mode_name("quantize_"), config.group_size
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}.")
-    if not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"`group_size` must be a positive int, got {group_size!r}.")
     _include_embeddings(mode, embeddings)  # validates it
     if mode == "int8_static":
         from lightning_lowmem.functional.quantization.static import quantize_static
@@ -269,7 +271,7 @@ def quantize_(
 
 
 def _quantize_layers(
-    module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32
+    module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = GROUP_SIZE
 ) -> tuple[list[str], list[list[str]]]:
     """Quantize exactly ``names`` with ``mode`` (plus the rest of any tied group one of them is in).
 
@@ -318,7 +320,7 @@ def dequantize_(module: nn.Module) -> list[str]:
     return restored
 
 
-def quantized_copy(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32) -> nn.Module:
+def quantized_copy(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = GROUP_SIZE) -> nn.Module:
     """A deep copy of ``module`` with exactly the layers ``names`` quantized (``module`` untouched)."""
     clone = copy.deepcopy(module)
     _quantize_layers(clone, mode, names, group_size=group_size)
@@ -326,7 +328,9 @@ def quantized_copy(module: nn.Module, mode: str, names: Sequence[str], *, group_
 
 
 @contextmanager
-def temporarily_quantized(module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = 32) -> Iterator[nn.Module]:
+def temporarily_quantized(
+    module: nn.Module, mode: str, names: Sequence[str], *, group_size: int = GROUP_SIZE
+) -> Iterator[nn.Module]:
     """``module`` with exactly ``names`` quantized inside the block; float again after it (the same layer
     objects and weight Parameters: Conv1D layers and ties come back as they were). What the accuracy search
     evaluates.

@@ -26,19 +26,16 @@ from lightning_lowmem.functional.quantization.layers import (
     tied_groups,
 )
 from lightning_lowmem.functional.quantization.modes import (
-    _check_mode,
     _unsupported_reason,
     apply_config,
     embedding_config,
-    torchao_config,
 )
+from lightning_lowmem.functional.config.constants import GROUP_SIZE, QAT_MODES
+from lightning_lowmem.functional.config.qat import QATConfig
+from lightning_lowmem.functional.config.techniques import QuantizationConfig
 from lightning_lowmem.memory.measure import state_bytes
 
 __all__ = ["QAT_MODES", "convert_qat_", "prepare_qat_", "qat_layers", "set_fake_quant_enabled"]
-
-#: modes QAT can train for (torchao QATConfig infers the fake quantizers from these base configs).
-QAT_MODES: tuple[str, ...] = ("int8_weight_only", "int4_weight_only", "intx4_weight_only")
-
 
 def qat_base_config(mode: str, group_size: int) -> Any:
     """Base config QAT trains for; int8 weight-only QAT goes through torchao's Intx config (QATConfig
@@ -47,7 +44,7 @@ def qat_base_config(mode: str, group_size: int) -> Any:
         import torchao.quantization as tq
 
         return tq.IntxWeightOnlyConfig(weight_dtype=torch.int8)
-    return torchao_config(mode, group_size=group_size)
+    return QuantizationConfig(mode, group_size).torchao_config()
 
 
 def _fake_quantized_type() -> type:
@@ -58,14 +55,15 @@ def _fake_quantized_type() -> type:
 
 def qat_layers(
     module: nn.Module,
-    mode: str,
+    mode: str | QATConfig,
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     skip_modules: Sequence[str] = (),
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
 ) -> list[str]:
     """Names of the ``nn.Linear`` / ``Conv1D`` layers :func:`prepare_qat_` would prepare (tied heads included)."""
-    _check_mode(mode, QAT_MODES)
+    config = QATConfig.of(mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size)
+    mode, filter_fn, skip_modules, group_size = config.mode, config.filter_fn, config.skip_modules, config.group_size
     names = quantizable_layers(
         module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size, embeddings=True
     )
@@ -74,11 +72,11 @@ def qat_layers(
 
 def prepare_qat_(
     module: nn.Module,
-    mode: str,
+    mode: str | QATConfig,
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     skip_modules: Sequence[str] = (),
-    group_size: int = 32,
+    group_size: int = GROUP_SIZE,
 ) -> list[str]:
     """Swap the chosen ``nn.Linear`` (and ``Conv1D``) layers for torchao fake-quantized ones (``QATConfig``
     prepare).
@@ -89,16 +87,19 @@ def prepare_qat_(
 
     Args:
         module: the model.
-        mode: one of :data:`QAT_MODES`.
+        mode: a :class:`~lightning_lowmem.functional.config.QATConfig` (its ``filter_fn``, ``skip_modules`` and
+            ``group_size`` apply), or its shorthand: one of :data:`QAT_MODES` with the arguments below, which
+            builds one (every check is the config's).
         filter_fn: ``filter_fn(layer, fqn) -> bool`` chooses layers. Default: ``None``.
         skip_modules: submodules kept in float (names, dotted suffixes, globs or class names). Default: ``()``.
-        group_size: group length of the int4 modes. Default: ``32``.
+        group_size: group length of the int4 modes. Default: ``GROUP_SIZE`` (32).
 
     Returns:
         The names of the layers prepared.
 
     Raises:
-        ValueError: unknown ``mode``, a mode the device cannot run, a ``skip_modules`` entry naming nothing.
+        ValueError: unknown ``mode``, a mode the device cannot run, a ``skip_modules`` entry naming nothing;
+            shorthand arguments beside a config.
 
     Example::
 
@@ -108,12 +109,13 @@ def prepare_qat_(
         >>> convert_qat_(model, "intx4_weight_only").converted
         ['0', '2']
     """
-    _check_mode(mode, QAT_MODES)
+    config = QATConfig.of(mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size)
+    mode, filter_fn, skip_modules, group_size = config.mode, config.filter_fn, config.skip_modules, config.group_size
     device = next((p.device.type for p in module.parameters()), "cpu")
     reason = _unsupported_reason(mode, device)
     if reason is not None:
         raise ValueError(f"`mode`={mode!r} cannot run on device {device!r}: {reason}")
-    from torchao.quantization.qat import QATConfig
+    from torchao.quantization.qat import QATConfig as TorchaoQATConfig
 
     check_patterns(module, skip_modules, "skip_modules", qat_layers(module, mode, group_size=group_size))
     fake = _fake_quantized_type()
@@ -125,7 +127,7 @@ def prepare_qat_(
     warn_mha_left_float(module, f"prepare_qat_(mode={mode!r})", stacklevel=2)
     convert_conv1d_(module, [name for name in names if is_conv1d(module.get_submodule(name))])
     if names:
-        apply_config(module, QATConfig(qat_base_config(mode, group_size), step="prepare"), names)
+        apply_config(module, TorchaoQATConfig(qat_base_config(mode, group_size), step="prepare"), names)
     return names
 
 
@@ -141,7 +143,7 @@ def set_fake_quant_enabled(module: nn.Module, enabled: bool) -> int:
     return count
 
 
-def convert_qat_(module: nn.Module, mode: str, *, group_size: int = 32) -> QuantizationReport:
+def convert_qat_(module: nn.Module, mode: str | QATConfig, *, group_size: int = GROUP_SIZE) -> QuantizationReport:
     """Swap fake-quantized layers back to ``nn.Linear`` and quantize them for real (``QATConfig``
     convert); a weight tied to other layers (a token table) is quantized once and shared again.
 
@@ -149,8 +151,9 @@ def convert_qat_(module: nn.Module, mode: str, *, group_size: int = 32) -> Quant
         A :class:`~lightning_lowmem.functional.quantization.QuantizationReport` of the converted layers
         (``converted`` includes the tables sharing a converted weight, ``tied`` their groups).
     """
-    _check_mode(mode, QAT_MODES)
-    from torchao.quantization.qat import QATConfig
+    config = QATConfig.of(mode, group_size=group_size)
+    mode, group_size = config.mode, config.group_size
+    from torchao.quantization.qat import QATConfig as TorchaoQATConfig
 
     fake = _fake_quantized_type()
     names = [fqn for fqn, layer in module.named_modules() if isinstance(layer, fake)]
@@ -161,7 +164,7 @@ def convert_qat_(module: nn.Module, mode: str, *, group_size: int = 32) -> Quant
     tied_heads = {name for group in groups for name in group if name in names} if mode == "int4_weight_only" else set()
     plain = [name for name in names if name not in tied_heads]
     if plain:
-        apply_config(module, QATConfig(qat_base_config(mode, group_size), step="convert"), plain)
+        apply_config(module, TorchaoQATConfig(qat_base_config(mode, group_size), step="convert"), plain)
     for name in tied_heads:
         set_submodule(module, name, module.get_submodule(name).to_linear())
     if tied_heads:

@@ -164,7 +164,7 @@ def test_mask_overhead_at_most_1_1_bytes_per_weight_vs_torch_prune():
         (dict(target_sparsity=1.5), ValueError, r"`amount`=1.5 must be in \[0, 1\]"),
         (dict(target_sparsity=-3), ValueError, r"`amount`=-3 must be >= 0"),
         (dict(target_sparsity=0.5, method="l3"), ValueError, r"`method`='l3' is unknown; choose one of \['l1_unstructured'"),
-        (dict(target_sparsity=0.5, method="nm", n=4, m=4), ValueError, r"n=4, m=4"),
+        (dict(target_sparsity=0.5, method="nm", n=4, m=4), ValueError, r"`n`=4, `m`=4: N:M pruning needs ints with 1 <= n < m"),
         (dict(target_sparsity=0.5, parameter_names=("kernel",)), ValueError, r"\['kernel'\], which no .*present: \['bias', 'weight'\]"),
         (dict(target_sparsity="half"), TypeError, r"`amount`='half' must be a float"),
     ],

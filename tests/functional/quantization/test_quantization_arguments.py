@@ -30,8 +30,12 @@ def test_check_ptq_arguments_rejects(kwargs, error, match):
 
 
 def test_check_ptq_arguments_accepts_valid_combinations():
-    assert check_ptq_arguments("int8_static", module_name="model", compile=True, calibration_batches=2) is None
-    assert check_ptq_arguments("int8_weight_only", monitor="val_loss", tolerance=0, monitor_mode="min") is None
+    from lightning_lowmem.functional.config import QuantizationConfig
+
+    static = check_ptq_arguments("int8_static", module_name="model", compile=True, calibration_batches=2)
+    assert static == QuantizationConfig("int8_static")
+    weight_only = check_ptq_arguments("int8_weight_only", monitor="val_loss", tolerance=0, monitor_mode="min")
+    assert weight_only == QuantizationConfig("int8_weight_only")
 
 
 def test_check_submodule_returns_the_child_or_lists_children():
