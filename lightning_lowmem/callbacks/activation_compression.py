@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.functional.applied import Applied, apply
-from lightning_lowmem.functional.compression import CompressionStats
+from lightning_lowmem.functional.compression import CompressionStats, compress_activations
 from lightning_lowmem.functional.config import CompressionConfig
 from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.warnings import NoEffectWarning
@@ -97,7 +97,7 @@ class ActivationCompression(L.Callback):
         self._close()
         self._step_stats = CompressionStats()
         self._region = contextlib.ExitStack()
-        self._region.enter_context(self.config.step_context(self._step_stats))
+        self._region.enter_context(compress_activations(self.config, stats=self._step_stats))
 
     @override
     def on_train_batch_end(

@@ -9,7 +9,7 @@ planned is what runs:
 * model side, in place: quantization, LoRA adapters, activation checkpointing, the chunked cross-entropy
   (the output head defers its logits in training), and the hold on a Hugging Face model's training-time KV
   cache that activation compression needs (checkpointing holds it itself);
-* per step: :meth:`Applied.step_context` (every config's ``step_context``: activation compression),
+* per step: :meth:`Applied.step_context` (every registered technique's ``step_context``: activation compression),
   :meth:`Applied.micro_batches` (``MicrobatchConfig.split``);
 * the optimizer: :meth:`Applied.build_optimizer` (``OptimizerConfig.build``), or
   :func:`lightning_lowmem.functional.optimizers.convert.convert_optimizer` for one already built.
@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Mapping
 
@@ -61,6 +62,8 @@ class Applied:
         quantization: the quantization report, or ``None``.
         cross_entropy: the :class:`~lightning_lowmem.functional.cross_entropy.ChunkedLoss` (heads deferred,
             losses routed), or ``None``.
+        pruning: the :class:`~lightning_lowmem.functional.pruning.PruningReport` of a one-shot prune, or ``None``.
+        qat: the names of the layers fake-quantized for quantization-aware training, or ``None``.
         compression_stats: the activation-compression figures of the steps run in :meth:`step_context`.
         strict: a handler that matches nothing raises (``False``: it warns), as :func:`apply` was told.
         hold_kv_cache: activation compression holds a Hugging Face model's KV cache off, as :func:`apply` was told.
@@ -72,6 +75,8 @@ class Applied:
     lora: Any = None
     quantization: Any = None
     cross_entropy: Any = None
+    pruning: Any = None
+    qat: Any = None
     compression_stats: Any = None
     strict: bool = field(default=True, repr=False)
     hold_kv_cache: bool = field(default=True, repr=False)
@@ -180,14 +185,18 @@ def _training_config(config: Any) -> TrainingConfig:
 
 
 def step_context(config: TrainingConfig, stats: Any = None) -> ContextManager[Any]:
-    """The context ``config``'s training step runs in: every technique config's ``step_context`` (activation
+    """The context ``config``'s training step runs in: every registered technique's ``step_context`` (activation
     compression, adding to ``stats``), or nothing."""
-    contexts = [c for c in (getattr(config, t.field) for t in techniques()) if hasattr(c, "step_context")]
+    contexts = [
+        functools.partial(t.step_context, getattr(config, t.field))
+        for t in techniques()
+        if t.step_context is not None and getattr(config, t.field) is not None
+    ]
     if not contexts:
         return contextlib.nullcontext()
     if len(contexts) == 1:
-        return contexts[0].step_context(stats)
-    return _entered_together([c.step_context for c in contexts], stats)
+        return contexts[0](stats)
+    return _entered_together(contexts, stats)
 
 
 @contextlib.contextmanager

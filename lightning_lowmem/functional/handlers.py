@@ -2,12 +2,15 @@
 :func:`~lightning_lowmem.functional.apply` runs, and the shorthands :class:`TrainingConfig` takes for it.
 
 Registered in ``describe()`` order (precision, LoRA, quantization, checkpointing, compression, the chunked
-loss, optimizer, micro-batches, sharding); applied in ``order``: quantization (10), LoRA (20, adapters on
-the possibly quantized layers), activation checkpointing (30, wrapping whole blocks, adapters included),
-the chunked cross-entropy (40), the KV-cache hold activation compression needs (50). Precision, the
-optimizer, micro-batching and sharding change nothing in the module (order 0): their step-side part is
-their config's (``OptimizerConfig.build``, ``MicrobatchConfig.split``, ``CompressionConfig.step_context``),
-and precision is the precision plugin's (Lightning's, or the estimator's fake copy).
+loss, optimizer, micro-batches, sharding, pruning, QAT); applied in ``order``: a one-shot prune (5),
+quantization (10), QAT's fake quantizers (15), LoRA (20, adapters on the possibly quantized layers),
+activation checkpointing (30, wrapping whole blocks, adapters included), the chunked cross-entropy (40), the
+KV-cache hold activation compression needs (50). Precision, the optimizer, micro-batching and sharding change
+nothing in the module (order 0): their step-side part is their config's (``OptimizerConfig.build``,
+``MicrobatchConfig.split``) or their registered ``step_context`` (activation compression's
+``compress_activations``), and precision is the precision plugin's (Lightning's, or the estimator's fake copy).
+``ScheduledPruning`` and ``QuantizationAwareTraining`` decide *when* (a sparsity schedule over steps, the
+conversion at the end of fit); ``apply`` with a ``PruningConfig`` / ``QATConfig`` is the one-shot form.
 
 Example::
 
@@ -26,7 +29,6 @@ from typing import Any, Iterator, Mapping
 
 from torch import nn
 
-from lightning_lowmem.functional.compression import DEFAULT_MIN_BYTES
 from lightning_lowmem.functional.config.techniques import (
     CheckpointingConfig,
     CompressionConfig,
@@ -39,6 +41,9 @@ from lightning_lowmem.functional.config.techniques import (
     ShardingConfig,
     _check_bool,
 )
+from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
+from lightning_lowmem.functional.config.pruning import PruningConfig
+from lightning_lowmem.functional.config.qat import QATConfig
 from lightning_lowmem.functional.registry import register_technique
 
 __all__: list[str] = []  # nothing to import: the handlers are found through the registry
@@ -235,7 +240,7 @@ def _compression_shorthand(
     value = _one_of("compression", value, "activation_compression", activation_compression)
     if value is None or isinstance(value, (CompressionConfig, Mapping)):
         return value
-    min_bytes = DEFAULT_MIN_BYTES if compression_min_bytes is None else compression_min_bytes
+    min_bytes = COMPRESSION_MIN_BYTES if compression_min_bytes is None else compression_min_bytes
     with _named(mode="activation_compression", min_bytes="compression_min_bytes"):
         return CompressionConfig(value, min_bytes=min_bytes)
 
@@ -244,7 +249,7 @@ def _compression_to_shorthand(config: CompressionConfig | None) -> dict[str, Any
     if config is None:
         return {"activation_compression": None}
     out: dict[str, Any] = {"activation_compression": config.mode}
-    if config.min_bytes != DEFAULT_MIN_BYTES:
+    if config.min_bytes != COMPRESSION_MIN_BYTES:
         out["compression_min_bytes"] = config.min_bytes
     return out
 
@@ -256,9 +261,10 @@ def _compression_to_shorthand(config: CompressionConfig | None) -> dict[str, Any
     shorthand=_compression_shorthand,
     label=lambda c: f"{c.mode} acts" if c is not None else None,
     to_shorthand=_compression_to_shorthand,
+    step_context=lambda config, stats: _compress_activations(config, stats),
 )
 def _compression(module: nn.Module, config: CompressionConfig, applied: Any) -> None:
-    """The step side is ``config.step_context``; here, the hold on a Hugging Face model's training-time KV
+    """The step side is :func:`_compress_activations`; here, the hold on a Hugging Face model's training-time KV
     cache, which keeps keys / values whole (what compression cannot pack)."""
     from lightning_lowmem.functional.compression import CompressionStats
 
@@ -269,6 +275,12 @@ def _compression(module: nn.Module, config: CompressionConfig, applied: Any) -> 
 
     applied.on_undo(lambda: restore_kv_cache_(module, _COMPRESSION))
     disable_kv_cache_(module, _COMPRESSION)
+
+
+def _compress_activations(config: CompressionConfig, stats: Any) -> Any:
+    from lightning_lowmem.functional.compression import compress_activations
+
+    return compress_activations(config, stats=stats)
 
 
 # ----------------------------------------------------------------------------- the chunked cross-entropy
@@ -370,3 +382,88 @@ register_technique(
     label=lambda c: f"{c.kind} x{c.world_size}" if c is not None else None,
     to_shorthand=lambda c: {"sharding": c.kind, "world_size": c.world_size} if c is not None else {},
 )(_nothing)
+
+
+# ----------------------------------------------------------------------------- pruning (one shot)
+def _changed_fields(field: str) -> Any:
+    """``to_dict()``'s entry for a config: the arguments that differ from their defaults (they rebuild it)."""
+
+    def to_shorthand(config: Any) -> dict[str, Any]:
+        if config is None:
+            return {}
+        fields = dataclasses.fields(config)
+        return {field: {f.name: getattr(config, f.name) for f in fields if getattr(config, f.name) != f.default}}
+
+    return to_shorthand
+
+
+def _is_real(tensor: Any) -> bool:
+    """A tensor with values to keep (not the estimator's fake or meta copy, whose undo restores nothing)."""
+    return tensor.device.type != "meta" and type(tensor).__name__ != "FakeTensor"
+
+
+@register_technique(
+    PruningConfig,
+    field="pruning",
+    order=5,
+    label=lambda c: None if c is None else f"prune({c.method or c.pruning_fn} {c.final_sparsity})",
+    to_shorthand=_changed_fields("pruning"),
+)
+def _pruning(module: nn.Module, config: PruningConfig, applied: Any) -> None:
+    """Prune once to the config's final sparsity (``ScheduledPruning`` schedules it over training): bool masks as
+    ``<name>_mask`` buffers, the pruned weights zeroed (call ``apply_masks_`` after each optimizer step to keep
+    them zero). Undo puts the pruned values back and drops the masks; to do so the values of the pruned tensors
+    are copied once before pruning (the estimator's fake copy keeps none)."""
+    import torch
+
+    from lightning_lowmem.functional.pruning.masks import MASK_SUFFIX, get_mask
+    from lightning_lowmem.functional.pruning.unstructured import prune_
+
+    owners = [(sub, name) for sub in module.modules() for name, _ in sub.named_parameters(recurse=False)]
+    had_mask = {(id(sub), name) for sub, name in owners if get_mask(sub, name) is not None}
+    originals = {}  # parameter id -> its values before pruning (a tied parameter once)
+    for sub, name in owners:
+        param = getattr(sub, name)
+        if _is_real(param) and id(param) not in originals:
+            originals[id(param)] = param.detach().clone()
+    kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def undo() -> None:
+        with torch.no_grad():
+            for param, mask, values in kept:
+                param[~mask] = values
+        for sub, name in owners:
+            if (id(sub), name) not in had_mask and get_mask(sub, name) is not None:
+                delattr(sub, name + MASK_SUFFIX)
+
+    applied.on_undo(undo)
+    applied.pruning = prune_(module, config)
+    done: set[int] = set()
+    for sub, name in owners:
+        param, mask = getattr(sub, name), get_mask(sub, name)
+        if mask is not None and id(param) in originals and id(param) not in done:
+            kept.append((param.detach(), mask, originals[id(param)][~mask]))
+            done.add(id(param))
+    originals.clear()  # only the pruned values are kept
+
+
+# ----------------------------------------------------------------------------- quantization-aware training
+def _qat_shorthand(value: Any) -> Any:
+    return QATConfig(value) if isinstance(value, str) else value
+
+
+@register_technique(
+    QATConfig,
+    field="qat",
+    order=15,
+    shorthand=_qat_shorthand,
+    label=lambda c: None if c is None else f"qat({c.mode})",
+    to_shorthand=_changed_fields("qat"),
+)
+def _qat(module: nn.Module, config: QATConfig, applied: Any) -> None:
+    """Fake-quantize the chosen layers (``prepare_qat_``); ``convert_qat_`` after training turns them into the
+    quantized model. Undo gives back the float layers."""
+    from lightning_lowmem.functional.quantization.qat import prepare_qat_
+
+    applied.on_undo(_Structure.of(module).restore)
+    applied.qat = prepare_qat_(module, config)

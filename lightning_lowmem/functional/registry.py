@@ -62,6 +62,8 @@ class Technique:
             parameters, e.g. ``micro_batch_size``).
         label: the config's part of ``TrainingConfig.describe()``, or ``None`` to leave it out.
         to_shorthand: the config's flat keywords in ``TrainingConfig.to_dict()`` (the inverse of ``shorthand``).
+        step_context: ``fn(config, stats) -> context manager`` that every training step (forward and backward)
+            runs in (activation compression), or ``None``.
     """
 
     config_type: type
@@ -72,6 +74,7 @@ class Technique:
     flat: tuple[str, ...]
     label: Callable[[Any], str | None]
     to_shorthand: Callable[[Any], dict[str, Any]]
+    step_context: Callable[[Any, Any], Any] | None = None
 
     def build(self, value: Any, **flat: Any) -> Any:
         """The config for ``value`` (a config, a mapping of its arguments, a shorthand, or ``None``)."""
@@ -119,6 +122,7 @@ def register_technique(
     shorthand: Callable[..., Any] | None = None,
     label: Callable[[Any], str | None] | None = None,
     to_shorthand: Callable[[Any], dict[str, Any]] | None = None,
+    step_context: Callable[[Any, Any], Any] | None = None,
 ) -> Callable[[Handler], Handler]:
     """Register the decorated ``fn(module, config, applied) -> None`` as the handler of ``config_type``.
 
@@ -136,6 +140,9 @@ def register_technique(
             ``field(arguments)``, nothing for ``None``.
         to_shorthand: ``fn(config | None) -> dict``, its flat keywords for ``to_dict()`` (what the
             constructor takes back). Default: ``{field: dataclasses.asdict(config)}``, nothing for ``None``.
+        step_context: ``fn(config, stats) -> context manager`` each training step runs in
+            (:meth:`Applied.step_context`); ``stats`` is ``Applied.compression_stats`` or the caller's. Default:
+            ``None`` (the technique has no step side, or its own, like the optimizer's ``OptimizerConfig.build``).
 
     Returns:
         The decorator; it returns the handler unchanged.
@@ -173,6 +180,7 @@ def register_technique(
             flat=flat,
             label=label or _default_label(field),
             to_shorthand=to_shorthand or _default_to_shorthand(field),
+            step_context=step_context,
         )
         return handler
 

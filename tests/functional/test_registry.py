@@ -18,6 +18,7 @@ from lightning_lowmem.functional.config import (
     CrossEntropyConfig,
     LoRAConfig,
     MicrobatchConfig,
+    PruningConfig,
     QuantizationConfig,
     ShardingConfig,
     TrainingConfig,
@@ -35,7 +36,7 @@ CONFIG_TYPES = [getattr(config_package, name) for name in config_package.__all__
 
 def test_every_config_has_a_handler_and_every_handler_a_config_and_a_field():
     technique_configs = [kind for kind in CONFIG_TYPES if kind is not TrainingConfig]
-    assert len(technique_configs) == 9
+    assert len(technique_configs) == 11
     for kind in technique_configs:
         assert callable(handler_for(kind)), kind
     fields = [f.name for f in dataclasses.fields(TrainingConfig) if f.name != "_others"]
@@ -64,9 +65,6 @@ class ScaleConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.factor, (int, float)) or self.factor <= 0:
             raise ValueError(f"`factor`={self.factor!r} must be a number > 0, e.g. 2.0")
-
-    def step_context(self, stats=None):
-        return _ENTERED.enter()
 
 
 class _Counter:
@@ -97,6 +95,7 @@ def scale_technique():
         shorthand=_scale_shorthand,
         label=lambda c: f"x{c.factor:g}" if c is not None else None,
         to_shorthand=lambda c: {"scale_factor": c.factor} if c is not None else {},
+        step_context=lambda config, stats: _ENTERED.enter(),
     )
     def scale(module, config, applied):
         layers = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
@@ -131,7 +130,7 @@ def test_a_registered_technique_is_applied_composed_shown_and_undone(scale_techn
     torch.testing.assert_close(model(x), 16 * before_out, rtol=0, atol=1e-5)
     with applied.step_context():
         pass
-    assert _ENTERED.count == 1  # the config's step-side part ran
+    assert _ENTERED.count == 1  # the technique's step-side part ran
     applied.undo()
     assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear"]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before_state.items())
@@ -201,3 +200,28 @@ def test_replace_through_a_flat_keyword_keeps_the_techniques_other_settings():
 )
 def test_every_built_in_round_trips_through_to_dict(config):
     assert TrainingConfig(**config.to_dict()) == config
+
+
+def test_pruning_and_qat_are_techniques_applied_once_and_undone_exactly():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    x = torch.randn(4, 64)
+
+    applied = apply(model, PruningConfig(amount=0.5, use_global_unstructured=False))
+    assert int((model[0].weight == 0).sum()) == 2048 and int((model[2].weight == 0).sum()) == 256  # exactly half
+    assert model[0].weight_mask.dtype == torch.bool and applied.pruning is not None
+    applied.undo()
+    assert model.state_dict().keys() == before.keys()  # the masks are gone
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())  # values back
+
+    float_out = model(x)
+    applied = apply(model, TrainingConfig(qat="int8_weight_only"))
+    assert applied.qat == ["0", "2"] and type(model[0]).__name__ == "FakeQuantizedLinear"
+    assert not torch.equal(model(x), float_out)  # the weights are fake-quantized in the forward
+    applied.undo()
+    assert type(model[0]) is torch.nn.Linear and torch.equal(model(x), float_out)
+
+    config = TrainingConfig(pruning={"amount": 0.3}, qat="int8_weight_only", optimizer="sgd")
+    assert config.to_dict()["pruning"] == {"amount": 0.3} and TrainingConfig(**config.to_dict()) == config
+    assert config.describe() == "32-true + sgd + prune(l1_unstructured 0.3) + qat(int8_weight_only)"

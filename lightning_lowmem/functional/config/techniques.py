@@ -142,13 +142,6 @@ class CompressionConfig:
         if self.min_bytes < 0:
             raise ValueError(f"`min_bytes`={self.min_bytes} must be >= 0 (0 packs every float tensor)")
 
-    def step_context(self, stats: Any = None) -> Any:
-        """The context a training step runs in: saved activations packed (adding to ``stats``, a
-        :class:`~lightning_lowmem.functional.compression.CompressionStats`)."""
-        from lightning_lowmem.functional.compression import compress_activations
-
-        return compress_activations(self.mode, self.min_bytes, stats)
-
 
 @dataclass(frozen=True, init=False)
 class OptimizerConfig:

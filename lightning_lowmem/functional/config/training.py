@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import lightning_lowmem.functional.handlers  # noqa: F401  (registers the built-in techniques)
+from lightning_lowmem.functional.config.pruning import PruningConfig
+from lightning_lowmem.functional.config.qat import QATConfig
 from lightning_lowmem.functional.config.techniques import (
     CheckpointingConfig,
     CompressionConfig,
@@ -83,6 +85,8 @@ class TrainingConfig:
     quantization: QuantizationConfig | None
     sharding: ShardingConfig | None
     cross_entropy: CrossEntropyConfig | None
+    pruning: PruningConfig | None
+    qat: QATConfig | None
     _others: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # techniques registered beyond these
 
     def __init__(
@@ -96,6 +100,8 @@ class TrainingConfig:
         quantization: QuantizationConfig | Any = None,
         sharding: ShardingConfig | str | None = None,
         cross_entropy: CrossEntropyConfig | str | Mapping[str, Any] | None = None,
+        pruning: PruningConfig | Mapping[str, Any] | None = None,
+        qat: QATConfig | str | Mapping[str, Any] | None = None,
         *,
         activation_checkpointing: Any = None,
         nested_checkpointing: bool | None = None,
