@@ -260,7 +260,7 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from pathlib import Path
 
-        from lightning_lowmem.strategies.fsdp_checkpoint import is_sharded_checkpoint, load_sharded_checkpoint
+        from lightning_lowmem.checkpoints.sharded import is_sharded_checkpoint, load_sharded_checkpoint
 
         path = Path(self.broadcast(checkpoint_path))  # every rank reads the folder rank 0 names
         if is_sharded_checkpoint(path):  # Lightning's loader: no strict=False, no low-bit state

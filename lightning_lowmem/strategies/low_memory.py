@@ -141,7 +141,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        from lightning_lowmem.strategies.fsdp_checkpoint import reject_sharded_checkpoint
+        from lightning_lowmem.checkpoints.sharded import reject_sharded_checkpoint
 
         reject_sharded_checkpoint(checkpoint_path, f"strategy={self.strategy_name!r}")
         return super().load_checkpoint(checkpoint_path, weights_only)
@@ -230,7 +230,7 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        from lightning_lowmem.strategies.fsdp_checkpoint import reject_sharded_checkpoint
+        from lightning_lowmem.checkpoints.sharded import reject_sharded_checkpoint
 
         reject_sharded_checkpoint(checkpoint_path, f"strategy={self.strategy_name!r}")
         return super().load_checkpoint(checkpoint_path, weights_only)

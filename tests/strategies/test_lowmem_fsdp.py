@@ -12,7 +12,7 @@ import lightning_lowmem  # noqa: F401  (registers "lowmem_fsdp")
 from lightning_lowmem.callbacks import ActivationCheckpointing, LowRankAdapters
 from lightning_lowmem.demo.charlm import CharLM
 from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
-from lightning_lowmem.strategies.fsdp_checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+from lightning_lowmem.checkpoints.sharded import consolidate_checkpoint, is_sharded_checkpoint
 
 GLOBAL_BATCH = 8
 
