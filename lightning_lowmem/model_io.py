@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from lightning_lowmem._compat import tree_leaves
 
 from lightning_lowmem.warnings import LowMemWarning
 

@@ -48,15 +48,18 @@ def consolidate_checkpoint(path: Any, output: Any = None) -> dict[str, Any]:
         ValueError: ``path`` is not a sharded checkpoint folder.
     """
     import torch
-    from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
+
+    from lightning_lowmem._compat import lightning_sharded_checkpoint_reader
+
+    metadata_filename, load_distributed_checkpoint = lightning_sharded_checkpoint_reader()
 
     if not is_sharded_checkpoint(path):
         raise ValueError(f"`path`={str(path)!r} is not a sharded checkpoint folder (no .metadata file in it)")
     path = Path(path)
-    state = _load_distributed_checkpoint(path)
+    state = load_distributed_checkpoint(path)
     checkpoint: dict[str, Any] = {}
-    if (path / _METADATA_FILENAME).is_file():
-        checkpoint.update(torch.load(path / _METADATA_FILENAME, weights_only=False))
+    if (path / metadata_filename).is_file():
+        checkpoint.update(torch.load(path / metadata_filename, weights_only=False))
     checkpoint["state_dict"] = state.pop("state_dict")
     optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_rekey_optimizer_state(state.pop(k)) for k in optimizers]
@@ -91,7 +94,6 @@ def load_sharded_checkpoint(
             state for.
     """
     import torch
-    from lightning.fabric.utilities.load import _METADATA_FILENAME
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -123,7 +125,9 @@ def load_sharded_checkpoint(
         state = _plain_moments(get_optimizer_state_dict(module, optimizer))  # creates the state to load into
         load({key: state}, checkpoint_id=path)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(strict=strict))
-    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+    from lightning_lowmem._compat import lightning_sharded_checkpoint_reader
+
+    return torch.load(path / lightning_sharded_checkpoint_reader()[0], weights_only=weights_only)
 
 
 def _plain_moments(state: dict[str, Any]) -> dict[str, Any]:

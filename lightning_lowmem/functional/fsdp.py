@@ -96,7 +96,7 @@ def mixed_precision_policy(preset: str | None) -> Any:
 
 def _unshardable_parameters(module: nn.Module) -> list[str]:
     """Parameters held as tensor subclasses that FSDP2 cannot split (e.g. a QLoRA int8 base)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from lightning_lowmem._compat import FakeTensor
     from torch.distributed.tensor import DTensor
 
     bad = []

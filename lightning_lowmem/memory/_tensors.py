@@ -11,9 +11,9 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_lowmem import _compat
+from lightning_lowmem._compat import tree_flatten
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lowmem import _compat
+from lightning_lowmem._compat import TorchDispatchMode
 from lightning_lowmem.memory._tensors import (  # noqa: F401 - iter_tensors / optimizer_state_tensors: used from here
     _is_parameter,
     _is_plain,

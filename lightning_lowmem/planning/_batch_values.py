@@ -20,11 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_lowmem import _compat
+from lightning_lowmem._compat import TorchDispatchMode, tree_flatten, tree_leaves, tree_unflatten
 
 # outputs with more elements than this are left unknown (a (B, 1, T, T) mask of a long sequence, activations)
 KNOWN_NUMEL_LIMIT = 1 << 22

@@ -21,9 +21,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_lowmem._compat import TorchDispatchMode, tree_leaves, tree_map
 from lightning_lowmem.functional.applied import step_context
 from lightning_lowmem.functional.microbatch import split_batch
 

@@ -288,7 +288,7 @@ def _waited(state: Any, dequantize: bool = False) -> Any:
     do not load with ``torch.load(weights_only=True)``) and, with ``dequantize``, for low-bit states."""
     import torch
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map
+    from lightning_lowmem._compat import tree_map
 
     def plain(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
