@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.checkpointing import _describe, no_match_message, resolve_policy
+from lightning_lowmem.functional.checkpointing import describe_policy, no_match_message, resolve_policy
 
 __all__ = [
     "DTENSOR_OPTIMIZERS",
@@ -207,7 +207,7 @@ def fully_shard_(
     if mixed_precision is not None:
         precision = tuple(str(d).replace("torch.", "") for d in (mixed_precision.param_dtype, mixed_precision.reduce_dtype))
     return ShardReport(
-        policy=_describe(policy),
+        policy=describe_policy(policy),
         units=[*units, ""],
         world_size=mesh.size(),
         reshard_after_forward=reshard_after_forward,

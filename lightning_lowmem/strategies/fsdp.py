@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem import _compat
-from lightning_lowmem.strategies._options import _LowMemoryOptions, precision_plugin, validate_precision
+from lightning_lowmem.strategies._options import LowMemoryOptions, precision_plugin, validate_precision
 
 __all__ = ["LowMemoryFSDPStrategy"]
 
@@ -40,7 +40,7 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
+class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
     """FSDP2 (fully sharded parameters, gradients and optimizer state) with memory settings.
 
     Each process holds ``1 / world_size`` of every parameter, gradient and optimizer state; a unit's
@@ -100,12 +100,12 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        from lightning_lowmem.functional.checkpointing import _validate_policy
+        from lightning_lowmem.functional.checkpointing import validate_policy
         from lightning_lowmem.functional.fsdp import check_dtensor_optimizer, mixed_precision_policy
 
         validate_precision(precision)
         self.mixed_precision = mixed_precision_policy(precision)  # raises for 16-mixed
-        _validate_policy(wrap_policy)
+        validate_policy(wrap_policy)
         for name, value in (
             ("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload),
             ("save_distributed_checkpoint", save_distributed_checkpoint),
