@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_lowmem.strategies._options import (
     PRECISION_PRESETS,
-    _LowMemoryOptions,
+    LowMemoryOptions,
     precision_plugin,
     validate_precision,
 )
@@ -53,7 +53,7 @@ _ZERO_FALLBACK = (
 )
 
 
-class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
+class LowMemoryStrategy(LowMemoryOptions, SingleDeviceStrategy):
     """Single-device strategy with memory settings; registered as ``"lowmem"``.
 
     Args:
@@ -152,7 +152,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         strategy_registry.register("lowmem", cls, description="LowMemoryStrategy (single device)", override=True)
 
 
-class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
+class LowMemoryDDPStrategy(LowMemoryOptions, DDPStrategy):
     """DDP with memory settings; registered as ``"lowmem_ddp"`` (and ``"lowmem_ddp_spawn"``).
 
     Gradients are views into DDP's communication buckets (``gradient_as_bucket_view=True``), so they
@@ -217,7 +217,7 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
         if not self.zero_optimizer:
             return
         if self.world_size < 2:
-            warnings.warn(f"LowMemoryDDPStrategy with world_size={self.world_size}: {_ZERO_FALLBACK}", LowMemWarning)
+            warnings.warn(f"LowMemoryDDPStrategy with world_size={self.world_size}: {_ZERO_FALLBACK}", LowMemWarning, stacklevel=2)
             return
         from lightning_lowmem.strategies.zero import shard_optimizer
 

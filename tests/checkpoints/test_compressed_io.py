@@ -206,7 +206,7 @@ def test_trainer_checkpoints_and_resume_match_torch_checkpoint_io(tmp_path, tiny
     got = _tensors(CompressedCheckpointIO().load_checkpoint(packed_path))
     assert expected.keys() == got.keys() and len(expected) > 6  # weights and AdamW state
     assert all(torch.equal(expected[key], got[key]) for key in expected)
-    for (name, a), b in zip(plain.state_dict().items(), packed.state_dict().values()):
+    for (name, a), b in zip(plain.state_dict().items(), packed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
