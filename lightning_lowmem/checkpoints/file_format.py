@@ -69,20 +69,13 @@ def codec_module(codec: str) -> Any:
     Raises:
         ImportError: its package is missing (with the install command).
     """
-    try:
-        if codec == "zstd":
-            import zstandard
+    from lightning_lowmem._versions import optional_import
 
-            return zstandard
-        if codec == "lz4":
-            import lz4.frame
-
-            return lz4.frame
-    except ImportError as err:
-        raise ImportError(
-            f"CompressedCheckpointIO(codec={codec!r}) needs the {'zstandard' if codec == 'zstd' else 'lz4'} package: "
-            "pip install 'lightning-lowmem[compress]'"
-        ) from err
+    feature = f"CompressedCheckpointIO(codec={codec!r})"
+    if codec == "zstd":
+        return optional_import("zstandard", feature, extra="compress")
+    if codec == "lz4":
+        return optional_import("lz4.frame", feature, extra="compress", distribution="lz4")
     return None
 
 

@@ -98,9 +98,9 @@ def plot_memory(runs: Sequence[Any], path: Path, title: str = "", traced: Sequen
     measured = [run for run in runs if run.peak_bytes and run.breakdown]
     if not measured:
         return None
-    import matplotlib
+    from lightning_lowmem._versions import optional_import
 
-    matplotlib.use("Agg")
+    optional_import("matplotlib", "the demo's plots", extra="examples").use("Agg")
     import matplotlib.pyplot as plt
 
     if traced is None:

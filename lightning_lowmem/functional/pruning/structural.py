@@ -51,13 +51,9 @@ class StructuralPruningReport:
 
 
 def _import_torch_pruning() -> Any:
-    try:
-        import torch_pruning
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "structural pruning needs Torch-Pruning: pip install 'lightning-lowmem[prune]' (or torch-pruning)"
-        ) from err
-    return torch_pruning
+    from lightning_lowmem._versions import optional_import
+
+    return optional_import("torch_pruning", "structural pruning", extra="prune", distribution="torch-pruning")
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
