@@ -64,6 +64,36 @@ class LowMemCLI(LightningCLI):
         self._failures: list[tuple[type, BaseException]] = []
         super().__init__(*args, **kwargs)  # parses and instantiates (LightningCLI does it in __init__)
 
+    def before_fit(self) -> None:  # noqa: D102 - see LightningCLI
+        self._check_checkpoint("fit")
+
+    def before_validate(self) -> None:  # noqa: D102 - see LightningCLI
+        self._check_checkpoint("validate")
+
+    def before_test(self) -> None:  # noqa: D102 - see LightningCLI
+        self._check_checkpoint("test")
+
+    def before_predict(self) -> None:  # noqa: D102 - see LightningCLI
+        self._check_checkpoint("predict")
+
+    def _check_checkpoint(self, subcommand: str) -> None:
+        """``--ckpt_path`` against this run's callbacks, strategy and plugins, before Lightning loads anything:
+        e.g. an adapters-only checkpoint without ``LowRankAdapters`` is one line naming it with its ``r``,
+        whichever callbacks are configured (Lightning's own loading would list every missing base weight)."""
+        ckpt_path = (self.config_init.get(subcommand) or {}).get("ckpt_path")
+        if not ckpt_path:
+            return
+        from lightning_lowmem.checkpoints.reading import read_records
+        from lightning_lowmem.checkpoints.records import KEY, CheckpointMismatchError, check, trainer_readers
+
+        written = read_records(ckpt_path)
+        try:
+            check({KEY: {"writers": written}}, trainer_readers(self.trainer), stage=subcommand)
+        except CheckpointMismatchError as err:
+            if debug_enabled():
+                raise
+            raise ConfigError(f"--ckpt_path {ckpt_path}: {err}") from None
+
     def parse_arguments(self, parser: Any, args: Any) -> None:  # noqa: D102 - see LightningCLI
         self._failures = []
         try:
