@@ -188,7 +188,7 @@ def guard_module_loading(trainer: Any, module: Any) -> None:
 
 SHARDED_HINT = (
     "load it with strategy='lowmem_fsdp' (any number of processes), or consolidate it into one file first: "
-    "python -c \"from lightning_lowmem.checkpoints.sharded import consolidate_checkpoint; "
+    "python -c \"from lightning_lowmem.checkpoints import consolidate_checkpoint; "
     "consolidate_checkpoint('{path}', '{path}.consolidated.ckpt')\" (a Lightning checkpoint: weights, optimizer "
     "state keyed as a plain optimizer's, loops; torch's "
     "torch.distributed.checkpoint.format_utils.dcp_to_torch_save('{path}', 'out.pt') gives the raw nested dict)"
