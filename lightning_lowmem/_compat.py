@@ -366,7 +366,10 @@ def fake_process_group_store() -> Any:
     from torch._C._distributed_c10d import FakeProcessGroup
 
     def create(common_opts: Any, backend_opts: Any) -> Any:
-        return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+        try:
+            return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+        except TypeError:  # a torch whose fake group takes no backend options
+            return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size)
 
     if "FAKE" not in dist.Backend._plugins:
         dist.Backend.register_backend("fake", create, extended_api=True, devices=["cpu", "cuda", "hpu", "xpu"])
