@@ -30,6 +30,7 @@ from lightning_lowmem import (
     ScheduledPruning,
 )
 from lightning_lowmem.functional.checkpointing import checkpointed_modules
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.pruning.masks import embedding_parameters
 from lightning_lowmem.memory import state_bytes
 
@@ -191,7 +192,7 @@ CASES = {
     "strategy": Case(
         check=check_strategy,
         strategy=lambda: LowMemoryStrategy(activation_checkpointing="auto", activation_compression="int8",
-                                           compression_min_bytes=0, optimizer="adafactor", optimizer_kwargs={"lr": 0.01}),
+                                           compression_min_bytes=0, optimizer=OptimizerConfig("adafactor", lr=0.01)),
     ),  # fmt: skip
     "distillation": Case(check=check_distillation, module=_distillation),
 }

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_lowmem.composition import check_composition
 from lightning_lowmem.functional.applied import Applied, apply
-from lightning_lowmem.functional.config import CheckpointingConfig, TrainingConfig
+from lightning_lowmem.functional.config import CheckpointingConfig
 from lightning_lowmem.warnings import LowMemWarning
 
 
@@ -94,8 +94,7 @@ class ActivationCheckpointing(L.Callback):
                 LowMemWarning,
                 stacklevel=2,
             )
-        self._applied = apply(pl_module, TrainingConfig(precision=None, optimizer=None, checkpointing=self.config),
-                              strict=self.strict)  # fmt: skip
+        self._applied = apply(pl_module, self.config, strict=self.strict)
         self.wrapped = list(self._applied.checkpointed)
         if self.wrapped:
             shown = ", ".join(self.wrapped[:6]) + (", ..." if len(self.wrapped) > 6 else "")

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_lowmem.functional.applied import Applied, apply
 from lightning_lowmem.functional.compression import DEFAULT_MIN_BYTES, CompressionStats
-from lightning_lowmem.functional.config import CompressionConfig, TrainingConfig
+from lightning_lowmem.functional.config import CompressionConfig
 from lightning_lowmem.warnings import NoEffectWarning
 from lightning_lowmem.composition import check_composition
 
@@ -87,7 +87,7 @@ class ActivationCompression(L.Callback):
         if stage == "fit" and self._applied is None:
             rank_zero_info(f"ActivationCompression: saved activations packed as {self.mode} (>= {self.min_bytes} bytes)")
             # a Hugging Face model's training-time KV cache keeps the uncompressed keys / values alive: apply holds it
-            self._applied = apply(pl_module, TrainingConfig(precision=None, optimizer=None, compression=self.config))
+            self._applied = apply(pl_module, self.config)
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -96,9 +96,7 @@ class ActivationCompression(L.Callback):
         self._close()
         self._step_stats = CompressionStats()
         self._region = contextlib.ExitStack()
-        config = TrainingConfig(precision=None, optimizer=None, compression=self.config)
-        applied = self._applied or Applied(pl_module, config)  # a step without `setup` (tests calling hooks)
-        self._region.enter_context(applied.step_context(self._step_stats))
+        self._region.enter_context(self.config.step_context(self._step_stats))
 
     @override
     def on_train_batch_end(

@@ -11,7 +11,7 @@ from typing_extensions import override
 
 from lightning_lowmem.composition import check_composition
 from lightning_lowmem.functional.applied import Applied, apply
-from lightning_lowmem.functional.config import CrossEntropyConfig, TrainingConfig
+from lightning_lowmem.functional.config import CrossEntropyConfig
 from lightning_lowmem.warnings import LowMemWarning
 
 
@@ -70,7 +70,7 @@ class ChunkedCrossEntropy(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._applied is not None:
             return
-        self._applied = apply(pl_module, TrainingConfig(precision=None, optimizer=None, cross_entropy=self.config))
+        self._applied = apply(pl_module, self.config)
         self.heads = list(self._applied.cross_entropy.heads)
         routed = self._applied.cross_entropy.losses
         how = f"the loss of {routed} computed from them" if routed else "compute the loss with chunked_cross_entropy"

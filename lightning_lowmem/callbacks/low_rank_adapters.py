@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
 from lightning_lowmem.functional.applied import apply
-from lightning_lowmem.functional.config import LoRAConfig, TrainingConfig
+from lightning_lowmem.functional.config import LoRAConfig
 from lightning_lowmem.functional.lora.adapters import (
     ALL_LINEAR,
     LoraReport,
@@ -136,7 +136,7 @@ class LowRankAdapters(L.Callback):
                 # train (Lightning moves the module after `setup`; moving it first changes nothing else)
                 pl_module.to(device)
             # kept after fit (adapters are the trained result); functional.apply's handle could undo it
-            self.report = apply(pl_module, TrainingConfig(precision=None, optimizer=None, lora=self.config)).lora
+            self.report = apply(pl_module, self.config).lora
             rank_zero_info(wrap_summary(self.report))
         if not self.save_base_weights:
             pl_module.strict_loading = False  # adapter-only checkpoints lack the (pretrained) base keys

@@ -28,7 +28,9 @@ class MemoryEfficientOptimizer(L.Callback):
 
     Args:
         optimizer: a name from :func:`~lightning_lowmem.functional.optimizers.available_optimizers`
-            (e.g. ``"adamw8bit"``, ``"adafactor"``, ``"adamw_in_backward"``). Default: ``"adamw8bit"``.
+            (e.g. ``"adamw8bit"``, ``"adafactor"``, ``"adamw_in_backward"``), or a whole
+            :class:`~lightning_lowmem.functional.config.OptimizerConfig` (then no other argument). Default:
+            ``"adamw8bit"``.
         lr: learning rate for the new optimizer, replacing the configured one (LR schedulers then start
             from it). Needed when the new optimizer reads ``lr`` differently, e.g. Adafactor's step size
             relative to each weight's RMS. Default: ``None`` (keep the configured ``lr``).
@@ -67,7 +69,7 @@ class MemoryEfficientOptimizer(L.Callback):
 
     def __init__(
         self,
-        optimizer: str = "adamw8bit",
+        optimizer: str | OptimizerConfig = "adamw8bit",
         lr: float | None = None,
         weight_decay: float | None = None,
         betas: tuple[float, float] | None = None,
@@ -78,7 +80,16 @@ class MemoryEfficientOptimizer(L.Callback):
     ) -> None:
         named = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps, "momentum": momentum}
         named = {key: value for key, value in named.items() if value is not None}
-        self.config = OptimizerConfig(optimizer, optimizer_kwargs, **kwargs, **named)  # validates
+        if isinstance(optimizer, OptimizerConfig):
+            given = {**named, **kwargs, **(optimizer_kwargs or {})}
+            if given:
+                raise ValueError(
+                    f"MemoryEfficientOptimizer({optimizer!r}) also got {given}: give the arguments inside the "
+                    f"OptimizerConfig, e.g. OptimizerConfig({optimizer.name!r}, lr=1e-3)"
+                )
+            self.config = optimizer
+        else:
+            self.config = OptimizerConfig(optimizer, optimizer_kwargs, **kwargs, **named)  # validates
         self._module: L.LightningModule | None = None
         self._replaced: list[torch.optim.Optimizer] = []
 

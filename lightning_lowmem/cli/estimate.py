@@ -314,9 +314,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
     # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
     # precision and optimizer are the baseline the search starts from
-    fixed = TrainingConfig(precision=None, optimizer=None, checkpointing=config.checkpointing,
-                           compression=config.compression, lora=config.lora,
-                           cross_entropy=config.cross_entropy)  # fmt: skip
+    fixed = TrainingConfig.of(config.checkpointing, config.compression, config.lora, config.cross_entropy)
     wanted: dict[str, Any] = {"precision": config.precision_preset, "optimizer": config.optimizer_name}
     if config.optimizer is not None and config.optimizer.hyperparameters:
         wanted["optimizer_kwargs"] = config.optimizer.kwargs

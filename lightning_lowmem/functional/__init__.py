@@ -2,7 +2,8 @@
 planner apply. One package per technique that has several files (``quantization``, ``pruning``,
 ``optimizers``, ``lora``); one module otherwise (``checkpointing``, ``compression``, ``fsdp``,
 ``microbatch``). ``config`` holds the one vocabulary of a technique mix (a frozen config per technique,
-composed into ``TrainingConfig``); ``applied`` the :func:`apply` that applies one, with its undo handle.
+composed into ``TrainingConfig``); ``registry`` the handler registered for each config type (the built-ins
+in ``handlers``); ``applied`` the :func:`apply` that applies one, with its undo handle.
 
 The public transforms are re-exported here and imported on first use (torchao and torch-pruning load only
 with the feature that needs them).
@@ -34,8 +35,11 @@ _EXPORTS: dict[str, str] = {
     "LoRAConfig": "lightning_lowmem.functional.config",
     "QuantizationConfig": "lightning_lowmem.functional.config",
     "ShardingConfig": "lightning_lowmem.functional.config",
+    "CrossEntropyConfig": "lightning_lowmem.functional.config",
     "apply": "lightning_lowmem.functional.applied",
     "Applied": "lightning_lowmem.functional.applied",
+    "register_technique": "lightning_lowmem.functional.registry",
+    "handler_for": "lightning_lowmem.functional.registry",
     "split_batch": "lightning_lowmem.functional.microbatch",
     # checkpointing / compression / sharding
     "checkpoint_": "lightning_lowmem.functional.checkpointing",
@@ -75,6 +79,7 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.functional.config import (
         CheckpointingConfig,
         CompressionConfig,
+        CrossEntropyConfig,
         LoRAConfig,
         MicrobatchConfig,
         OptimizerConfig,
@@ -84,6 +89,7 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
         TrainingConfig,
     )
     from lightning_lowmem.functional.microbatch import split_batch
+    from lightning_lowmem.functional.registry import handler_for, register_technique
     from lightning_lowmem.functional.checkpointing import checkpoint_, uncheckpoint_
     from lightning_lowmem.functional.compression import compress_activations
     from lightning_lowmem.functional.cross_entropy import chunk_cross_entropy_, chunked_cross_entropy, linear_cross_entropy

@@ -1,14 +1,17 @@
-"""`apply`: a :class:`~lightning_lowmem.functional.config.TrainingConfig` on a module, with an undo handle.
+"""`apply`: technique configs on a module, with an undo handle.
 
-One function turns a technique mix into a transformed module, an optimizer and a step context. The
+One function turns a technique mix (a :class:`~lightning_lowmem.functional.config.TrainingConfig`, or one
+technique's config, or a list of them) into a transformed module, an optimizer and a step context. It calls
+the handler :mod:`lightning_lowmem.functional.registry` holds for each config, in the registered order. The
 callbacks, the low-memory strategies and the estimator (on its fake copy) all go through it, so what is
 planned is what runs:
 
 * model side, in place: quantization, LoRA adapters, activation checkpointing, the chunked cross-entropy
   (the output head defers its logits in training), and the hold on a Hugging Face model's training-time KV
   cache that activation compression needs (checkpointing holds it itself);
-* per step: :meth:`Applied.step_context` (activation compression), :meth:`Applied.micro_batches`;
-* the optimizer: :meth:`Applied.build_optimizer` from the config's :class:`OptimizerConfig`, or
+* per step: :meth:`Applied.step_context` (every config's ``step_context``: activation compression),
+  :meth:`Applied.micro_batches` (``MicrobatchConfig.split``);
+* the optimizer: :meth:`Applied.build_optimizer` (``OptimizerConfig.build``), or
   :func:`lightning_lowmem.functional.optimizers.convert.convert_optimizer` for one already built.
 
 Precision is not applied here: a ``"-true"`` preset is the precision plugin's cast (Lightning's, or the
@@ -24,54 +27,26 @@ Example::
     >>> applied.undo()
     >>> type(model[0]).__name__, [name for name, p in model.named_parameters() if p.requires_grad]
     ('Linear', ['0.weight', '0.bias', '2.weight', '2.bias'])
+    >>> from lightning_lowmem.functional.config import LoRAConfig
+    >>> applied = apply(model, LoRAConfig(r=2, target=["0"]))  # one technique's config
+    >>> applied.config.describe(), type(model[0]).__name__
+    ('configured precision + lora(r=2) + configured optimizer', 'LoraLinear')
+    >>> applied.undo()
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from lightning_lowmem.functional.config import TrainingConfig
+from lightning_lowmem.functional.registry import techniques
 
 __all__ = ["Applied", "apply", "step_context"]
-
-_COMPRESSION = "activation compression"  # the reason activation compression holds the KV cache off
-
-
-@dataclass
-class _Structure:
-    """Which children and parameters every submodule had, and which parameters required gradients."""
-
-    children: dict[nn.Module, list[tuple[str, nn.Module]]]
-    parameters: dict[nn.Module, list[tuple[str, nn.Parameter | None]]]
-    requires_grad: dict[nn.Parameter, bool]
-
-    @classmethod
-    def of(cls, module: nn.Module) -> "_Structure":
-        modules = list(module.modules())
-        return cls(
-            children={m: list(m.named_children()) for m in modules},
-            parameters={m: list(m.named_parameters(recurse=False)) for m in modules},
-            requires_grad={p: p.requires_grad for p in module.parameters()},
-        )
-
-    def restore(self) -> None:
-        for owner, children in self.children.items():
-            kept = {name for name, _ in children}
-            for name, _ in list(owner.named_children()):
-                if name not in kept:
-                    delattr(owner, name)
-            for name, child in children:
-                setattr(owner, name, child)
-        for owner, parameters in self.parameters.items():
-            for name, param in parameters:
-                setattr(owner, name, param)
-        for param, requires_grad in self.requires_grad.items():
-            param.requires_grad_(requires_grad)
 
 
 @dataclass
@@ -80,13 +55,15 @@ class Applied:
 
     Attributes:
         module: the transformed module.
-        config: the applied config.
+        config: the applied config (a single technique's config is composed into a ``TrainingConfig``).
         checkpointed: names of the submodules wrapped with activation checkpointing.
         lora: the :class:`~lightning_lowmem.functional.lora.LoraReport`, or ``None``.
         quantization: the quantization report, or ``None``.
         cross_entropy: the :class:`~lightning_lowmem.functional.cross_entropy.ChunkedLoss` (heads deferred,
             losses routed), or ``None``.
         compression_stats: the activation-compression figures of the steps run in :meth:`step_context`.
+        strict: a handler that matches nothing raises (``False``: it warns), as :func:`apply` was told.
+        hold_kv_cache: activation compression holds a Hugging Face model's KV cache off, as :func:`apply` was told.
     """
 
     module: nn.Module = field(repr=False)
@@ -96,9 +73,16 @@ class Applied:
     quantization: Any = None
     cross_entropy: Any = None
     compression_stats: Any = None
-    _structure: _Structure | None = field(default=None, repr=False)
-    _kv_cache_held: bool = field(default=False, repr=False)
-    _undone: bool = field(default=False, repr=False)
+    strict: bool = field(default=True, repr=False)
+    hold_kv_cache: bool = field(default=True, repr=False)
+    _undo: list[Callable[[], Any]] = field(default_factory=list, repr=False)
+
+    def on_undo(self, undo: Callable[[], Any]) -> None:
+        """Record how to give back what a handler is about to change; :meth:`undo` calls these last-in,
+        first-out."""
+        if not callable(undo):
+            raise TypeError(f"`undo` must be callable (no arguments), got {type(undo).__name__}: {undo!r}")
+        self._undo.append(undo)
 
     def step_context(self, stats: Any = None) -> ContextManager[Any]:
         """The context a training step (forward and backward) runs in: activation compression, or nothing.
@@ -113,62 +97,45 @@ class Applied:
         """``batch`` split as the config's micro-batch size says (``[batch]`` without micro-batches)."""
         if self.config.microbatch is None:
             return [batch]
-        from lightning_lowmem.functional.microbatch import split_batch
-
-        return split_batch(batch, self.config.microbatch.size)
+        return self.config.microbatch.split(batch)
 
     def build_optimizer(self, params: Iterable[Any] | None = None, **overrides: Any) -> torch.optim.Optimizer:
         """The config's optimizer over ``params`` (default: the module's trainable parameters); ``overrides``
         win over the config's hyperparameters (e.g. ``foreach`` for a device)."""
-        from lightning_lowmem.functional.optimizers.registry import build_optimizer
-
         optimizer = self.config.optimizer
         if optimizer is None:
             raise ValueError("`config.optimizer` is None (the configured optimizer): there is no optimizer to build")
         if params is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
-        return build_optimizer(optimizer.name, params, **{**optimizer.kwargs, **overrides})
+        return optimizer.build(params, **overrides)
 
     def undo(self) -> None:
-        """Give the module back as it was: checkpointing unwrapped, adapters / quantized weights replaced by
-        the original submodules and parameters, ``requires_grad`` and the KV cache restored (idempotent)."""
-        if self._undone:
-            return
-        if self.cross_entropy is not None:
-            self.cross_entropy.undo()
-            self.cross_entropy = None
-        if self.checkpointed:
-            from lightning_lowmem.functional.checkpointing import uncheckpoint_
-
-            uncheckpoint_(self.module, self.checkpointed)
-            self.checkpointed = []
-        if self._structure is not None:
-            self._structure.restore()
-            self._structure = None
-        if self._kv_cache_held:
-            from lightning_lowmem.model_io import restore_kv_cache_
-
-            restore_kv_cache_(self.module, _COMPRESSION)
-            self._kv_cache_held = False
-        self._undone = True
+        """Give the module back as it was: every handler's recorded undo, last first (checkpointing
+        unwrapped, adapters / quantized weights replaced by the original submodules and parameters,
+        ``requires_grad`` and the KV cache restored). Idempotent."""
+        while self._undo:
+            self._undo.pop()()
 
 
 def apply(
     module: nn.Module,
-    config: TrainingConfig | dict[str, Any],
+    config: Any,
     *,
     strict: bool = True,
     hold_kv_cache: bool = True,
 ) -> Applied:
     """Apply ``config``'s model-side techniques to ``module``, in place; return the handle that undoes them.
 
-    Order: quantization, LoRA (adapters on the possibly quantized layers), activation checkpointing
-    (wrapping whole blocks, adapters included), the chunked cross-entropy (the output head's forward and a
-    Hugging Face causal LM's loss), then the KV-cache hold for activation compression.
+    Each technique's registered handler runs in its registered order: quantization, LoRA (adapters on the
+    possibly quantized layers), activation checkpointing (wrapping whole blocks, adapters included), the
+    chunked cross-entropy (the output head's forward and a Hugging Face causal LM's loss), then the
+    KV-cache hold for activation compression.
 
     Args:
         module: any ``nn.Module`` (real, meta or fake parameters).
-        config: a :class:`TrainingConfig`, or a dict of its shorthands (``{"lora": {"r": 8}}``).
+        config: a :class:`TrainingConfig`, a dict of its shorthands (``{"lora": {"r": 8}}``), one
+            technique's config (``LoRAConfig(r=8)``), or a list / tuple of technique configs (the ones
+            not given are off; precision and optimizer "as configured elsewhere").
         strict: a checkpointing policy that matches nothing raises (``False``: it warns). Default: ``True``.
         hold_kv_cache: switch a Hugging Face model's ``config.use_cache`` off while compression runs (what a
             training-time KV cache keeps, compression cannot pack). Default: ``True``.
@@ -178,73 +145,52 @@ def apply(
         types, ``requires_grad``, ``use_cache``).
 
     Raises:
-        ValueError / TypeError: the config is invalid, or a technique cannot apply (a LoRA target or a
-            checkpointing policy that matches nothing, ``"int8_static"`` quantization, which needs
-            calibration data: use ``quantize_static``), a chunked cross-entropy with no output head to find.
+        ValueError / TypeError: the config is invalid or has no registered handler, or a technique cannot
+            apply (a LoRA target or a checkpointing policy that matches nothing, ``"int8_static"``
+            quantization, which needs calibration data: use ``quantize_static``), a chunked cross-entropy
+            with no output head to find.
     """
-    if isinstance(config, dict):
-        config = TrainingConfig(**config)
-    if not isinstance(config, TrainingConfig):
-        raise TypeError(f"`config` must be a TrainingConfig or a dict of its arguments, got {type(config).__name__}")
-    applied = Applied(module, config)
-    if config.compression is not None:
-        from lightning_lowmem.functional.compression import CompressionStats
-
-        applied.compression_stats = CompressionStats()
-    if config.quantization is not None or config.lora is not None:
-        applied._structure = _Structure.of(module)
+    config = _training_config(config)
+    applied = Applied(module, config, strict=strict, hold_kv_cache=hold_kv_cache)
     try:
-        if config.quantization is not None:
-            applied.quantization = _quantize(module, config)
-        if config.lora is not None:
-            from lightning_lowmem.functional.lora.adapters import apply_lora_
-
-            applied.lora = apply_lora_(module, **config.lora.kwargs())
-        if config.checkpointing is not None:
-            from lightning_lowmem.functional.checkpointing import checkpoint_
-
-            checkpointing = config.checkpointing
-            policy = list(checkpointing.policy) if isinstance(checkpointing.policy, tuple) else checkpointing.policy
-            applied.checkpointed = checkpoint_(module, policy, nested=checkpointing.nested, strict=strict).wrapped
-        if config.cross_entropy is not None:
-            from lightning_lowmem.functional.cross_entropy.models import chunk_cross_entropy_
-
-            loss = config.cross_entropy
-            applied.cross_entropy = chunk_cross_entropy_(module, chunk_size=loss.chunk_size, head=loss.head)
-        if config.compression is not None and hold_kv_cache:
-            from lightning_lowmem.model_io import disable_kv_cache_
-
-            disable_kv_cache_(module, _COMPRESSION)  # a training-time KV cache keeps keys / values whole
-            applied._kv_cache_held = True
+        for technique in sorted(techniques(), key=lambda t: t.order):  # stable: registration order breaks ties
+            technique_config = getattr(config, technique.field)
+            if technique_config is not None:
+                technique.handler(module, technique_config, applied)
     except BaseException:
         applied.undo()  # a technique that failed leaves the module as it came
         raise
     return applied
 
 
+def _training_config(config: Any) -> TrainingConfig:
+    """``config`` as a :class:`TrainingConfig`: kept, built from its shorthands, or composed of technique configs."""
+    if isinstance(config, TrainingConfig):
+        return config
+    if isinstance(config, Mapping):
+        return TrainingConfig(**config)
+    configs = list(config) if isinstance(config, (list, tuple)) else [config]
+    try:
+        return TrainingConfig.of(*configs)
+    except TypeError:
+        raise TypeError(
+            f"`config` must be a TrainingConfig or a dict of its arguments, a technique config (e.g. LoRAConfig(r=8)) "
+            f"or a list of them, got {type(config).__name__}: {config!r}"
+        ) from None
+
+
 def step_context(config: TrainingConfig, stats: Any = None) -> ContextManager[Any]:
-    """The context ``config``'s training step runs in: activation compression (adding to ``stats``), or nothing."""
-    compression = config.compression
-    if compression is None:
+    """The context ``config``'s training step runs in: every technique config's ``step_context`` (activation
+    compression, adding to ``stats``), or nothing."""
+    contexts = [c for c in (getattr(config, t.field) for t in techniques()) if hasattr(c, "step_context")]
+    if not contexts:
         return contextlib.nullcontext()
-    from lightning_lowmem.functional.compression import compress_activations
+    if len(contexts) == 1:
+        return contexts[0].step_context(stats)
+    return _entered_together([c.step_context for c in contexts], stats)
 
-    return compress_activations(compression.mode, compression.min_bytes, stats)
 
-
-def _quantize(module: nn.Module, config: TrainingConfig) -> Any:
-    quantization = config.quantization
-    assert quantization is not None
-    if isinstance(quantization.mode, str):
-        if quantization.mode == "int8_static":
-            raise ValueError(
-                "`quantization`='int8_static' needs calibration data and builds a new module: use "
-                "lightning_lowmem.functional.quantize_static (or the PostTrainingQuantization callback)"
-            )
-        from lightning_lowmem.functional.quantization.ptq import quantize_
-
-        return quantize_(module, quantization.mode, group_size=quantization.group_size)
-    from torchao.quantization import quantize_ as torchao_quantize_
-
-    torchao_quantize_(module, quantization.mode)
-    return None
+@contextlib.contextmanager
+def _entered_together(contexts: list[Callable[[Any], ContextManager[Any]]], stats: Any) -> Any:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(context(stats)) for context in contexts]

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_lowmem.functional.compression import CompressionStats
-from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
+from lightning_lowmem.functional.config import PRECISIONS, OptimizerConfig, TrainingConfig
 from lightning_lowmem.memory.units import describe_bytes, format_bytes, parse_bytes
 from lightning_lowmem.warnings import LowMemWarning
 
@@ -129,7 +129,7 @@ class LowMemoryOptions:
         self,
         *,
         precision: str | None,
-        optimizer: str | None,
+        optimizer: str | OptimizerConfig | None,
         optimizer_kwargs: dict[str, Any] | None,
         activation_checkpointing: str | int | list[str] | None,
         nested_checkpointing: bool,
@@ -140,6 +140,14 @@ class LowMemoryOptions:
         expandable_segments: bool | None,
         prefetch: bool,
     ) -> None:
+        if optimizer is not None and optimizer_kwargs is not None:
+            warnings.warn(
+                f"`optimizer_kwargs`={optimizer_kwargs!r} is deprecated: give the optimizer and its arguments as one "
+                f"OptimizerConfig, e.g. optimizer=OptimizerConfig({getattr(optimizer, 'name', optimizer)!r}, lr=1e-3) "
+                "(YAML: optimizer: {name: adamw8bit, hyperparameters: {lr: 0.001}})",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         # the settings a planned checkpointing / compression gets (validated even when those are off)
         self._technique_settings = TrainingConfig(
             precision=None, optimizer=None, activation_checkpointing="auto", nested_checkpointing=nested_checkpointing,

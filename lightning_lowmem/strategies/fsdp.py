@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem import _compat
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.strategies._options import LowMemoryOptions, precision_plugin, validate_precision
 
 __all__ = ["LowMemoryFSDPStrategy"]
@@ -90,7 +91,7 @@ class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
         nested_checkpointing: bool = False,
         activation_compression: str | None = None,
         memory_budget: int | str | None = None,
-        optimizer: str | None = None,
+        optimizer: str | OptimizerConfig | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
         compression_min_bytes: int = 65536,
         expandable_segments: bool | None = None,

@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.strategies._options import (
     PRECISION_PRESETS,
     LowMemoryOptions,
@@ -68,9 +69,13 @@ class LowMemoryStrategy(LowMemoryOptions, SingleDeviceStrategy):
         memory_budget: bytes or a string like ``"12GiB"``: plan and apply a technique mix that fits (see
             the module docstring). Default: ``None``.
         zero_optimizer: shard optimizer state (DDP only; warns and falls back here). Default: ``False``.
-        optimizer: a :func:`~lightning_lowmem.functional.optimizers.available_optimizers` name that
-            replaces the configured optimizer (``lr`` / ``weight_decay`` kept). Default: ``None`` (keep).
-        optimizer_kwargs: extra arguments for ``optimizer``. Default: ``None``.
+        optimizer: an :class:`~lightning_lowmem.functional.config.OptimizerConfig` (a name and its
+            hyperparameters; YAML: ``{name: adamw8bit, hyperparameters: {lr: 0.001}}``) or a
+            :func:`~lightning_lowmem.functional.optimizers.available_optimizers` name, that replaces the
+            configured optimizer (``lr`` / ``weight_decay`` kept unless given). Default: ``None`` (keep).
+        optimizer_kwargs: with ``optimizer=None``, the configured optimizer's arguments for the
+            ``memory_budget`` planner. Deprecated with a named ``optimizer`` (a ``DeprecationWarning``): give
+            ``OptimizerConfig(name, **hyperparameters)`` instead. Default: ``None``.
         compression_min_bytes: saved tensors smaller than this are not compressed. Default: 65536.
         expandable_segments: set the CUDA allocator's ``expandable_segments`` before CUDA initialises
             (``None``: leave it). Default: ``None``.
@@ -100,7 +105,7 @@ class LowMemoryStrategy(LowMemoryOptions, SingleDeviceStrategy):
         activation_compression: str | None = None,
         memory_budget: int | str | None = None,
         zero_optimizer: bool = False,
-        optimizer: str | None = None,
+        optimizer: str | OptimizerConfig | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
         compression_min_bytes: int = 65536,
         expandable_segments: bool | None = None,
@@ -184,7 +189,7 @@ class LowMemoryDDPStrategy(LowMemoryOptions, DDPStrategy):
         memory_budget: int | str | None = None,
         zero_optimizer: bool = False,
         bucket_cap_mb: float = 25,
-        optimizer: str | None = None,
+        optimizer: str | OptimizerConfig | None = None,
         optimizer_kwargs: dict[str, Any] | None = None,
         compression_min_bytes: int = 65536,
         expandable_segments: bool | None = None,

@@ -112,3 +112,39 @@ def test_state_round_trip_and_a_changed_head_warns(tiny_trainer_kwargs):
     resumed.load_state_dict({**state, "heads": ["lm_head"]})
     with pytest.warns(UserWarning, match=r"trained with heads \['lm_head'\] deferred, this run defers \['model.lm_head'\]"):
         _fit(hf_zoo.hf_module("llama"), [resumed], tiny_trainer_kwargs, steps=1, quiet=False)
+
+
+class _SaveFullWeights(L.Callback):
+    """Rank 0 saves the full (gathered) weights at the end of fit."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        weights = trainer.strategy.full_state_dict()  # a collective: every rank calls it
+        if trainer.global_rank == 0:
+            torch.save({name: value.clone() for name, value in weights.items()}, self.path)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_train_as_one_unchunked_process(tmp_path, tiny_trainer_kwargs):
+    """`lowmem_fsdp` over 2 processes with the chunked loss = one process with the plain loss (GPT-2: a tied head,
+    sharded with the embedding in the root unit, read by the loss after the head's forward returned)."""
+    from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
+    from tests.spawn import fit_saving_results
+
+    path = tmp_path / "fsdp_chunked.pt"
+    module = hf_zoo.hf_module("gpt2", vocab_size=2048, **NO_DROPOUT["gpt2"])
+    reference = hf_zoo.hf_module("gpt2", vocab_size=2048, **NO_DROPOUT["gpt2"])
+    reference.load_state_dict(module.state_dict())
+    start = module.model.transformer.h[0].mlp.c_fc.weight.detach().clone()
+    callbacks = [MemoryEfficientOptimizer("sgd", lr=0.5), ChunkedCrossEntropy(chunk_size=16), _SaveFullWeights(str(path))]
+    kwargs = {**tiny_trainer_kwargs, "devices": 2, "strategy": LowMemoryFSDPStrategy(start_method="spawn")}
+    kwargs["use_distributed_sampler"] = False  # each rank sees the whole batch: the same global step as one process
+    fit_saving_results(lambda: _fit(module, callbacks, kwargs, "gpt2"), [path])
+    _fit(reference, [MemoryEfficientOptimizer("sgd", lr=0.5)], tiny_trainer_kwargs, "gpt2")
+    sharded = torch.load(path)
+    assert sharded.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(sharded["model.transformer.h.0.mlp.c_fc.weight"], start)  # it trained

@@ -139,3 +139,13 @@ def test_torchao_argument_list_matches_torchao():
 
     for name, cls in (("adamw8bit", torchao.optim.AdamW8bit), ("adamw4bit", torchao.optim.AdamW4bit)):
         assert optimizer_arguments(name) == tuple(p for p in inspect.signature(cls).parameters if p != "params")
+
+
+def test_an_optimizer_config_is_taken_whole():
+    from lightning_lowmem.functional.config import OptimizerConfig
+
+    config = OptimizerConfig("adafactor", lr=0.05)
+    assert MemoryEfficientOptimizer(config).config is config
+    assert MemoryEfficientOptimizer(config).optimizer_kwargs == {"lr": 0.05}
+    with pytest.raises(ValueError, match=r"also got \{'lr': 0.1\}: give the arguments inside the OptimizerConfig"):
+        MemoryEfficientOptimizer(config, lr=0.1)

@@ -312,3 +312,28 @@ def test_memory_budget_with_optimizer_in_backward_does_not_try_micro_batches(tin
                         **tiny_trainer_kwargs)
     with pytest.raises(ValueError, match=r"Micro-batches are not tried with optimizer='adamw_in_backward'"):
         trainer.fit(_Wide())
+
+
+def test_optimizer_is_one_optimizer_config_and_optimizer_kwargs_is_a_deprecated_shorthand():
+    from jsonargparse import ArgumentParser
+
+    from lightning_lowmem.functional.config import OptimizerConfig
+
+    wanted = OptimizerConfig("adamw8bit", lr=1e-3, betas=(0.9, 0.99))
+    assert LowMemoryStrategy(optimizer=wanted).config.optimizer == wanted
+    with pytest.warns(DeprecationWarning, match=r"`optimizer_kwargs`=.* is deprecated: .*OptimizerConfig\('adamw8bit'"):
+        old = LowMemoryStrategy(optimizer="adamw8bit", optimizer_kwargs={"lr": 1e-3, "betas": [0.9, 0.99]})
+    assert old.config.optimizer == wanted
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"`optimizer_kwargs`=.* needs `optimizer` as"):
+        LowMemoryDDPStrategy(optimizer=wanted, optimizer_kwargs={"lr": 1.0})
+    # the configured optimizer's arguments for the planner: no warning (there is no config to give instead)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert LowMemoryStrategy(optimizer_kwargs={"lr": 0.1}).optimizer_kwargs == {"lr": 0.1}
+    # YAML (LightningCLI reads the signature): a mapping of the config's arguments
+    parser = ArgumentParser()
+    parser.add_class_arguments(LowMemoryStrategy, "strategy", skip={"device"})
+    parsed = parser.parse_string("strategy: {optimizer: {name: adamw8bit, hyperparameters: {lr: 0.001, betas: [0.9, 0.99]}}}")
+    assert parser.instantiate(parsed).strategy.config.optimizer == wanted

@@ -137,6 +137,13 @@ class CompressionConfig:
         if self.min_bytes < 0:
             raise ValueError(f"`min_bytes`={self.min_bytes} must be >= 0 (0 packs every float tensor)")
 
+    def step_context(self, stats: Any = None) -> Any:
+        """The context a training step runs in: saved activations packed (adding to ``stats``, a
+        :class:`~lightning_lowmem.functional.compression.CompressionStats`)."""
+        from lightning_lowmem.functional.compression import compress_activations
+
+        return compress_activations(self.mode, self.min_bytes, stats)
+
 
 @dataclass(frozen=True, init=False)
 class OptimizerConfig:
@@ -160,7 +167,7 @@ class OptimizerConfig:
     """
 
     name: str
-    hyperparameters: tuple[tuple[str, Any], ...]
+    hyperparameters: tuple[tuple[str, Any], ...] | Mapping[str, Any]  # a mapping given, stored as sorted pairs
 
     def __init__(self, name: str = "adamw", hyperparameters: Mapping[str, Any] | tuple | None = None, **kwargs: Any) -> None:
         from lightning_lowmem.functional.optimizers.registry import _check_name, check_optimizer_kwargs
@@ -192,6 +199,12 @@ class OptimizerConfig:
     def in_backward(self) -> bool:
         """It steps inside backward (``*_in_backward``)."""
         return self.name.endswith("_in_backward")
+
+    def build(self, params: Any, **overrides: Any) -> torch.optim.Optimizer:
+        """The optimizer over ``params``; ``overrides`` win over the hyperparameters (e.g. ``foreach``)."""
+        from lightning_lowmem.functional.optimizers.registry import build_optimizer
+
+        return build_optimizer(self.name, params, **{**self.kwargs, **overrides})
 
 
 _TORCHAO_BACKED = ("adamw8bit", "adamw4bit", "adamw_bf16_sr")
@@ -238,6 +251,12 @@ class MicrobatchConfig:
                 f"`micro_batch_size` must be a positive int or None, got {self.size!r}; None starts with "
                 "whole batches (AutoMicrobatch splits only after an out-of-memory error)."
             )
+
+    def split(self, batch: Any) -> list[Any]:
+        """``batch`` in micro-batches of :attr:`size` samples (:func:`~lightning_lowmem.functional.split_batch`)."""
+        from lightning_lowmem.functional.microbatch import split_batch
+
+        return split_batch(batch, self.size)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,20 @@
-"""`TrainingConfig`: the per-technique configs composed into one technique mix, with the flat shorthands."""
+"""`TrainingConfig`: the registered techniques' configs composed into one technique mix, with their shorthands.
+
+What it composes is :mod:`lightning_lowmem.functional.registry`'s list: each technique's field, the
+shorthands it owns, its ``describe()`` label and its ``to_dict()`` keywords are registered with its handler
+(the built-ins in :mod:`lightning_lowmem.functional.handlers`). The class spells the built-in fields out for
+IDEs and type checkers; a technique registered later is composed the same way (``TrainingConfig(myfield=...)``,
+``config.myfield``).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
-from lightning_lowmem.functional.compression import DEFAULT_MIN_BYTES
+import lightning_lowmem.functional.handlers  # noqa: F401  (registers the built-in techniques)
 from lightning_lowmem.functional.config.techniques import (
     CheckpointingConfig,
     CompressionConfig,
@@ -18,52 +25,10 @@ from lightning_lowmem.functional.config.techniques import (
     PrecisionConfig,
     QuantizationConfig,
     ShardingConfig,
-    _check_bool,
 )
+from lightning_lowmem.functional.registry import technique_for, techniques
 
 __all__ = ["TrainingConfig"]
-
-
-# ----------------------------------------------------------------------------- the composed mix
-def _coerce(field: str, value: Any, kind: type, shorthand: Any) -> Any:
-    """``value`` as a ``kind`` config: kept if it is one, built from a mapping, else from ``shorthand(value)``."""
-    if value is None or isinstance(value, kind):
-        return value
-    if isinstance(value, Mapping):
-        return kind(**value)
-    return shorthand(value)
-
-
-@contextlib.contextmanager
-def _named(**arguments: str) -> Iterator[None]:
-    """Errors of a config built from a shorthand name the argument the user wrote (``min_bytes`` ->
-    ``compression_min_bytes``)."""
-    try:
-        yield
-    except (ValueError, TypeError) as err:
-        message = str(err)
-        for field, argument in arguments.items():
-            message = message.replace(f"`{field}`", f"`{argument}`")
-        if message == str(err):
-            raise
-        raise type(err)(message) from err
-
-
-def _lora_shorthand(value: Any) -> LoRAConfig:
-    if isinstance(value, tuple) and all(isinstance(item, tuple) and len(item) == 2 for item in value):
-        return LoRAConfig(**dict(value))  # the (key, value) pairs earlier versions stored
-    if isinstance(value, int) and not isinstance(value, bool):
-        return LoRAConfig(r=value)
-    raise TypeError(f"`lora`={value!r} must be a LoRAConfig, a mapping of apply_lora_ arguments (e.g. {{'r': 8}}) or None")
-
-
-def _cross_entropy_shorthand(value: Any) -> CrossEntropyConfig:
-    if isinstance(value, str):
-        return CrossEntropyConfig(value)
-    raise TypeError(
-        f"`cross_entropy`={value!r} must be 'chunked', a CrossEntropyConfig, a mapping of its arguments "
-        "(e.g. {'chunk_size': 1024}) or None"
-    )
 
 
 @dataclass(frozen=True, init=False)
@@ -90,12 +55,15 @@ class TrainingConfig:
     ``cross_entropy="chunked"``                   ``cross_entropy=CrossEntropyConfig("chunked")``
     ============================================  ==============================================
 
+    A technique registered with :func:`~lightning_lowmem.functional.registry.register_technique` is one more
+    keyword (its ``field``, and the flat keywords its shorthand owns).
+
     ``precision=None`` / ``optimizer=None`` mean "as configured elsewhere" (the Trainer's precision,
     ``configure_optimizers``' optimizer): the strategies use them for what the user did not set.
 
     Raises:
         ValueError / TypeError: from the per-technique configs; a technique given both as a field and
-            as its shorthand.
+            as its shorthand; a keyword no registered technique owns.
 
     Example::
 
@@ -115,6 +83,7 @@ class TrainingConfig:
     quantization: QuantizationConfig | None
     sharding: ShardingConfig | None
     cross_entropy: CrossEntropyConfig | None
+    _others: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # techniques registered beyond these
 
     def __init__(
         self,
@@ -135,52 +104,60 @@ class TrainingConfig:
         optimizer_kwargs: Mapping[str, Any] | None = None,
         micro_batch_size: int | None = None,
         world_size: int | None = None,
+        **others: Any,
     ) -> None:
-        for field, short, value, long in (
-            ("checkpointing", "activation_checkpointing", activation_checkpointing, checkpointing),
-            ("compression", "activation_compression", activation_compression, compression),
-            ("microbatch", "micro_batch_size", micro_batch_size, microbatch),
-        ):
-            if value is not None and long is not None:
-                raise ValueError(f"`{short}`={value!r} and `{field}`={long!r} set the same technique; give one")
-        checkpointing = checkpointing if checkpointing is not None else activation_checkpointing
-        compression = compression if compression is not None else activation_compression
-        microbatch = microbatch if microbatch is not None else micro_batch_size
-        if nested_checkpointing is not None:
-            _check_bool("nested_checkpointing", nested_checkpointing)
-            if checkpointing is None and nested_checkpointing:
-                raise ValueError("`nested_checkpointing`=True needs `activation_checkpointing` (a policy to nest)")
-        if checkpointing is not None and not isinstance(checkpointing, (CheckpointingConfig, Mapping)):
-            with _named(policy="activation_checkpointing", nested="nested_checkpointing"):
-                checkpointing = CheckpointingConfig(checkpointing, nested=bool(nested_checkpointing))
-        if compression is not None and not isinstance(compression, (CompressionConfig, Mapping)):
-            min_bytes = DEFAULT_MIN_BYTES if compression_min_bytes is None else compression_min_bytes
-            with _named(mode="activation_compression", min_bytes="compression_min_bytes"):
-                compression = CompressionConfig(compression, min_bytes=min_bytes)
-        if optimizer_kwargs:
-            if not isinstance(optimizer, str):
-                raise ValueError(
-                    f"`optimizer_kwargs`={dict(optimizer_kwargs)!r} needs `optimizer` as a name, got {optimizer!r}; "
-                    "give the arguments to OptimizerConfig instead"
-                )
-            optimizer = OptimizerConfig(optimizer, optimizer_kwargs)
-        if isinstance(sharding, str) or (sharding is None and world_size not in (None, 1)):
-            sharding = ShardingConfig(sharding or "ddp", world_size if world_size is not None else 1)
-        elif world_size is not None and world_size != getattr(sharding, "world_size", 1):
-            raise ValueError(f"`world_size`={world_size!r} disagrees with `sharding`={sharding!r}; give it once")
-        values = {
-            "precision": _coerce("precision", precision, PrecisionConfig, PrecisionConfig),
-            "checkpointing": _coerce("checkpointing", checkpointing, CheckpointingConfig, CheckpointingConfig),
-            "compression": _coerce("compression", compression, CompressionConfig, CompressionConfig),
-            "optimizer": _coerce("optimizer", optimizer, OptimizerConfig, OptimizerConfig),
-            "microbatch": _coerce("microbatch", microbatch, MicrobatchConfig, MicrobatchConfig),
-            "lora": _coerce("lora", lora, LoRAConfig, _lora_shorthand),
-            "quantization": _coerce("quantization", quantization, QuantizationConfig, QuantizationConfig),
-            "sharding": _coerce("sharding", sharding, ShardingConfig, ShardingConfig),
-            "cross_entropy": _coerce("cross_entropy", cross_entropy, CrossEntropyConfig, _cross_entropy_shorthand),
-        }
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "others")}
+        arguments.update(others)
+        values: dict[str, Any] = {}
+        for technique in techniques():
+            flat = {name: arguments.pop(name) for name in technique.flat if name in arguments}
+            values[technique.field] = technique.build(arguments.pop(technique.field, None), **flat)
+        if arguments:
+            known = [name for t in techniques() for name in (t.field, *t.flat)]
+            unknown = min(arguments)
+            close = difflib.get_close_matches(unknown, known, n=1)
+            raise TypeError(
+                f"TrainingConfig got an unknown argument `{unknown}`; the registered techniques take {known}"
+                + (f". Did you mean {close[0]!r}?" if close else " (register_technique adds one)")
+            )
+        for own in _OWN_FIELDS:
+            object.__setattr__(self, own, values.pop(own, None))
+        object.__setattr__(self, "_others", tuple((name, value) for name, value in values.items() if value is not None))
+
+    @classmethod
+    def of(cls, *configs: Any) -> "TrainingConfig":
+        """The mix of these technique configs alone (``None`` skipped); precision and optimizer "as configured
+        elsewhere" unless given.
+
+        Raises:
+            TypeError: an object no technique is registered for. ValueError: a technique given twice.
+
+        Example::
+
+            >>> TrainingConfig.of(LoRAConfig(r=4), MicrobatchConfig(2)).describe()
+            'configured precision + lora(r=4) + configured optimizer + mb 2'
+        """
+        given = [config for config in configs if config is not None]
+        fields = [technique_for(config).field for config in given]
+        repeated = sorted({field for field in fields if fields.count(field) > 1})
+        if repeated:
+            raise ValueError(f"the {repeated[0]!r} technique is given more than once: {given!r}; give each once")
+        return cls(**{"precision": None, "optimizer": None, **dict(zip(fields, given))})
+
+    def __getattr__(self, name: str) -> Any:
+        """A technique registered beyond the built-in fields: its config, or ``None`` when it is off."""
+        if name.startswith("__") or name == "_others":
+            raise AttributeError(name)
+        others = dict(self.__dict__.get("_others", ()))
+        if name in others:
+            return others[name]
+        if any(t.field == name for t in techniques()):
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def configs(self) -> dict[str, Any]:
+        """Every registered technique's config (``None``: off), by field, in registration order."""
+        return {t.field: getattr(self, t.field) for t in techniques()}
 
     # read-only views in the flat vocabulary (what the shorthands set)
     @property
@@ -207,60 +184,30 @@ class TrainingConfig:
         return self.precision.preset if self.precision is not None else None
 
     def replace(self, **changes: Any) -> "TrainingConfig":
-        """A copy with some fields (or shorthands) changed, e.g. ``config.replace(micro_batch_size=2)``."""
-        values: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for short, field in (("activation_checkpointing", "checkpointing"), ("activation_compression", "compression"),
-                             ("micro_batch_size", "microbatch")):  # fmt: skip
-            if short in changes:
-                values[field] = None
+        """A copy with some fields (or shorthands) changed, e.g. ``config.replace(micro_batch_size=2)``. A
+        technique changed through a flat keyword keeps its other settings (``replace(world_size=8)`` keeps
+        ``sharding``'s kind)."""
+        values: dict[str, Any] = {}
+        for technique in techniques():
+            current = getattr(self, technique.field)
+            if technique.field not in changes and any(name in changes for name in technique.flat):
+                values.update(technique.to_shorthand(current))
+            else:
+                values[technique.field] = current
         return TrainingConfig(**{**values, **changes})
 
     def describe(self) -> str:
         """A short human label, e.g. ``bf16-true + ckpt(auto) + int8 acts + adamw8bit + mb 4``."""
-        parts = [self.precision.preset if self.precision is not None else "configured precision"]
-        if self.lora is not None:
-            parts.append(("q" if self.lora.quantize_base else "") + f"lora(r={self.lora.r})")
-        if self.quantization is not None:
-            parts.append(self.quantization.name)
-        if self.checkpointing is not None:
-            parts.append(f"ckpt({self.checkpointing.describe()})")
-        if self.compression is not None:
-            parts.append(f"{self.compression.mode} acts")
-        if self.cross_entropy is not None:
-            parts.append(f"{self.cross_entropy.mode} CE")
-        parts.append(self.optimizer.name if self.optimizer is not None else "configured optimizer")
-        if self.microbatch is not None:
-            parts.append(f"mb {self.microbatch.size}")
-        if self.sharding is not None:
-            parts.append(f"{self.sharding.kind} x{self.sharding.world_size}")
-        return " + ".join(parts)
+        labels = (t.label(getattr(self, t.field)) for t in techniques())
+        return " + ".join(label for label in labels if label is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """The flat shorthands (JSON-friendly); ``TrainingConfig(**config.to_dict())`` rebuilds it. Settings
         at their defaults (compression ``min_bytes``, optimizer arguments, quantization, sharding) are left out."""
-        policy = self.activation_checkpointing
-        out: dict[str, Any] = {
-            "precision": self.precision_preset,
-            "activation_checkpointing": list(policy) if isinstance(policy, tuple) else policy,
-            "activation_compression": self.activation_compression,
-            "optimizer": self.optimizer_name,
-            "micro_batch_size": self.micro_batch_size,
-            "lora": {k: v for k, v in self.lora.kwargs().items() if getattr(LoRAConfig, k, None) != v or k == "r"}
-            if self.lora is not None else None,
-        }  # fmt: skip
-        if self.checkpointing is not None and self.checkpointing.nested:
-            out["nested_checkpointing"] = True
-        if self.compression is not None and self.compression.min_bytes != DEFAULT_MIN_BYTES:
-            out["compression_min_bytes"] = self.compression.min_bytes
-        if self.optimizer is not None and self.optimizer.hyperparameters:
-            out["optimizer_kwargs"] = self.optimizer.kwargs
-        if self.quantization is not None:
-            out["quantization"] = self.quantization.name
-        if self.sharding is not None:
-            out["sharding"], out["world_size"] = self.sharding.kind, self.sharding.world_size
-        if self.cross_entropy is not None:
-            defaults = CrossEntropyConfig(self.cross_entropy.mode)
-            out["cross_entropy"] = (
-                self.cross_entropy.mode if self.cross_entropy == defaults else dataclasses.asdict(self.cross_entropy)
-            )
+        out: dict[str, Any] = {}
+        for technique in techniques():
+            out.update(technique.to_shorthand(getattr(self, technique.field)))
         return out
+
+
+_OWN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingConfig) if f.name != "_others")
