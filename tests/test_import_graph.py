@@ -199,7 +199,7 @@ _KNOWN_PRIVATE_IMPORTS = {
     "lightning_lowmem.callbacks.post_training_quantization: lightning_lowmem.functional.quantization.ptq._unsupported_reason",
     "lightning_lowmem.functional.config.techniques: lightning_lowmem.functional.optimizers.registry._check_name",
     "lightning_lowmem.functional.config.techniques: lightning_lowmem.functional.lora.adapters._validate",
-    "lightning_lowmem.functional.config.training: lightning_lowmem.functional.config.techniques._check_bool",
+    "lightning_lowmem.functional.handlers: lightning_lowmem.functional.config.techniques._check_bool",
     "lightning_lowmem.functional.lora.files: lightning_lowmem.functional.lora.adapters._count_params",
     "lightning_lowmem.functional.lora.files: lightning_lowmem.functional.lora.adapters._is_candidate",
     "lightning_lowmem.functional.lora.files: lightning_lowmem.functional.lora.adapters._validate",
