@@ -13,7 +13,7 @@ STAMP := $(VENV)/.lowmem-installed
 DEMO_STAMP := $(VENV)/.lowmem-demo
 TORCH_STAMP := $(VENV)/.lowmem-torch
 
-.PHONY: install test test-fast demo demo-quick bench clean test-compat test-compat-all test-compat-ci
+.PHONY: install test test-fast lint demo demo-quick bench clean test-compat test-compat-all test-compat-ci
 
 install: $(STAMP)
 
@@ -36,6 +36,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow" tests
+
+# `make lint`: the formatter and the linter, as configured in pyproject.toml ([tool.ruff]); ruff comes with `[dev]`.
+# `$(VENV)/bin/ruff format $(LINT_PATHS)` fixes what `format --check` finds.
+LINT_PATHS ?= lightning_lowmem tests benchmarks scripts examples
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/lowmem demo

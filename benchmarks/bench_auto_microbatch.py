@@ -193,7 +193,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
 
 
 def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def _run_cuda(quick: bool) -> dict[str, Any]:

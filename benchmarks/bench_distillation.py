@@ -100,7 +100,7 @@ def _hf_rows(device: str, quick: bool) -> tuple[list[dict[str, Any]], dict[str, 
     teacher_steps, student_steps = (60, 40) if quick else (250, 250)
     data = HFTextDataModule("causal", seq_len=64, batch_size=16, max_chars=300_000)
     data.setup("fit")
-    val = [batch for _, batch in zip(range(20), data.val_dataloader())]
+    val = [batch for _, batch in zip(range(20), data.val_dataloader(), strict=False)]
 
     def student() -> torch.nn.Module:
         torch.manual_seed(1)

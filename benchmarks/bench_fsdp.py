@@ -10,6 +10,7 @@ as the estimate reports it; steps 3-5 are timed.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -100,11 +101,7 @@ def _measure_rank(rank: int, world_size: int, port: int, out: str) -> None:
         generator = torch.Generator().manual_seed(rank)
         batches = [make_batch(generator) for _ in range(2 + TIMED_STEPS)]
 
-        def step(batch: Any) -> None:
-            loss_fn(net, batch).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
+        step = functools.partial(_train_step, loss_fn, net, optimizer)
         step(batches[0])
         with track_memory(module, optimizer, device="cpu", by_module=False) as tracking:
             step(batches[1])
@@ -116,16 +113,22 @@ def _measure_rank(rank: int, world_size: int, port: int, out: str) -> None:
         seconds = (time.perf_counter() - start) / TIMED_STEPS
         profiled = None
         if sharding == "fsdp":  # a check of the tracker by other means: every thread's allocations
-            profiled = tracking.report.end_bytes + _profiled_peak_delta(lambda: step(batches[1]))
+            profiled = tracking.report.end_bytes + _profiled_peak_delta(functools.partial(step, batches[1]))
         results[(name, ckpt, sharding)] = {
             "peak_bytes": tracking.report.peak_bytes,
             "breakdown": dict(tracking.report.breakdown),
             "step_seconds": seconds,
             "profiled_bytes": profiled,
         }
-        del net, module, optimizer
+        del net, module, optimizer, step
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _train_step(loss_fn: Any, net: Any, optimizer: Any, batch: Any) -> None:
+    loss_fn(net, batch).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _profiled_peak_delta(step: Any) -> int:

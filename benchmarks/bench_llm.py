@@ -100,7 +100,7 @@ def _torchtune_style_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
     head = model.get_output_embeddings()
     total = torch.zeros((), dtype=torch.float32)
-    for hidden_chunk, label_chunk in zip(hidden.chunk(chunks, dim=1), shifted.chunk(chunks, dim=1)):
+    for hidden_chunk, label_chunk in zip(hidden.chunk(chunks, dim=1), shifted.chunk(chunks, dim=1), strict=True):
         logits = head(hidden_chunk).float()
         total = total + F.cross_entropy(logits.flatten(0, 1), label_chunk.flatten(), ignore_index=-100, reduction="sum")
     return total / (shifted != -100).sum()

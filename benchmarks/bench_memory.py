@@ -54,7 +54,7 @@ def _offload(device: str, quick: bool) -> dict[str, Any]:
         return out
 
     reference, offloaded = grads(False), grads(True)
-    grad_diff = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(reference, offloaded))
+    grad_diff = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(reference, offloaded, strict=True))
     del reference, offloaded
     peaks, stats = {}, CompressionStats()
     for offload in (False, True):
@@ -68,7 +68,7 @@ def _offload(device: str, quick: bool) -> dict[str, Any]:
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(2 if smoke() else 10 if quick else 30):  # interleaved: drifts hit both alike
         for offload in (False, True):
-            times[offload].append(timed(lambda: backward(offload), device))
+            times[offload].append(timed(lambda offload=offload: backward(offload), device))
             model.zero_grad(set_to_none=True)
     median = {offload: statistics.median(values[1:]) for offload, values in times.items()}
     return {"size": size, "peak": peaks, "offloaded": stats.bytes_in, "median_s": median, "grad_diff": grad_diff}

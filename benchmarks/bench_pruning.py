@@ -114,7 +114,7 @@ def _hf_gpt2(device: str, quick: bool) -> tuple[list[dict[str, Any]], dict[str, 
     steps = 60 if quick else 200
     data = HFTextDataModule("causal", seq_len=32, batch_size=16, max_chars=200_000)
     data.setup("fit")
-    val = [batch for _, batch in zip(range(20), data.val_dataloader())]
+    val = [batch for _, batch in zip(range(20), data.val_dataloader(), strict=False)]
     window = dict(start_step=steps // 5, end_step=steps * 3 // 4, frequency=max(1, steps // 20))
     runs = {
         "dense": None,

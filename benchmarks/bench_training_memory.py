@@ -201,7 +201,7 @@ def _stack_targets(rows: list[dict[str, Any]], by_name: dict[str, dict[str, Any]
 
 def _paired_ratio(times: list[float], reference: list[float]) -> float:
     """Median over steps (after warm-up) of this setup's step time / the reference's at the same step."""
-    pairs = list(zip(times, reference))[WARMUP_STEPS:] or list(zip(times, reference))
+    pairs = list(zip(times, reference, strict=False))[WARMUP_STEPS:] or list(zip(times, reference, strict=False))
     return statistics.median(t / r for t, r in pairs)
 
 
@@ -218,7 +218,7 @@ def _table(
             run_.timed_step(batch, sync)
     rows = [run_.row(batches[-1], device) for run_ in runs]
     fp32, bf16 = rows[0], rows[1]
-    for row, run_ in zip(rows, runs):
+    for row, run_ in zip(rows, runs, strict=True):
         row["peak_vs_fp32"] = round(row["peak_MiB"] / fp32["peak_MiB"], 3)
         row["peak_vs_bf16"] = round(row["peak_MiB"] / bf16["peak_MiB"], 3)
         if "alloc_peak_MiB" in row:

@@ -167,7 +167,7 @@ def qlora_int4(device: str, quick: bool) -> tuple[list[dict[str, Any]], list[dic
         loss_init, logits_init = _evaluate(model, val)  # B = 0: the output of the (quantized) base alone
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        def step(x: torch.Tensor, y: torch.Tensor, model: nn.Module = model, optimizer: Any = optimizer) -> None:
             F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

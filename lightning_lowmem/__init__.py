@@ -87,6 +87,6 @@ register_on_lightning_import()
 
 # torch.load(weights_only=True) of quantized checkpoints after `import lightning_lowmem`, without importing torch
 # (or torchao) here: the package's rebuild function is allowlisted now if torch is loaded, else as soon as it is.
-from lightning_lowmem.functional._torch_hook import register_on_torch_import  # noqa: E402
+from lightning_lowmem._torch_hook import register_on_torch_import  # noqa: E402
 
 register_on_torch_import()

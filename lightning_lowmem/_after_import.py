@@ -25,7 +25,7 @@ class _CallAfterImport(importlib.abc.MetaPathFinder):
             if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
                 exec_module = spec.loader.exec_module
 
-                def exec_then_call(module: Any) -> None:
+                def exec_then_call(module: Any, exec_module: Any = exec_module) -> None:
                     exec_module(module)
                     try:
                         self.callback()

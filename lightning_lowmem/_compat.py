@@ -14,6 +14,49 @@ from typing import Any, Iterator
 
 import torch
 
+# Private torch names the package uses in several places, re-exported here: import them from ``_compat``.
+# ``import torch`` loads all three modules already, so re-exporting them costs nothing.
+# - FakeTensor: the class behind :func:`fake_tensor_mode` (``torch._subclasses``; see there).
+# - TorchDispatchMode: the documented ``__torch_dispatch__`` extension point (the memory tracker, the
+#   estimator's value questions) is importable only from ``torch.utils._python_dispatch``.
+# - pytree: torch's nested-container utilities (``torch.utils._pytree``) have no public module; torch.compile,
+#   torch.export and FSDP use the same functions on the same containers.
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+__all__ = [
+    "FakeTensor",
+    "TorchDispatchMode",
+    "around_fsdp_collectives",
+    "cuda_dump_snapshot",
+    "cuda_record_memory_history",
+    "data_dependent_errors",
+    "fake_process_group_store",
+    "fake_tensor_mode",
+    "force_eager",
+    "fsdp_collective_names",
+    "hf_masks_as_unpadded",
+    "in_backward",
+    "inductor_freezing",
+    "is_fake",
+    "keep_vmap_nesting",
+    "lightning_model_parallel_setup_steps",
+    "lightning_multiprocessing_launcher",
+    "lightning_sharded_checkpoint_reader",
+    "move_post_accumulate_grad_hook_first",
+    "no_dispatch_modes",
+    "on_fsdp_storage_resize",
+    "op_mutates",
+    "requantize_low_bit_state",
+    "top_saved_tensors_hooks",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+    "view_base",
+]
+
 
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread.
@@ -56,8 +99,6 @@ def fake_tensor_mode(**kwargs: Any) -> Any:
 
 def is_fake(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` is a FakeTensor (see :func:`fake_tensor_mode`)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(tensor, FakeTensor)
 
 
@@ -311,6 +352,40 @@ def lightning_model_parallel_setup_steps() -> tuple[Any, Any]:
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     return _materialize_distributed_module, _optimizers_to_device
+
+
+def fake_process_group_store() -> Any:
+    """A store for ``torch.distributed.init_process_group("fake", store=..., rank=0, world_size=N)``; registers
+    torch's "fake" backend first (once): one process plays a rank of N, its collectives communicate nothing.
+
+    Why private: the fake process group (``torch._C._distributed_c10d.FakeProcessGroup``) is registered as a
+    backend only by ``torch.testing._internal.distributed.fake_pg``, test code a library must not import; this
+    does what that module does (the estimator simulates FSDP ranks with it, ``planning/sharding.py``).
+    """
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    def create(common_opts: Any, backend_opts: Any) -> Any:
+        try:
+            return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+        except TypeError:  # a torch whose fake group takes no backend options
+            return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size)
+
+    if "FAKE" not in dist.Backend._plugins:
+        dist.Backend.register_backend("fake", create, extended_api=True, devices=["cpu", "cuda", "hpu", "xpu"])
+    return dist.HashStore()
+
+
+def lightning_sharded_checkpoint_reader() -> tuple[str, Any]:
+    """Lightning's name for the Trainer metadata file of a sharded checkpoint folder (``"meta.pt"``) and its
+    reader of the folder's tensors (``_load_distributed_checkpoint``).
+
+    Why private: ``lightning.fabric.utilities.load`` keeps both private; ``consolidate_checkpoint`` reads a
+    folder Lightning's ``ModelParallelStrategy`` layout wrote, so it must use Lightning's names for it.
+    """
+    from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
+
+    return _METADATA_FILENAME, _load_distributed_checkpoint
 
 
 def lightning_multiprocessing_launcher() -> Any:

@@ -9,8 +9,10 @@ tensor's, a missing torchao class's).
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import re
+from types import ModuleType
 
 TESTED_FLOORS: dict[str, tuple[int, ...]] = {
     "torch": (2, 11),
@@ -68,3 +70,40 @@ def require(distribution: str, feature: str) -> None:
         f"{feature} needs {distribution} >= {wanted}; {distribution} {version} is installed. lightning_lowmem is "
         f"tested from {distribution} {wanted} on (see docs/compatibility.md): pip install '{distribution}>={wanted}'"
     )
+
+
+def optional_import(module: str, feature: str, extra: str | None = None, distribution: str | None = None) -> ModuleType:
+    """Import ``module`` for ``feature``, or raise one ``ImportError`` that says what to install; then check the
+    installed version against :data:`TESTED_FLOORS` (:func:`require`). The one helper for every optional
+    dependency (torch-pruning, zstandard / lz4, scikit-learn, matplotlib, transformers, torchao).
+
+    Args:
+        module: the module to import, e.g. ``"torch_pruning"`` or ``"lz4.frame"``.
+        feature: what needs it, for the message (``"structural pruning"``).
+        extra: the package extra that installs it (``pip install 'lightning-lowmem[extra]'``). Default: ``None``.
+        distribution: the pip name. Default: ``None`` (the top-level module's name).
+
+    Returns:
+        The imported module.
+
+    Raises:
+        ImportError: not installed (with the install command), or older than the tested floor.
+
+    Example::
+
+        >>> optional_import("json", "reading configs").__name__
+        'json'
+        >>> optional_import("no_such_module", "the feature", extra="hf", distribution="no-such")
+        Traceback (most recent call last):
+        ...
+        ImportError: the feature needs no-such: pip install 'lightning-lowmem[hf]' (or pip install no-such)
+    """
+    distribution = distribution or module.split(".")[0]
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as err:
+        install = f"pip install 'lightning-lowmem[{extra}]' (or pip install {distribution})" if extra else f"pip install {distribution}"
+        raise ImportError(f"{feature} needs {distribution}: {install}") from err
+    if distribution in TESTED_FLOORS:
+        require(distribution, feature)
+    return imported

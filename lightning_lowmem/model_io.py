@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from lightning_lowmem._compat import tree_leaves
 
 from lightning_lowmem.warnings import LowMemWarning
 
@@ -101,7 +101,7 @@ def has_forward_batch(module: nn.Module) -> bool:
     return callable(getattr(module, "forward_batch", None))
 
 
-def _check_signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> None:
+def check_signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Any) -> None:
     try:
         signature = inspect.signature(module.forward)
     except (TypeError, ValueError):  # builtins / C extensions: let the call itself decide
@@ -139,7 +139,7 @@ def forward_batch(module: nn.Module, batch: Any, *, drop_keys: Iterable[str] = (
     if has_forward_batch(module):
         return module.forward_batch(batch)  # type: ignore[operator]
     args, kwargs = model_inputs(batch, drop_keys)
-    _check_signature(module, args, kwargs, batch)
+    check_signature(module, args, kwargs, batch)
     return module(*args, **kwargs)
 
 

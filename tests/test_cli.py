@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -375,3 +376,25 @@ def test_fit_help_lists_our_callbacks_and_short_names_resolve(capsys):
         main(["fit", "--model", "lightning_lowmem.demo.CharLM", "--data", "lightning_lowmem.demo.CharLMDataModule",
               "--trainer.callbacks+=ScheduledPruning", "--print_config"])  # fmt: skip
     assert "class_path: lightning_lowmem.ScheduledPruning" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- resuming
+def test_fit_resuming_adapters_only_checkpoint_without_lora_names_the_callback_with_its_r(tmp_path, capfd):
+    """#26 item 10: before, Lightning's strict load listed every missing base weight of the model (a 100-line
+    RuntimeError); now one line naming LowRankAdapters with the r the file records, before anything is loaded."""
+    common = [*CHARLM_ARGS, "--trainer.logger=false", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+              f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    lora = ["--trainer.callbacks+=LowRankAdapters", "--trainer.callbacks.r=3"]
+    assert main(["fit", *common, *lora]) == 0
+    ckpt = next(tmp_path.rglob("*.ckpt"))
+    capfd.readouterr()
+    assert main(["fit", *common, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]) == 2
+    lines = _error_lines(capfd)
+    assert len(lines) == 2, lines
+    assert re.fullmatch(
+        rf"error: --ckpt_path {re.escape(str(ckpt))}: this checkpoint was written with LowRankAdapters \(format "
+        r"'adapters-only', version 1\), which the loading side lacks: add callbacks=\[LowRankAdapters\(r=3\)\] "
+        r"\(same target layers\)\.",
+        lines[0],
+    )
+    assert main(["fit", *common, *lora, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]) == 0  # with it: resumes

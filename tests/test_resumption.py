@@ -325,7 +325,7 @@ def _differences(a: Any, b: Any, path: str = "", measured: frozenset[str] = froz
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{path}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]", measured)]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{path}[{i}]", measured)]
     return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} vs {b!r}"]
 
 

@@ -10,14 +10,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
+from lightning_lowmem.checkpoints.optimizer_state import FORMAT_VERSION, WRITER, refuse_resume, resume_message
 from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.optimizers.convert import convert_optimizers
-from lightning_lowmem.functional.optimizers.registry import available_optimizers, check_loaded_state, state_layout
+from lightning_lowmem.functional.optimizers.registry import check_loaded_state
 from lightning_lowmem.functional.optimizers.state import mark_state_dict
 from lightning_lowmem.composition import check_composition
-
-WRITER = "MemoryEfficientOptimizer"
-FORMAT_VERSION = 1
 
 
 class MemoryEfficientOptimizer(L.Callback):
@@ -125,33 +123,15 @@ class MemoryEfficientOptimizer(L.Callback):
         return converted.configured
 
     def checkpoint_reader(self) -> tuple[str, Any]:
-        """(writer, accept) for :func:`lightning_lowmem.checkpoints.check`: state of the same layout only."""
-
-        def accept(entry: dict[str, Any]) -> str | None:
-            written = entry.get("format")
-            if entry.get("version", 1) > FORMAT_VERSION:
-                return f"a newer lightning_lowmem wrote it (version {entry.get('version')}); upgrade lightning_lowmem."
-            if written not in available_optimizers():
-                return f"optimizer {written!r} is unknown to this lightning_lowmem."
-            if state_layout(written) != state_layout(self.optimizer):
-                return (
-                    f"its {_describe(written)} cannot be continued by this Trainer's "
-                    f"MemoryEfficientOptimizer({self.optimizer!r}) ({_describe(self.optimizer)}). Resume with "
-                    f"MemoryEfficientOptimizer({written!r}), or start a new run from the weights only "
-                    f"(e.g. `YourModule.load_from_checkpoint(path)`)."
-                )
-            return None
-
-        return WRITER, accept
+        """(writer, accept) for :func:`lightning_lowmem.checkpoints.check`: state of the same layout only
+        (the rules: :func:`lightning_lowmem.checkpoints.optimizer_state.refuse_resume`)."""
+        return WRITER, lambda entry: refuse_resume(entry, self.optimizer)
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         needs = f"callbacks=[MemoryEfficientOptimizer({self.optimizer!r})]"
         record(checkpoint, writer=WRITER, format=self.optimizer, version=FORMAT_VERSION, needs=needs, needed_for=["fit"])
-        message = (
-            f"lightning_lowmem: this optimizer state was written by MemoryEfficientOptimizer({self.optimizer!r}) "
-            f"({_describe(self.optimizer)}); add {needs} to the Trainer that resumes it, or load the weights only"
-        )
+        message = resume_message(self.optimizer, needs)
         states = checkpoint.get("optimizer_states") or []
         for index, optimizer in enumerate(trainer.optimizers[: len(states)]):
             if any(optimizer is replaced for replaced in self._replaced):
@@ -179,10 +159,3 @@ class MemoryEfficientOptimizer(L.Callback):
             if hasattr(opt, "remove_hooks"):
                 opt.remove_hooks()
         self._replaced.clear()
-
-
-def _describe(name: str) -> str:
-    family, precision = state_layout(name)
-    return f"{'AdamW' if family == 'adam' else family.capitalize() if family != 'sgd' else 'SGD'} state" + (
-        f" in {precision.replace('bit', '-bit')}" if precision != "float" else ""
-    )

@@ -12,7 +12,6 @@ from typing_extensions import override
 
 from lightning_lowmem.callbacks._quantization_base import QuantizationCallback
 from lightning_lowmem.checkpoints.quantized import (  # re-exported: the documented import path
-    CHECKPOINT_KEY,
     load_quantized_checkpoint,
     quantize_like_checkpoint,
 )
@@ -201,7 +200,7 @@ class PostTrainingQuantization(QuantizationCallback):
         """Whether the package can call the model on a batch like this one (signature only, no forward)."""
         if has_forward_batch(pl_module) or not (self.mode == "int8_static" or self._time_latency):
             return
-        from lightning_lowmem.model_io import _check_signature
+        from lightning_lowmem.model_io import check_signature as _check_signature
 
         try:
             args, kwargs = model_inputs(batch)

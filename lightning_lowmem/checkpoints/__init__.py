@@ -1,6 +1,7 @@
 """Checkpoints, in one place: what wrote a file and its check (``records``), the compressed file
 (``file_format``) and its ``CheckpointIO`` (``compressed_io``), the one reader of every file (``reading``),
-and quantized weights (``quantized``). The one sparse format is
+quantized weights (``quantized``), sharded FSDP folders (``sharded``) and the rules for resuming optimizer
+state (``optimizer_state``). The one sparse format is
 :mod:`lightning_lowmem.functional.pruning.sparse_format` (a pure tensor transform, used here).
 
 The records API is imported here directly (it needs neither Lightning nor torch); the rest loads on first use,
@@ -27,6 +28,7 @@ from lightning_lowmem.checkpoints.records import (
 _LAZY: dict[str, str] = {
     "CompressedCheckpointIO": "lightning_lowmem.checkpoints.compressed_io",
     "CheckpointCorruptError": "lightning_lowmem.checkpoints.file_format",
+    "consolidate_checkpoint": "lightning_lowmem.checkpoints.sharded",
     "read_checkpoint": "lightning_lowmem.checkpoints.reading",
     "load_quantized_checkpoint": "lightning_lowmem.checkpoints.quantized",
     "quantize_like_checkpoint": "lightning_lowmem.checkpoints.quantized",
@@ -39,6 +41,7 @@ __all__ = [
     "CompressedCheckpointIO",
     "check",
     "check_trainer",
+    "consolidate_checkpoint",
     "guard_module_loading",
     "load_quantized_checkpoint",
     "quantize_like_checkpoint",
@@ -63,3 +66,4 @@ if TYPE_CHECKING:
         quantize_like_checkpoint,
     )
     from lightning_lowmem.checkpoints.reading import read_checkpoint
+    from lightning_lowmem.checkpoints.sharded import consolidate_checkpoint

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
@@ -31,6 +30,9 @@ from lightning_lowmem.functional.pruning.sparse_format import pack_sparse_tree
 
 __all__ = ["CODECS", "CheckpointCorruptError", "CompressedCheckpointIO", "checkpoint_sizes",
            "written_by_CompressedCheckpointIO"]
+
+PathLike = Union[str, Path]
+"""A checkpoint path, as Lightning's ``CheckpointIO`` takes it (the same type as its private ``_PATH``)."""
 
 
 class CompressedCheckpointIO(CheckpointIO):
@@ -120,7 +122,7 @@ class CompressedCheckpointIO(CheckpointIO):
         return "CompressedCheckpointIO", None
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         """Pack, compress and atomically write ``checkpoint`` to ``path``.
 
         Raises:
@@ -140,7 +142,7 @@ class CompressedCheckpointIO(CheckpointIO):
 
     @override
     def load_checkpoint(
-        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: PathLike, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Read a checkpoint written by this plugin or by ``torch.save``
         (:func:`~lightning_lowmem.checkpoints.reading.read_checkpoint`).
@@ -159,13 +161,13 @@ class CompressedCheckpointIO(CheckpointIO):
         return read_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathLike) -> None:
         fs = get_filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)
 
 
-def _write_pieces(path: _PATH, pieces: list[Any], fsync: bool) -> int:
+def _write_pieces(path: PathLike, pieces: list[Any], fsync: bool) -> int:
     """Write ``pieces`` atomically to a local ``path``, in one go to a remote one (no rename-over there)."""
     fs = get_filesystem(path)
     if type(fs).__name__ == "LocalFileSystem":
@@ -176,7 +178,7 @@ def _write_pieces(path: _PATH, pieces: list[Any], fsync: bool) -> int:
     return len(payload)
 
 
-def checkpoint_sizes(checkpoint: dict[str, Any], checkpoint_io: CompressedCheckpointIO, directory: _PATH) -> dict[str, int]:
+def checkpoint_sizes(checkpoint: dict[str, Any], checkpoint_io: CompressedCheckpointIO, directory: PathLike) -> dict[str, int]:
     """Bytes of ``checkpoint`` written by ``torch.save`` and by ``checkpoint_io`` (for docs and benchmarks)."""
     plain, compressed = Path(directory) / "plain.ckpt", Path(directory) / "compressed.ckpt"
     torch.save(checkpoint, plain)

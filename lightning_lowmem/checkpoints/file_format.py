@@ -33,6 +33,7 @@ __all__ = [
     "is_framed",
     "pack_chunks",
     "read_framed",
+    "register_prefix_safe_global",
     "written_by_CompressedCheckpointIO",
 ]
 
@@ -63,26 +64,38 @@ def written_by_CompressedCheckpointIO(*_: Any) -> None:  # the name is the messa
     )
 
 
+PREFIX_GLOBAL = "lightning_lowmem.plugins.compressed_checkpoint_io.written_by_CompressedCheckpointIO"
+"""The global :data:`PREFIX` names (the plugin's public module re-exports the function)."""
+
+
+def register_prefix_safe_global() -> None:
+    """Allowlist :func:`written_by_CompressedCheckpointIO` under :data:`PREFIX_GLOBAL` for
+    ``torch.load(weights_only=True)`` (idempotent; ``import lightning_lowmem`` does it once torch is loaded), so
+    that a plain ``torch.load`` of a compressed file raises its one-line message. Calling it only raises: the
+    allowlist lets no data through. Registered by name, so Lightning (the plugin's module) is not imported."""
+    import torch
+
+    if PREFIX_GLOBAL not in {name for _, name in _named_safe_globals(torch.serialization.get_safe_globals())}:
+        torch.serialization.add_safe_globals([(written_by_CompressedCheckpointIO, PREFIX_GLOBAL)])
+
+
+def _named_safe_globals(entries: Iterable[Any]) -> Iterable[tuple[Any, str]]:
+    return (entry for entry in entries if isinstance(entry, tuple))
+
+
 def codec_module(codec: str) -> Any:
     """The compression module of ``codec`` (``None`` for ``"none"``).
 
     Raises:
         ImportError: its package is missing (with the install command).
     """
-    try:
-        if codec == "zstd":
-            import zstandard
+    from lightning_lowmem._versions import optional_import
 
-            return zstandard
-        if codec == "lz4":
-            import lz4.frame
-
-            return lz4.frame
-    except ImportError as err:
-        raise ImportError(
-            f"CompressedCheckpointIO(codec={codec!r}) needs the {'zstandard' if codec == 'zstd' else 'lz4'} package: "
-            "pip install 'lightning-lowmem[compress]'"
-        ) from err
+    feature = f"CompressedCheckpointIO(codec={codec!r})"
+    if codec == "zstd":
+        return optional_import("zstandard", feature, extra="compress")
+    if codec == "lz4":
+        return optional_import("lz4.frame", feature, extra="compress", distribution="lz4")
     return None
 
 

@@ -25,7 +25,7 @@ import torch
 from lightning_lowmem.checkpoints.file_format import MAGIC, PREFIX, corrupt, is_framed, read_framed
 from lightning_lowmem.functional.pruning.sparse_format import unpack_sparse_tree
 
-__all__ = ["read_checkpoint", "target_device"]
+__all__ = ["read_checkpoint", "read_records", "target_device"]
 
 
 def target_device(map_location: Any, saved: str) -> torch.device:
@@ -97,6 +97,40 @@ def read_checkpoint(path: Any, map_location: Any = None, weights_only: bool = Tr
             raw = read_framed(handle.read(), path)
             checkpoint = _torch_load(io.BytesIO(raw), path, map_location, weights_only)
     return unpack_sparse_tree(checkpoint, lambda saved: target_device(map_location, saved))
+
+
+def read_records(path: Any) -> dict[str, dict[str, Any]]:
+    """The provenance records (:func:`~lightning_lowmem.checkpoints.records.records`) of the checkpoint at ``path``:
+    which lowmem component wrote what, e.g. ``{"LowRankAdapters": {"format": "adapters-only", "r": 4, ...}}``.
+
+    A local plain file is memory-mapped (its tensors are not read); a compressed file is read whole. Empty when
+    the file holds no records, is not a local file or folder, or cannot be read with ``weights_only=True``
+    (Lightning's own loading then reports what is wrong).
+
+    Example::
+
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "adapters.ckpt")
+        >>> torch.save({"state_dict": {}, "lightning_lowmem": {"writers": {"LowRankAdapters": {"r": 4}}}}, path)
+        >>> read_records(path)
+        {'LowRankAdapters': {'r': 4}}
+    """
+    from pathlib import Path
+
+    from lightning_lowmem.checkpoints.records import records
+
+    if not Path(str(path)).is_file():
+        return {}
+    try:
+        with open(path, "rb") as handle:
+            framed = is_framed(handle.read(len(PREFIX) + len(MAGIC)))
+        if framed:
+            checkpoint = read_checkpoint(path)
+        else:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not ours to report: Lightning's loading says what is wrong with the file
+        return {}
+    return records(checkpoint)
 
 
 def _torch_load(source: Any, path: Any, map_location: Any, weights_only: bool) -> Any:

@@ -25,8 +25,11 @@ callback, the strategy and the CheckpointIO plugin that define ``checkpoint_read
 
 What cannot be caught: a ``Trainer`` without any lowmem component runs no check. There, a marked
 optimizer state (:func:`lightning_lowmem.functional.optimizers.state.mark_state_dict`) still fails with a
-readable message, a compressed file fails in ``torch.load`` naming ``CompressedCheckpointIO``, but an
-adapters-only checkpoint fails in Lightning's strict weight loading ("Missing key(s) in state_dict").
+readable message, a compressed file fails in ``torch.load`` naming ``CompressedCheckpointIO`` (one line once
+``lightning_lowmem`` is imported), but an adapters-only checkpoint fails in Lightning's strict weight loading
+("Missing key(s) in state_dict"). ``lowmem fit|validate|test|predict --ckpt_path`` checks the file's records
+against the configured callbacks first (:func:`~lightning_lowmem.checkpoints.reading.read_records`), whatever
+they are.
 
 Example::
 
@@ -185,7 +188,7 @@ def guard_module_loading(trainer: Any, module: Any) -> None:
 
 SHARDED_HINT = (
     "load it with strategy='lowmem_fsdp' (any number of processes), or consolidate it into one file first: "
-    "python -c \"from lightning_lowmem.strategies.fsdp_checkpoint import consolidate_checkpoint; "
+    "python -c \"from lightning_lowmem.checkpoints import consolidate_checkpoint; "
     "consolidate_checkpoint('{path}', '{path}.consolidated.ckpt')\" (a Lightning checkpoint: weights, optimizer "
     "state keyed as a plain optimizer's, loops; torch's "
     "torch.distributed.checkpoint.format_utils.dcp_to_torch_save('{path}', 'out.pt') gives the raw nested dict)"

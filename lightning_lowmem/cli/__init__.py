@@ -19,8 +19,7 @@ from lightning_lowmem.cli.errors import ConfigError, did_you_mean
 from lightning_lowmem.cli.estimate import estimate_main, parse_batch_shape
 from lightning_lowmem.cli.runner import (
     LIGHTNING_SUBCOMMANDS,
-    _lightning_cli,
-    _print_error,
+    print_error,
     quiet_startup_logs,
 )
 
@@ -70,16 +69,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
     if not command.startswith("-") and command not in LIGHTNING_SUBCOMMANDS:
-        _print_error(
+        print_error(
             f"unknown subcommand {command!r}{did_you_mean(command, SUBCOMMANDS)}; choose one of {', '.join(SUBCOMMANDS)}",
             "see `lowmem --help`",
         )
         return 2
     try:
-        _lightning_cli(argv)
+        from lightning_lowmem.cli.lowmem_cli import lightning_cli
+
+        lightning_cli(argv)
     except ConfigError as err:
         sub = command if command in LIGHTNING_SUBCOMMANDS else "fit"
-        _print_error(str(err), f"see `lowmem {sub} --help`; LOWMEM_DEBUG=1 shows the full error")
+        print_error(str(err), f"see `lowmem {sub} --help`; LOWMEM_DEBUG=1 shows the full error")
         return 2
     return 0
 

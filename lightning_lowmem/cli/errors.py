@@ -222,14 +222,14 @@ def explain_parse_error(message: str, option_names: Iterable[str] = ()) -> str:
     if lines and lines[0].startswith("Problems parsing config"):
         return f"the config could not be read: {one_line(message.split(':', 1)[1])}"
     if head:  # a plain value of the wrong type: "trainer.precision" given "bf17"
-        given = next((l.split(":", 1)[1].strip() for l in lines if l.strip().startswith("Given value:")), None)
+        given = next((line.split(":", 1)[1].strip() for line in lines if line.strip().startswith("Given value:")), None)
         literals = re.findall(r"Literal\[([^\]]*)\]", message)
         choices = [c.strip() for group_ in literals for c in group_.split(",")]
         if given is not None and choices:
             options = [c.strip("'\"") for c in choices]
             hint = did_you_mean(given, options)
             return f"{where}{given!r} is not accepted{hint}; choose one of {', '.join(dict.fromkeys(choices))}"
-        reasons = [l.strip()[2:] for l in lines if l.strip().startswith("- ")]
+        reasons = [line.strip()[2:] for line in lines if line.strip().startswith("- ")]
         reasons = [r for r in reasons if not r.startswith(("Expected a <class 'NoneType'>", "Not a valid subclass"))]
         inline = lines[0][head.end():].strip()  # 'Parser key "config": File does not exist: ...'
         reason = inline or (reasons[0] if reasons else (lines[1] if len(lines) > 1 else "invalid value"))

@@ -17,7 +17,7 @@ from lightning_lowmem.cli.errors import (
     did_you_mean,
     one_line,
 )
-from lightning_lowmem.cli.runner import _DropMessages, _debug, _lightning_cli, _print_error
+from lightning_lowmem.cli.runner import DropMessages, debug_enabled, print_error
 
 ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
                        [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
@@ -173,13 +173,13 @@ def estimate_main(argv: list[str]) -> int:
         try:  # before the model loads: a bad size fails at once, a good one says what it was read as
             understood = describe_bytes(own.budget, name="--budget")
         except (ValueError, TypeError) as err:
-            _print_error(str(err).replace("`--budget`", "--budget"), hint)
+            print_error(str(err).replace("`--budget`", "--budget"), hint)
             return 2
         print(f"--budget {understood}", file=sys.stderr)
     if own.hf_config is not None:
         return _estimate_hf_config(own, rest, hint)
     if not any(a.startswith(("--config", "--model", "-c")) for a in rest):
-        _print_error(
+        print_error(
             "lowmem estimate needs a model: give the same YAML as `lowmem fit` (--config path.yaml) or a model "
             "class, e.g. lowmem estimate --model lightning_lowmem.demo.CharLM --data "
             "lightning_lowmem.demo.CharLMDataModule --budget 8GiB",
@@ -190,7 +190,9 @@ def estimate_main(argv: list[str]) -> int:
         batch = parse_batch_shape(own.batch_shape) if own.batch_shape else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cli = _lightning_cli(rest, run=False, estimate_only=True, meta_model=not own.real_weights)
+            from lightning_lowmem.cli.lowmem_cli import lightning_cli  # imports Lightning
+
+            cli = lightning_cli(rest, run=False, estimate_only=True, meta_model=not own.real_weights)
         if batch is None and cli.datamodule is None:
             raise ConfigError(
                 "lowmem estimate needs a batch: add --data CLASS_PATH (or a `data:` section) to take one from, or "
@@ -198,7 +200,7 @@ def estimate_main(argv: list[str]) -> int:
             )
         techniques = configured_techniques(cli)
     except ConfigError as err:
-        _print_error(str(err), hint)
+        print_error(str(err), hint)
         return 2
     if own.devices is not None or own.strategy is not None:
         from lightning_lowmem.planning.sharding import check_sharding
@@ -211,7 +213,7 @@ def estimate_main(argv: list[str]) -> int:
         try:
             check_sharding(devices, strategy)
         except ValueError as err:
-            _print_error(str(err).replace("`world_size`", "--devices").replace("`sharding`", "--strategy"), hint)
+            print_error(str(err).replace("`world_size`", "--devices").replace("`sharding`", "--strategy"), hint)
             return 2
         if own.budget is None and techniques.get("memory_budget") is None:
             techniques = {**techniques, "world_size": devices, "sharding": strategy}
@@ -225,7 +227,7 @@ def estimate_main(argv: list[str]) -> int:
     except Exception as err:  # the user's step on this batch: one line, not a traceback (LOWMEM_DEBUG=1: both)
         if os.environ.get("LOWMEM_DEBUG"):
             raise
-        _print_error(_step_failed(cli.model, batch, err, from_shape=own.batch_shape is not None), hint)
+        print_error(_step_failed(cli.model, batch, err, from_shape=own.batch_shape is not None), hint)
         return 2
 
 
@@ -235,21 +237,21 @@ def _estimate_hf_config(own: argparse.Namespace, rest: list[str], hint: str) -> 
     from lightning_lowmem.functional.config import PrecisionConfig
 
     if rest:
-        _print_error(f"--hf-config takes no other model / data options, got {' '.join(rest)}", hint)
+        print_error(f"--hf-config takes no other model / data options, got {' '.join(rest)}", hint)
         return 2
     try:
         PrecisionConfig(own.precision)
         batch = hf_config_batch(own.batch_size, own.seq_len)
         model = hf_config_model(own.hf_config)
     except (ConfigError, ValueError) as err:
-        _print_error(str(err).replace("`precision`", "--precision"), hint)
+        print_error(str(err).replace("`precision`", "--precision"), hint)
         return 2
     techniques: dict[str, Any] = {"precision": own.precision}
     if own.devices is not None or own.strategy is not None:
         try:
             devices = int(own.devices) if own.devices is not None else 1
         except ValueError:
-            _print_error(f"--devices {own.devices!r} must be a number of processes (GPUs)", hint)
+            print_error(f"--devices {own.devices!r} must be a number of processes (GPUs)", hint)
             return 2
         strategy = (own.strategy or "ddp").removeprefix("lowmem_")
         if own.budget is None:
@@ -319,7 +321,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     # a candidate that cannot run on fake tensors is listed with its error in the plan table; torch
     # also logs the failing op's traceback, which the table already summarises
     fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
-    fake_filter = _DropMessages(r"^failed while attempting to run meta for ")
+    fake_filter = DropMessages(r"^failed while attempting to run meta for ")
     fake_logger.addFilter(fake_filter)
     try:
         with rich_progress(Console(stderr=True)) as progress:
@@ -355,12 +357,12 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
 def _estimation_failed(err: Exception, own: argparse.Namespace) -> int:
     """Print an :class:`~lightning_lowmem.planning.estimate.EstimationError` as one ``error:`` line (or JSON);
     ``LOWMEM_DEBUG=1`` raises it instead."""
-    if _debug():
+    if debug_enabled():
         raise err
     if own.json:
         print(json.dumps({"error": one_line(err)}))
     else:
-        _print_error(one_line(err), "LOWMEM_DEBUG=1 shows the full error")
+        print_error(one_line(err), "LOWMEM_DEBUG=1 shows the full error")
     return 1
 
 

@@ -49,10 +49,12 @@ def hf_config_model(path: str) -> Any:
         >>> type(model).__name__, model.lm_head.weight.device.type
         ('LlamaForCausalLM', 'meta')
     """
+    from lightning_lowmem._versions import optional_import
+
     try:
-        import transformers
+        transformers = optional_import("transformers", "--hf-config", extra="hf")
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ConfigError("--hf-config needs transformers: pip install 'lightning-lowmem[hf]'") from err
+        raise ConfigError(str(err)) from err
     file = _config_path(path)
     try:
         values = json.loads(file.read_text())

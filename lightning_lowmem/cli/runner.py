@@ -1,33 +1,28 @@
 """LightningCLI behind ``lowmem fit|validate|test|predict`` (and the config reading of ``lowmem estimate``): quiet
-start-up logs, and a config mistake turned into one :class:`~lightning_lowmem.cli.errors.ConfigError` line."""
+start-up logs, and a config mistake turned into one :class:`~lightning_lowmem.cli.errors.ConfigError` line.
+
+The CLI class itself and :func:`~lightning_lowmem.cli.lowmem_cli.lightning_cli` are in
+:mod:`~lightning_lowmem.cli.lowmem_cli` (imported on first use: it imports Lightning); this module holds what
+they and ``lowmem estimate`` share, without importing Lightning."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
 import sys
 import traceback
-import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from lightning_lowmem.cli.errors import (
-    CONFIG_ERROR_TYPES,
-    ConfigError,
-    explain_construction_error,
-    explain_parse_error,
-    init_arg_names,
-    strategy_hint,
-)
+from lightning_lowmem.cli.errors import init_arg_names
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SEED_LOGGER = "lightning.fabric.utilities.seed"
 
 
-class _DropMessages(logging.Filter):
+class DropMessages(logging.Filter):
     """Drops log records whose message matches one of ``patterns`` (nothing else); keeps the last one
     dropped in ``held``."""
 
@@ -62,16 +57,17 @@ def quiet_startup_logs() -> None:
         if name == "torchao" and torch.cuda.is_available():
             continue
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(pattern))
+        if not any(isinstance(f, DropMessages) for f in logger.filters):
+            logger.addFilter(DropMessages(pattern))
 
 
 # ----------------------------------------------------------------------------- LightningCLI
-def _debug() -> bool:
+def debug_enabled() -> bool:
+    """``LOWMEM_DEBUG`` is set (not ``0``): show full tracebacks instead of one-line errors."""
     return os.environ.get("LOWMEM_DEBUG", "") not in ("", "0")
 
 
-def _option_names() -> list[str]:
+def option_names() -> list[str]:
     """Top-level and ``trainer.*`` keys, for "did you mean" on an unknown option."""
     import lightning as L
 
@@ -79,7 +75,7 @@ def _option_names() -> list[str]:
     return top + [f"trainer.{name}" for name in init_arg_names(L.Trainer)]
 
 
-def _root_cause(error: BaseException) -> BaseException:
+def root_cause(error: BaseException) -> BaseException:
     """The deepest exception of the chain raised outside jsonargparse (the constructor's own)."""
     import jsonargparse
 
@@ -95,7 +91,7 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
-def _constructed_class(error: BaseException) -> type | None:
+def constructed_class(error: BaseException) -> type | None:
     """The class whose ``__init__`` raised ``error`` (outermost such frame outside the CLI machinery)."""
     tb = error.__traceback__
     while tb is not None:
@@ -108,7 +104,7 @@ def _constructed_class(error: BaseException) -> type | None:
     return None
 
 
-def _import_callbacks() -> None:
+def import_callbacks() -> None:
     """Import every public callback class: jsonargparse resolves a short class name (``--trainer.callbacks+=
     ScheduledPruning``) and lists the choices in ``--help`` among the ``Callback`` subclasses already imported."""
     import lightning_lowmem.callbacks as callbacks
@@ -117,105 +113,7 @@ def _import_callbacks() -> None:
         getattr(callbacks, name)
 
 
-def _lightning_cli(args: list[str], run: bool = True, estimate_only: bool = False, meta_model: bool = False) -> Any:
-    from lightning.pytorch.cli import LightningCLI
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    _import_callbacks()
-
-    class LowMemCLI(LightningCLI):
-        """LightningCLI whose configuration mistakes raise :class:`ConfigError` (one line)."""
-
-        def parse_arguments(self, parser: Any, args: Any) -> None:  # noqa: D102 - see LightningCLI
-            self._failures: list[tuple[type, BaseException]] = []
-            try:
-                super().parse_arguments(parser, args)
-            except argparse.ArgumentError as err:
-                if _debug():
-                    raise
-                raise ConfigError(explain_parse_error(str(err), _option_names())) from None
-
-        def after_instantiate_classes(self) -> None:  # noqa: D102 - see LightningCLI
-            if seed_filter.held and not estimate_only:  # the config is good: now say which seed was set
-                seed_logger.removeFilter(seed_filter)
-                seed_logger.info(seed_filter.held)
-
-        def before_instantiate_classes(self) -> None:  # noqa: D102 - see LightningCLI
-            # appended after LightningCLI's own module/datamodule instantiators, so it sees every
-            # other class built from the config (callbacks, strategies, plugins, loggers ...)
-            self.parser.add_instantiator(self._construct, object, subclasses=True)
-
-        def _construct(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return class_type(*args, **kwargs)
-            except Exception as err:
-                self._failures.append((class_type, err))
-                raise
-
-        def instantiate_classes(self) -> None:  # noqa: D102 - see LightningCLI
-            try:
-                if not meta_model:
-                    return self._instantiate()
-                try:  # build the model without allocating its weights; data is read later, outside
-                    with torch.device("meta"):
-                        return self._instantiate()
-                except Exception:  # noqa: BLE001 - some modules cannot be built on meta: build them for real
-                    self._failures.clear()
-                    return self._instantiate()
-            except Exception as err:
-                if _debug():
-                    raise
-                raise self._config_error(err) from None
-
-        def _instantiate(self) -> None:
-            if not estimate_only:
-                return super().instantiate_classes()
-            # `estimate` needs the model, the data and the callbacks: no Trainer (and no banner)
-            self.config_init = self.parser.instantiate_classes(self.config)
-            self.model = self.config_init.get("model")
-            self.datamodule = self.config_init.get("data")
-            self.trainer = None
-
-        def _config_error(self, err: Exception) -> Exception:
-            if self._failures:
-                cls, cause = self._failures[0]
-                if isinstance(cause, CONFIG_ERROR_TYPES):
-                    return ConfigError(explain_construction_error(cls, cause))
-                return err
-            cause = _root_cause(err)
-            if isinstance(cause, (*CONFIG_ERROR_TYPES, MisconfigurationException)):
-                return ConfigError(strategy_hint(cause) or explain_construction_error(_constructed_class(cause), cause))
-            return err
-
-    # Lightning logs "Seed set to 0" before the classes are built: hold it until they are, so that a
-    # config error is the only line printed
-    seed_logger = logging.getLogger("lightning.fabric.utilities.seed")
-    seed_filter = _DropMessages(r"^Seed set to ")
-    seed_logger.addFilter(seed_filter)
-    try:
-        with warnings.catch_warnings():
-            # `main(argv)` passes the arguments explicitly; sys.argv holds the same ones
-            warnings.filterwarnings("ignore", ".*LightningCLI's args parameter is intended to run from within Python.*")
-            return LowMemCLI(
-                subclass_mode_model=True,
-                subclass_mode_data=True,
-                # LightningCLI's default (True) seeds PL_GLOBAL_SEED or else 0 with a "No seed found"
-                # warning; 0 is the same seed without the warning
-                seed_everything_default=True if "PL_GLOBAL_SEED" in os.environ else 0,
-                save_config_kwargs={"overwrite": True},
-                parser_kwargs={
-                    "prog": "lowmem",
-                    "exit_on_error": False,
-                    **{name: {"exit_on_error": False} for name in LIGHTNING_SUBCOMMANDS},
-                },
-                args=args,
-                run=run,
-            )
-    finally:
-        seed_logger.removeFilter(seed_filter)
-
-
-def _print_error(message: str, hint: str) -> None:
+def print_error(message: str, hint: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     print(hint, file=sys.stderr)
 

@@ -15,13 +15,10 @@ NUM_CLASSES = 10
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     """Images as float (N, 1, 8, 8) scaled to [0, 1] and labels as long (N,)."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the `digits` workload needs scikit-learn: pip install 'lightning-lowmem[examples]'"
-        ) from err
-    bunch = load_digits()
+    from lightning_lowmem._versions import optional_import
+
+    datasets = optional_import("sklearn.datasets", "the `digits` workload", extra="examples", distribution="scikit-learn")
+    bunch = datasets.load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(bunch.target, dtype=torch.long)
     return images, labels

@@ -31,16 +31,9 @@ BYTE_VOCAB = 264  # 256 bytes + pad, mask, bos, eos, rounded up to a multiple of
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "Hugging Face models need `transformers`: pip install 'lightning-lowmem[hf]' (or pip install transformers)"
-        ) from err
-    from lightning_lowmem._versions import require
+    from lightning_lowmem._versions import optional_import
 
-    require("transformers", "Hugging Face models")
-    return transformers
+    return optional_import("transformers", "Hugging Face models", extra="hf")
 
 
 def tiny_hf_config(family: str = "gpt2", **overrides: Any) -> Any:

@@ -65,7 +65,7 @@ def _timeline(ax: Any, runs: Sequence[Any]) -> None:
     for index, phase in enumerate(PHASES):
         ax.axvspan(index, index + 1, color="#f2f2f2" if index % 2 == 0 else "white", zorder=0)
         ax.text(index + 0.5, top * 1.12, phase, ha="center", va="bottom", fontsize=10, color="#555555")
-    for run, color in zip(runs, colors):
+    for run, color in zip(runs, colors, strict=False):
         xs = _phase_positions(run.timeline)
         ys = [b / MIB for _, b in run.timeline]
         ax.plot(xs, ys, color=color, linewidth=1.8, label=run.label or run.name, zorder=3)
@@ -98,9 +98,9 @@ def plot_memory(runs: Sequence[Any], path: Path, title: str = "", traced: Sequen
     measured = [run for run in runs if run.peak_bytes and run.breakdown]
     if not measured:
         return None
-    import matplotlib
+    from lightning_lowmem._versions import optional_import
 
-    matplotlib.use("Agg")
+    optional_import("matplotlib", "the demo's plots", extra="examples").use("Agg")
     import matplotlib.pyplot as plt
 
     if traced is None:

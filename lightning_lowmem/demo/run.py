@@ -267,7 +267,7 @@ def digits_plan(settings: DemoSettings) -> list[tuple[str, str, Callable[..., De
         "PostTrainingQuantization int8_dynamic",
         f"DistillationModule 2x{DIGITS_HIDDEN // 4} student + int8",
     ]
-    return [("digits", name, fn) for name, fn in zip(names, (baseline, pruned, quantized, distilled))]
+    return [("digits", name, fn) for name, fn in zip(names, (baseline, pruned, quantized, distilled), strict=True)]
 
 
 # ----------------------------------------------------------------------------- output

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_map
+from lightning_lowmem._compat import tree_map
 
 from lightning_lowmem.model_io import has_forward_batch, output_loss, tensor_leaves
 

@@ -245,7 +245,7 @@ def resolve_policy(module: nn.Module, policy: CheckpointPolicy, nested: bool = F
         TypeError: ``policy`` is not a str, int, module class or a tuple / list of these.
         ValueError: an int policy is < 1, or a string policy is empty.
     """
-    _validate_policy(policy)
+    validate_policy(policy)
     selected = _select(module, policy)
     names = sorted({name for name, _ in selected}, key=lambda n: (n.count("."), n))
     chosen: list[str] = []
@@ -256,7 +256,7 @@ def resolve_policy(module: nn.Module, policy: CheckpointPolicy, nested: bool = F
     return sorted(chosen, key=order.__getitem__)
 
 
-def _validate_policy(policy: Any) -> None:
+def validate_policy(policy: Any) -> None:
     allowed = "'auto', a class name, a module-name pattern, an int k >= 1, a module class, or a list of these"
     if isinstance(policy, bool):
         raise TypeError(f"`policy`={policy!r} is a bool; use {allowed}")
@@ -276,16 +276,16 @@ def _validate_policy(policy: Any) -> None:
         for item in policy:
             if isinstance(item, (tuple, list)):
                 raise TypeError(f"`policy`={policy!r} nests lists; use {allowed}")
-            _validate_policy(item)
+            validate_policy(item)
         return
     raise TypeError(f"`policy`={policy!r} ({type(policy).__name__}) is not supported; use {allowed}")
 
 
-def _describe(policy: Any) -> str:
+def describe_policy(policy: Any) -> str:
     if isinstance(policy, type):
         return policy.__name__
     if isinstance(policy, (tuple, list)):
-        return "[" + ", ".join(_describe(p) for p in policy) + "]"
+        return "[" + ", ".join(describe_policy(p) for p in policy) + "]"
     return repr(policy)
 
 
@@ -301,7 +301,7 @@ def no_match_message(module: nn.Module, policy: Any) -> str:
     close = [match for word in words for match in difflib.get_close_matches(word, names, n=2, cutoff=0.6)]
     hint = f" Did you mean {' or '.join(repr(c) for c in dict.fromkeys(close))}?" if close else ""
     return (
-        f"activation checkpointing policy {_describe(policy)} matched no submodule of {user_class(module).__name__}.{hint} "
+        f"activation checkpointing policy {describe_policy(policy)} matched no submodule of {user_class(module).__name__}.{hint} "
         f"Its module classes (repeated first): [{shown}]. Use a class name, a module-name pattern (e.g. 'model.h.*') "
         "or 'auto' (its repeated blocks: children of an nn.ModuleList / nn.Sequential holding parameters and "
         "submodules, of a class that occurs at least twice)"
@@ -373,7 +373,7 @@ def checkpoint_(
         raise TypeError(f"`nested` must be a bool, got {type(nested).__name__}: {nested!r}")
     if not isinstance(strict, bool):
         raise TypeError(f"`strict` must be a bool, got {type(strict).__name__}: {strict!r}")
-    report = CheckpointReport(policy=_describe(policy))
+    report = CheckpointReport(policy=describe_policy(policy))
     names = resolve_policy(module, policy, nested=nested)
     if not names:
         message = no_match_message(module, policy)

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.checkpointing import _describe, no_match_message, resolve_policy
+from lightning_lowmem.functional.checkpointing import describe_policy, no_match_message, resolve_policy
 
 __all__ = [
     "DTENSOR_OPTIMIZERS",
@@ -96,7 +96,7 @@ def mixed_precision_policy(preset: str | None) -> Any:
 
 def _unshardable_parameters(module: nn.Module) -> list[str]:
     """Parameters held as tensor subclasses that FSDP2 cannot split (e.g. a QLoRA int8 base)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from lightning_lowmem._compat import FakeTensor
     from torch.distributed.tensor import DTensor
 
     bad = []
@@ -207,7 +207,7 @@ def fully_shard_(
     if mixed_precision is not None:
         precision = tuple(str(d).replace("torch.", "") for d in (mixed_precision.param_dtype, mixed_precision.reduce_dtype))
     return ShardReport(
-        policy=_describe(policy),
+        policy=describe_policy(policy),
         units=[*units, ""],
         world_size=mesh.size(),
         reshard_after_forward=reshard_after_forward,

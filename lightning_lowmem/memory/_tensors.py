@@ -11,15 +11,15 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_lowmem import _compat
+from lightning_lowmem._compat import tree_flatten
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Plain tensors inside ``obj`` (pytrees; tensor subclasses are opened via ``__tensor_flatten__``)."""
     if isinstance(obj, torch.Tensor):
-        yield from _plain_tensors(obj)
+        yield from plain_tensors(obj)
     elif isinstance(obj, (list, tuple)):  # the common containers, walked without pytree's overhead:
         for item in obj:  # MemoryMonitor calls this every logged step
             yield from iter_tensors(item)
@@ -34,10 +34,10 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 _PLAIN_TYPES: set[type] = {torch.Tensor, nn.Parameter}
-"""Tensor types that hold their own storage (FakeTensor joins on first sight: see ``_is_plain``)."""
+"""Tensor types that hold their own storage (FakeTensor joins on first sight: see ``is_plain``)."""
 
 
-def _is_plain(tensor: torch.Tensor) -> bool:
+def is_plain(tensor: torch.Tensor) -> bool:
     kind = type(tensor)
     if kind in _PLAIN_TYPES:
         return True
@@ -47,30 +47,30 @@ def _is_plain(tensor: torch.Tensor) -> bool:
     return not hasattr(tensor, "__tensor_flatten__")
 
 
-def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
-    if _is_plain(tensor):
+def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    if is_plain(tensor):
         yield tensor
         return
     names, _ = tensor.__tensor_flatten__()
     for name in names:
         inner = getattr(tensor, name)
         if isinstance(inner, torch.Tensor):
-            yield from _plain_tensors(inner)
+            yield from plain_tensors(inner)
 
 
-def _op_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def op_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The plain tensors of an op's arguments: flat tensors and lists of them without pytree's overhead."""
     found: list[torch.Tensor] = []
     for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, torch.Tensor):
-            if _is_plain(value):
+            if is_plain(value):
                 found.append(value)
             else:
-                found.extend(_plain_tensors(value))
+                found.extend(plain_tensors(value))
         elif isinstance(value, (list, tuple)):
             for item in value:
                 if isinstance(item, torch.Tensor):
-                    found.extend(_plain_tensors(item))
+                    found.extend(plain_tensors(item))
                 elif item is not None and not isinstance(item, (int, float, bool, str)):
                     found.extend(iter_tensors(item))
         elif value is not None and not isinstance(value, (int, float, bool, str, torch.dtype, torch.device)):
@@ -78,7 +78,7 @@ def _op_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return found
 
 
-def _is_parameter(tensor: torch.Tensor) -> bool:
+def is_parameter(tensor: torch.Tensor) -> bool:
     """``isinstance(tensor, nn.Parameter)`` without Parameter's Python ``__instancecheck__``."""
     return type(tensor) is nn.Parameter or getattr(tensor, "_is_param", False)
 

@@ -28,14 +28,14 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lowmem import _compat
+from lightning_lowmem._compat import TorchDispatchMode
 from lightning_lowmem.memory._tensors import (  # noqa: F401 - iter_tensors / optimizer_state_tensors: used from here
-    _is_parameter,
-    _is_plain,
-    _op_tensors,
-    _plain_tensors,
+    is_parameter,
+    is_plain,
+    op_tensors,
+    plain_tensors,
     iter_tensors,
     optimizer_state_tensors,
 )
@@ -190,11 +190,11 @@ class StorageTracker(TorchDispatchMode):
         if phase != self._phase:
             self._enter_phase(phase)
         records = self._records
-        for tensor in _op_tensors(args, kwargs):
+        for tensor in op_tensors(args, kwargs):
             key = self._key(tensor)
             if key is None:
                 continue
-            is_param = _is_parameter(tensor)
+            is_param = is_parameter(tensor)
             record = records.get(key)
             if record is None:
                 self._see(tensor, "parameters" if is_param else "other")
@@ -204,7 +204,7 @@ class StorageTracker(TorchDispatchMode):
                 self._hook_param(tensor)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
-            self._allocate_all(_plain_tensors(out) if not _is_plain(out) else (out,))
+            self._allocate_all(plain_tensors(out) if not is_plain(out) else (out,))
         else:
             self._allocate_all(iter_tensors(out))
         return out
@@ -216,7 +216,7 @@ class StorageTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ public helpers
     def mark(self, tensor: torch.Tensor, category: str) -> None:
         """Label the storage(s) behind ``tensor`` as ``category`` (see :func:`mark_memory`)."""
-        for plain in _plain_tensors(tensor):
+        for plain in plain_tensors(tensor):
             key = self._key(plain)
             if key is None:
                 continue

@@ -20,11 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_lowmem import _compat
+from lightning_lowmem._compat import TorchDispatchMode, tree_flatten, tree_leaves, tree_unflatten
 
 # outputs with more elements than this are left unknown (a (B, 1, T, T) mask of a long sequence, activations)
 KNOWN_NUMEL_LIMIT = 1 << 22
@@ -53,7 +52,7 @@ class BatchValues(TorchDispatchMode):
         super().__init__()
         self.known = WeakTensorKeyDictionary()  # fake tensor -> its real CPU value
         with _compat.no_dispatch_modes():  # real copies, even when made inside the fake mode
-            for real, fake in zip(tree_leaves(real_batch), tree_leaves(fake_batch)):
+            for real, fake in zip(tree_leaves(real_batch), tree_leaves(fake_batch), strict=True):
                 if not (isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor)):
                     continue
                 if real.numel() > KNOWN_NUMEL_LIMIT:
@@ -83,7 +82,7 @@ class BatchValues(TorchDispatchMode):
             real_out = self._real(func, flat, spec)  # in place on the real copies too, for a mutating op
             real_outs = [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)] if real_out is not None else []
             if len(real_outs) == len(outs):
-                for fake, real in zip(outs, real_outs):
+                for fake, real in zip(outs, real_outs, strict=True):
                     self.known[fake] = real
                 return out
         for tensor in outs + (tensors if _compat.op_mutates(func) else []):  # too large, or failed for real

@@ -163,7 +163,7 @@ def profile_optimizer(
             and again.shared_bytes == once.shared_bytes  # e.g. torchao's lr tensor: once per optimizer
             and again.step_extra_bytes == once.step_extra_bytes  # one parameter at a time
         ):
-            state = once.shared_bytes + sum(counts[signature] * bytes_ for signature, bytes_ in zip(unique, per_param))
+            state = once.shared_bytes + sum(counts[signature] * bytes_ for signature, bytes_ in zip(unique, per_param, strict=True))
             return OptimizerProfile(state, once.step_extra_bytes)
     whole = _measure_optimizer(name, list(trainable), device, kwargs)
     return OptimizerProfile(whole.state_bytes, whole.step_extra_bytes)

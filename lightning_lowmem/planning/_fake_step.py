@@ -21,9 +21,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_lowmem._compat import TorchDispatchMode, tree_leaves, tree_map
 from lightning_lowmem.functional.applied import step_context
 from lightning_lowmem.functional.microbatch import split_batch
 
@@ -307,13 +306,13 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def _plain(tensor: torch.Tensor) -> list[torch.Tensor]:
-    from lightning_lowmem.memory._tensors import _plain_tensors
+    from lightning_lowmem.memory._tensors import plain_tensors as _plain_tensors
 
     return list(_plain_tensors(tensor))
 
 
 def _plain_type(tensor: torch.Tensor) -> bool:
-    from lightning_lowmem.memory._tensors import _is_plain
+    from lightning_lowmem.memory._tensors import is_plain as _is_plain
 
     return _is_plain(tensor)
 

@@ -25,9 +25,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_lowmem import _compat
+from lightning_lowmem._compat import tree_leaves
 
 __all__ = ["ATTENTION_KERNELS", "CudaAttention", "batch_is_padded", "choose_cuda_kernel", "fake_attention"]
 

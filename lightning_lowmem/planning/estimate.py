@@ -26,7 +26,6 @@ from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
 from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
     EstimationError,
-    LOOPS,
     apply_model_techniques,
     build_lookup_tables,
     build_optimizer,
@@ -70,7 +69,7 @@ def default_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     ``.logits``) is reduced with a float ``sum``. Give ``loss_fn`` to estimate a specific loss (e.g.
     cross-entropy saves softmax).
     """
-    if hasattr(module, "training_step") and callable(getattr(module, "training_step")):
+    if hasattr(module, "training_step") and callable(module.training_step):
         out = module.training_step(batch, 0)
         if isinstance(out, dict):
             out = out["loss"]

@@ -60,7 +60,7 @@ def _collective(kind: str, output: torch.Tensor, input: torch.Tensor) -> Iterato
     ever shows (counted for the call: ``StorageTracker.unseen_bytes``). The fake process group of an estimate
     communicates nothing, so there the same buffers are allocated for the same time. NCCL works in place.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
+    from lightning_lowmem._compat import FakeTensor
 
     from lightning_lowmem.memory._tracker import active_tracker
 
@@ -157,7 +157,7 @@ class ShardedStep:
             return self
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+        from lightning_lowmem._compat import fake_process_group_store
 
         if dist.is_initialized():
             from lightning_lowmem.planning._fake_step import EstimationError
@@ -168,7 +168,7 @@ class ShardedStep:
                 f"{dist.get_world_size()}): estimate before torch.distributed.init_process_group, or in a separate "
                 "process (e.g. `lowmem estimate --devices N --strategy fsdp`)."
             )
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+        dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=self.world_size)
         self._owns_group = True
         self._mesh = init_device_mesh("cpu", (self.world_size,))  # outside FakeTensorMode: real rank tensors
         count_fsdp_resizes()

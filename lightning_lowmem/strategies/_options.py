@@ -75,7 +75,7 @@ def set_expandable_segments(enabled: bool = True) -> bool:
     return True
 
 
-class _LowMemoryOptions:
+class LowMemoryOptions:
     """The options both strategies share, as one :class:`TrainingConfig` (``self.config``).
 
     A mixin placed before a Lightning strategy class: its hook overrides run the options, then

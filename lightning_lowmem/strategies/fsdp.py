@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_lowmem import _compat
 from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
-from lightning_lowmem.strategies._options import _LowMemoryOptions, precision_plugin, validate_precision
+from lightning_lowmem.strategies._options import LowMemoryOptions, precision_plugin, validate_precision
 
 __all__ = ["LowMemoryFSDPStrategy"]
 
@@ -42,7 +42,7 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
+class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
     """FSDP2 (fully sharded parameters, gradients and optimizer state) with memory settings.
 
     Each process holds ``1 / world_size`` of every parameter, gradient and optimizer state; a unit's
@@ -102,12 +102,12 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        from lightning_lowmem.functional.checkpointing import _validate_policy
+        from lightning_lowmem.functional.checkpointing import validate_policy
         from lightning_lowmem.functional.fsdp import check_dtensor_optimizer, mixed_precision_policy
 
         validate_precision(precision)
         self.mixed_precision = mixed_precision_policy(precision)  # raises for 16-mixed
-        _validate_policy(wrap_policy)
+        validate_policy(wrap_policy)
         for name, value in (
             ("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload),
             ("save_distributed_checkpoint", save_distributed_checkpoint),
@@ -262,7 +262,7 @@ class LowMemoryFSDPStrategy(_LowMemoryOptions, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from pathlib import Path
 
-        from lightning_lowmem.strategies.fsdp_checkpoint import is_sharded_checkpoint, load_sharded_checkpoint
+        from lightning_lowmem.checkpoints.sharded import is_sharded_checkpoint, load_sharded_checkpoint
 
         path = Path(self.broadcast(checkpoint_path))  # every rank reads the folder rank 0 names
         if is_sharded_checkpoint(path):  # Lightning's loader: no strict=False, no low-bit state
@@ -290,7 +290,7 @@ def _waited(state: Any, dequantize: bool = False) -> Any:
     do not load with ``torch.load(weights_only=True)``) and, with ``dequantize``, for low-bit states."""
     import torch
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map
+    from lightning_lowmem._compat import tree_map
 
     def plain(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):

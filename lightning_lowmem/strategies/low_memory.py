@@ -41,7 +41,7 @@ from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.strategies._options import (
     PRECISION_PRESETS,
-    _LowMemoryOptions,
+    LowMemoryOptions,
     precision_plugin,
     validate_precision,
 )
@@ -55,7 +55,7 @@ _ZERO_FALLBACK = (
 )
 
 
-class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
+class LowMemoryStrategy(LowMemoryOptions, SingleDeviceStrategy):
     """Single-device strategy with memory settings; registered as ``"lowmem"``.
 
     Args:
@@ -147,7 +147,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        from lightning_lowmem.strategies.fsdp_checkpoint import reject_sharded_checkpoint
+        from lightning_lowmem.checkpoints.sharded import reject_sharded_checkpoint
 
         reject_sharded_checkpoint(checkpoint_path, f"strategy={self.strategy_name!r}")
         return super().load_checkpoint(checkpoint_path, weights_only)
@@ -158,7 +158,7 @@ class LowMemoryStrategy(_LowMemoryOptions, SingleDeviceStrategy):
         strategy_registry.register("lowmem", cls, description="LowMemoryStrategy (single device)", override=True)
 
 
-class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
+class LowMemoryDDPStrategy(LowMemoryOptions, DDPStrategy):
     """DDP with memory settings; registered as ``"lowmem_ddp"`` (and ``"lowmem_ddp_spawn"``).
 
     Gradients are views into DDP's communication buckets (``gradient_as_bucket_view=True``), so they
@@ -223,7 +223,7 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
         if not self.zero_optimizer:
             return
         if self.world_size < 2:
-            warnings.warn(f"LowMemoryDDPStrategy with world_size={self.world_size}: {_ZERO_FALLBACK}", LowMemWarning)
+            warnings.warn(f"LowMemoryDDPStrategy with world_size={self.world_size}: {_ZERO_FALLBACK}", LowMemWarning, stacklevel=2)
             return
         from lightning_lowmem.strategies.zero import shard_optimizer
 
@@ -236,7 +236,7 @@ class LowMemoryDDPStrategy(_LowMemoryOptions, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        from lightning_lowmem.strategies.fsdp_checkpoint import reject_sharded_checkpoint
+        from lightning_lowmem.checkpoints.sharded import reject_sharded_checkpoint
 
         reject_sharded_checkpoint(checkpoint_path, f"strategy={self.strategy_name!r}")
         return super().load_checkpoint(checkpoint_path, weights_only)

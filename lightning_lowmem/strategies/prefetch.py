@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from lightning_lowmem._compat import tree_leaves, tree_map
 
 __all__ = ["DATALOADER_WARN_BYTES", "CUDAPrefetchLoader", "batch_bytes", "prefetched_bytes"]
 

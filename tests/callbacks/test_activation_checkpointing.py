@@ -40,7 +40,7 @@ def test_training_is_identical_and_undone_on_teardown(tiny_trainer_kwargs, preci
     model, _ = _fit([callback], tiny_trainer_kwargs, precision=precision)
     assert callback.wrapped == ["model.h.0", "model.h.1"]
     assert checkpointed_modules(model) == []  # teardown undid the wrap
-    for (name, a), b in zip(model.named_parameters(), base.parameters()):
+    for (name, a), b in zip(model.named_parameters(), base.parameters(), strict=True):
         assert torch.equal(a, b), name  # same weights bit for bit, dropout included
 
 
@@ -50,7 +50,7 @@ def test_nested_policy_trains_identically(tiny_trainer_kwargs):
     model, _ = _fit([callback], tiny_trainer_kwargs, steps=2)
     assert callback.wrapped == ["model.h.0", "model.h.0.attn", "model.h.1", "model.h.1.attn"]
     assert callback.state_dict()["nested"] is True
-    for a, b in zip(model.parameters(), base.parameters()):
+    for a, b in zip(model.parameters(), base.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -60,7 +60,7 @@ def test_ddp_wraps_before_the_strategy_and_trains_identically(tiny_trainer_kwarg
     kwargs = {**tiny_trainer_kwargs, "devices": 1, "strategy": "ddp"}
     base, _ = _fit([], kwargs, steps=2)
     model, _ = _fit([ActivationCheckpointing(policy="Block")], kwargs, steps=2)
-    for a, b in zip(model.parameters(), base.parameters()):
+    for a, b in zip(model.parameters(), base.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -90,5 +90,5 @@ def test_auto_microbatch_survives_a_real_cuda_oom_with_accumulation_weights(tmp_
     assert callback.micro_batch_size is not None and callback.micro_batch_size <= BATCH // 4, callback.micro_batch_size
     micro = callback.micro_batch_size
     _fit(accumulate_model, micro, tmp_path / "accumulate", accumulate_grad_batches=BATCH // micro)
-    diff = max((a - b).abs().max().item() for a, b in zip(auto_model.parameters(), accumulate_model.parameters()))
+    diff = max((a - b).abs().max().item() for a, b in zip(auto_model.parameters(), accumulate_model.parameters(), strict=True))
     assert diff <= 1e-6, diff

@@ -24,7 +24,7 @@ def test_swaps_and_resumes(tmp_path, name):
     trainer.fit(model, DigitsDataModule())
     opt = trainer.optimizers[0]
     assert type(opt).__name__ == ("Adafactor" if name == "adafactor" else "OptimizerInBackward")
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert "configure_optimizers" not in model.__dict__
     ckpt = tmp_path / "last.ckpt"
     trainer.save_checkpoint(ckpt)
@@ -102,7 +102,7 @@ def test_named_and_extra_hyperparameters_reach_the_optimizer(tmp_path):
 
 
 def _yaml_cli(tmp_path, init_args: str):
-    from lightning_lowmem.cli import _lightning_cli
+    from lightning_lowmem.cli.lowmem_cli import lightning_cli
 
     config = tmp_path / "opt.yaml"
     config.write_text(
@@ -111,7 +111,7 @@ def _yaml_cli(tmp_path, init_args: str):
         "trainer:\n  callbacks:\n    - class_path: lightning_lowmem.MemoryEfficientOptimizer\n      init_args:\n"
         + "".join(f"        {line}\n" for line in init_args.strip().splitlines())
     )
-    return _lightning_cli(["--config", str(config), "--trainer.fast_dev_run=true", "--trainer.logger=false",
+    return lightning_cli(["--config", str(config), "--trainer.fast_dev_run=true", "--trainer.logger=false",
                            f"--trainer.default_root_dir={tmp_path}"], run=False)  # fmt: skip
 
 

@@ -80,7 +80,7 @@ def test_every_optimizer_resumes_bit_identically(tmp_path, name):
         trainer = _trainer(tmp_path / "resumed", [MemoryEfficientOptimizer(name)], max_epochs=2)
         trainer.fit(resumed, ckpt_path=path)
     assert trainer.global_step == 4
-    for (key, a), b in zip(uninterrupted.state_dict().items(), resumed.state_dict().values()):
+    for (key, a), b in zip(uninterrupted.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), f"{name}: {key} differs after resume"
     assert not torch.equal(resumed.layer.weight, _Net().layer.weight)  # it trained
 

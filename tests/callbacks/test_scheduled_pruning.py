@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 
 import lightning as L
@@ -97,7 +96,7 @@ def test_same_zeros_as_lightning_model_pruning(tiny_trainer_kwargs, pruning_fn, 
         args.update(pruning_dim=0, pruning_norm=1)
     ours, _ = _fit(ScheduledPruning(pruning_fn, **args), tiny_trainer_kwargs)
     theirs, _ = _fit(ModelPruning(pruning_fn, **args), tiny_trainer_kwargs)
-    for a, b in zip(_linear_weights(ours), _linear_weights(theirs)):
+    for a, b in zip(_linear_weights(ours), _linear_weights(theirs), strict=True):
         assert torch.equal(a == 0, b == 0)
     # a second epoch prunes `amount` of what is left (torch.nn.utils.prune's iterative meaning): 75% in total.
     # (Masks are not compared there: ModelPruning ranks by the `weight` computed at the last forward, one step stale.)
@@ -149,7 +148,7 @@ def test_lottery_ticket_rewinds_unpruned_weights_to_their_initial_values(tiny_tr
     model = TinyModule()
     initial = [w.detach().clone() for w in _linear_weights(model)]
     _fit(ScheduledPruning(parameter_names=["weight"], amount=0.5, use_lottery_ticket_hypothesis=True), tiny_trainer_kwargs, model)
-    for weight, start in zip(_linear_weights(model), initial):
+    for weight, start in zip(_linear_weights(model), initial, strict=True):
         kept = weight != 0
         assert torch.equal(weight[kept], start[kept])
 
@@ -167,7 +166,7 @@ def test_resume_mid_schedule_ends_with_identical_masks_and_weights(tiny_trainer_
     path = os.path.join(tmp_path, "ckpt", os.listdir(tmp_path / "ckpt")[0])
     resumed = TinyModule()
     L.Trainer(**{**kwargs, "max_epochs": 3, "callbacks": [pruning()]}).fit(resumed, ckpt_path=path)
-    for a, b in zip(full.net, resumed.net):
+    for a, b in zip(full.net, resumed.net, strict=True):
         if isinstance(a, nn.Linear):
             assert torch.equal(get_mask(a), get_mask(b))
             assert torch.equal(a.weight, b.weight)
@@ -236,7 +235,7 @@ def test_ddp_two_cpu_processes_have_identical_masks(tmp_path):
     )
     fit_saving_results(lambda: trainer.fit(TinyModule()), [tmp_path / "rank0.pt", tmp_path / "rank1.pt"])
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1, strict=True))
     assert sum(int((~m).sum()) for m in rank0) == round(0.6 * sum(m.numel() for m in rank0))
 
 

@@ -123,7 +123,7 @@ def test_hf_step_schedule_exact_sparsity_embeddings_untouched(family, tiny_train
     assert {id(getattr(sub, pname)) for _, sub, pname in pruning._targets} == set(prunable)
     assert pruned == round(0.6 * total)
     assert sum(int((p == 0).sum()) for p in prunable.values()) == pruned
-    for table, zeros in zip(_embeddings(model), table_zeros):  # trained, never masked
+    for table, zeros in zip(_embeddings(model), table_zeros, strict=True):  # trained, never masked
         assert get_mask(table) is None and int((table.weight == 0).sum()) == zeros
     head = model.model.lm_head
     if family == "gpt2":  # the tied head is the embedding: left alone with it

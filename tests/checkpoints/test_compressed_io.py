@@ -206,7 +206,7 @@ def test_trainer_checkpoints_and_resume_match_torch_checkpoint_io(tmp_path, tiny
     got = _tensors(CompressedCheckpointIO().load_checkpoint(packed_path))
     assert expected.keys() == got.keys() and len(expected) > 6  # weights and AdamW state
     assert all(torch.equal(expected[key], got[key]) for key in expected)
-    for (name, a), b in zip(plain.state_dict().items(), packed.state_dict().values()):
+    for (name, a), b in zip(plain.state_dict().items(), packed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -244,15 +244,30 @@ def test_plain_torch_load_of_a_compressed_file_names_the_plugin(tmp_path, tiny_t
     path = tmp_path / "packed.ckpt"
     CompressedCheckpointIO().save_checkpoint(_checkpoint(), path)
     assert path.read_bytes().startswith(file_format.PREFIX)
-    # failed before: "Weights only load failed ... Re-running with weights_only=False will likely succeed" (it did not)
-    with pytest.raises(Exception, match=r"Unsupported global: GLOBAL lightning_lowmem\.plugins\.compressed_checkpoint_io"
-                                        r"\.written_by_CompressedCheckpointIO"):
-        torch.load(path, weights_only=True)
-    with pytest.raises(RuntimeError, match=r"written by lightning_lowmem's CompressedCheckpointIO.*"
-                                           r"load it with `Trainer\(plugins=\[CompressedCheckpointIO\(\)\]\)`"):
-        torch.load(path, weights_only=False)
-    with pytest.raises(Exception, match=r"written_by_CompressedCheckpointIO"):  # a Trainer without the plugin
+    # failed before (#26 item 10): "Weights only load failed ... Re-running `torch.load` with `weights_only` set to
+    # `False` will likely succeed" (it did not); now, with lightning_lowmem imported, one line saying what to use
+    message = (
+        r"^this file was written by lightning_lowmem's CompressedCheckpointIO \(not a torch.save file\): load it with "
+        r"`Trainer\(plugins=\[CompressedCheckpointIO\(\)\]\)` or `lightning_lowmem.checkpoints.read_checkpoint\(path\)`$"
+    )
+    for weights_only in (True, False):
+        with pytest.raises(RuntimeError, match=message):
+            torch.load(path, weights_only=weights_only)
+    with pytest.raises(RuntimeError, match=message):  # a Trainer without the plugin (Lightning: weights_only=None)
         L.Trainer(max_steps=6, **tiny_trainer_kwargs).fit(_Regressor(), ckpt_path=path)
+    assert CompressedCheckpointIO().load_checkpoint(path)["state_dict"].keys() == _checkpoint()["state_dict"].keys()
+
+
+def test_without_lightning_lowmem_imported_torch_names_the_plugin(tmp_path):
+    """In a process that never imported lightning_lowmem, torch's refusal still names the plugin (the global)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "packed.ckpt"
+    CompressedCheckpointIO().save_checkpoint(_checkpoint(), path)
+    code = f"import torch\ntry:\n    torch.load({str(path)!r})\nexcept Exception as err:\n    print(err)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "Unsupported global: GLOBAL lightning_lowmem.plugins.compressed_checkpoint_io.written_by_CompressedCheckpointIO" in out
 
 
 def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):

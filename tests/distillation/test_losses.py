@@ -32,7 +32,7 @@ def test_kd_loss_equals_hand_computation_on_fixed_tensor():
         return [e / sum(exps) for e in exps]
 
     p_s, p_t = softmax([1.0, 2.0, 0.0]), softmax([2.0, 0.0, 1.0])
-    kl = sum(t * math.log(t / s) for t, s in zip(p_t, p_s))
+    kl = sum(t * math.log(t / s) for t, s in zip(p_t, p_s, strict=True))
     ce = -math.log(math.exp(2.0) / (math.exp(1.0) + math.exp(2.0) + math.exp(0.0)))
     expected = alpha * temperature**2 * kl + (1 - alpha) * ce
     got = kd_loss(student, teacher, target, temperature=temperature, alpha=alpha)

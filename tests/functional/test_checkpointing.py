@@ -51,7 +51,7 @@ def test_gradients_equal_baseline_exactly(dropout):
     assert report.wrapped == ["h.0", "h.1", "h.2"]
     loss, grads = _grads(model, idx)
     assert torch.equal(loss, base_loss)
-    assert all(torch.equal(a, b) for a, b in zip(grads, base_grads))  # dropout RNG is replayed too
+    assert all(torch.equal(a, b) for a, b in zip(grads, base_grads, strict=True))  # dropout RNG is replayed too
 
 
 POLICIES = [
@@ -115,7 +115,7 @@ def test_nested_checkpointing_keeps_gradients_exact(dropout):
     assert report.wrapped == ["h.0", "h.0.attn", "h.0.mlp", "h.1", "h.1.attn", "h.1.mlp"]
     loss, grads = _grads(model, idx)
     assert torch.equal(loss, base_loss)
-    assert all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+    assert all(torch.equal(a, b) for a, b in zip(grads, base_grads, strict=True))
 
 
 def test_nested_checkpointing_lowers_the_backward_peak():

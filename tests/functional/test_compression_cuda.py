@@ -51,7 +51,7 @@ def test_cpu_offload_frees_device_memory_and_backward_is_exact():
     junk = [torch.full((512, 4096), float("nan"), device="cuda") for _ in range(8)]
     loss.backward()
     del junk
-    for got, want in zip(_grads(model), reference):
+    for got, want in zip(_grads(model), reference, strict=True):
         torch.testing.assert_close(got, want)
 
 

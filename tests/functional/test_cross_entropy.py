@@ -47,7 +47,7 @@ def test_loss_and_gradients_equal_the_unchunked_expression(reduction, smoothing,
     grad_output = torch.randn_like(reference) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
     assert loss.shape == reference.shape
     torch.testing.assert_close(loss, reference, rtol=1e-12, atol=1e-12)
-    for ours, theirs in zip(_grads(loss, (h, w, b), grad_output), _grads(reference, (h, w, b), grad_output)):
+    for ours, theirs in zip(_grads(loss, (h, w, b), grad_output), _grads(reference, (h, w, b), grad_output), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
 
 
@@ -59,7 +59,7 @@ def test_float32_within_fp32_rounding_and_chunk_size_changes_nothing_but_roundin
         loss = linear_cross_entropy(h, w, targets, chunk_size=chunk_size)
         assert loss.dtype == torch.float32
         torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
-        for ours, theirs in zip(_grads(loss, (h, w), torch.tensor(1.0)), reference_grads):
+        for ours, theirs in zip(_grads(loss, (h, w), torch.tensor(1.0)), reference_grads, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
@@ -85,10 +85,10 @@ def test_bf16_gradients_as_accurate_as_the_unchunked_bf16_step(mode):
         assert loss.dtype == torch.float32
         grads = _grads(loss, (h, w), torch.tensor(1.0))
         assert grads[1].dtype == w.dtype
-        return [((g.double() - e).norm() / e.norm()).item() for g, e in zip(grads, exact)]
+        return [((g.double() - e).norm() / e.norm()).item() for g, e in zip(grads, exact, strict=True)]
 
     ours, theirs = run(True), run(False)
-    for error, reference_error in zip(ours, theirs):
+    for error, reference_error in zip(ours, theirs, strict=True):
         assert error < 5e-3 and error < 1.5 * reference_error
 
 
@@ -173,7 +173,7 @@ def test_plain_model_one_line_change_gives_the_same_gradients():
     handle = chunk_cross_entropy_(model, chunk_size=3)
     assert handle.heads == ["lm_head"] and handle.losses == []
     assert isinstance(model(ids), DeferredLogits)
-    for ours, theirs in zip(grads(), reference):
+    for ours, theirs in zip(grads(), reference, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     model.eval()
     assert isinstance(model(ids), torch.Tensor)  # evaluation computes real logits

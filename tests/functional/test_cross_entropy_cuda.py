@@ -43,7 +43,7 @@ def test_equal_to_the_unchunked_loss_and_a_sixth_of_its_peak(dtype):
         hidden.grad = weight.grad = None
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(losses[1], losses[0], rtol=tolerance, atol=0)
-    for ours, theirs in zip(grads[1], grads[0]):
+    for ours, theirs in zip(grads[1], grads[0], strict=True):
         assert ((ours - theirs).norm() / theirs.norm()).item() < tolerance
     baseline = torch.cuda.memory_allocated() + 2 * (hidden.numel() + weight.numel()) * hidden.element_size()
     unchunked = _peak_above(reference, baseline)

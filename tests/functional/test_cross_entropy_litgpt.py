@@ -35,7 +35,7 @@ def test_litgpt_gpt_recipe_gives_the_unchunked_gradients():
     assert handle.heads == ["lm_head"]
     logits, chunked = _gradients(model, idx)
     assert isinstance(logits, DeferredLogits) and logits.shape == (2, 32, config.padded_vocab_size)
-    for ours, theirs in zip(chunked, reference):
+    for ours, theirs in zip(chunked, reference, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     with pytest.raises(LogitsNotComputedError):
         logits.argmax(-1)

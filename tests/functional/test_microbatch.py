@@ -66,6 +66,6 @@ def test_auto_microbatch_and_the_estimator_produce_the_same_micro_batches(monkey
 
     assert [span for span, _ in from_callback] == [(0, 2), (2, 4), (4, 5)]  # failed before: two splitters
     assert [span for span, _ in from_estimator] == [span for span, _ in from_callback]
-    for (_, ours), (_, theirs) in zip(from_callback, from_estimator):
+    for (_, ours), (_, theirs) in zip(from_callback, from_estimator, strict=True):
         assert torch.equal(ours["x"], theirs["x"]) and torch.equal(ours["y"], theirs["y"])
         assert ours["names"] == theirs["names"] == _batch()["names"] and float(ours["temperature"]) == 0.5

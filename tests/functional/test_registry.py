@@ -100,7 +100,7 @@ def scale_technique():
     def scale(module, config, applied):
         layers = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
         originals = [layer.weight.detach().clone() for layer in layers]
-        applied.on_undo(lambda: [layer.weight.data.copy_(w) for layer, w in zip(layers, originals)])
+        applied.on_undo(lambda: [layer.weight.data.copy_(w) for layer, w in zip(layers, originals, strict=True)])
         for layer in layers:
             layer.weight.data.mul_(config.factor)
 

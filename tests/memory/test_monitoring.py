@@ -61,7 +61,7 @@ def test_summary_table_rows():
     history = [{"rss": 1024, "peak_max": 4096}, {"rss": 3072, "model_state": 2048}]
     breakdown = dict.fromkeys(CATEGORIES, 0)
     table = summary_table(history, MemoryReport(peak_bytes=0, breakdown=breakdown), "cuda")
-    rows = list(zip(table.columns[0].cells, table.columns[1].cells))
+    rows = list(zip(table.columns[0].cells, table.columns[1].cells, strict=True))
     assert ("max rss (per-step)", "3.00 KiB") in rows
     assert ("max model_state (per-step)", "2.00 KiB") in rows
     assert ("max peak over ranks", "4.00 KiB") in rows

@@ -85,7 +85,7 @@ def test_fit_with_checkpointing_and_compression(tiny_trainer_kwargs):
     trainer = L.Trainer(strategy=strategy, max_steps=2, limit_val_batches=0, **tiny_trainer_kwargs)
     trainer.fit(model, CharLMDataModule(block_size=16, batch_size=4, max_chars=20_000))
     assert trainer.global_step == 2
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert strategy.compression_stats.packed > 0 and strategy.compression_stats.ratio > 3  # int8 really applied
     assert strategy.checkpointed == []  # released in teardown
     assert "forward" not in vars(model.model.h[0])  # the checkpoint wrap was removed
@@ -113,7 +113,7 @@ def test_nested_checkpointing_wraps_attention_inside_blocks_and_keeps_the_weight
     assert wrapped == ["model.h.0", "model.h.0.attn", "model.h.1", "model.h.1.attn"]
     with pytest.raises(TypeError, match=r"`nested_checkpointing` must be True or False, got str: 'yes'"):
         LowMemoryStrategy(activation_checkpointing="Block", nested_checkpointing="yes")
-    for a, b in zip(nested.parameters(), plain.parameters()):
+    for a, b in zip(nested.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
@@ -199,7 +199,7 @@ def test_impossible_memory_budget_fails_before_training(tiny_trainer_kwargs):
     with pytest.raises(ValueError, match=r"memory_budget='64KiB'.*no configuration fits.*smallest predicted peak is"):
         trainer.fit(model)
     assert trainer.global_step == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_dataloader_queue_above_the_threshold_warns_on_the_first_batch(tiny_trainer_kwargs, monkeypatch):
@@ -303,7 +303,7 @@ def test_memory_budget_falls_back_to_micro_batches_when_whole_batches_cannot_fit
 
     plain = L.Trainer(strategy=LowMemoryStrategy(**fixed), max_steps=2, **tiny_trainer_kwargs)
     plain.fit(reference)  # the same effective batch without a budget: the same weights up to summation order
-    for a, b in zip(model.parameters(), reference.parameters()):
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

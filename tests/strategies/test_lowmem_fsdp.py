@@ -12,7 +12,7 @@ import lightning_lowmem  # noqa: F401  (registers "lowmem_fsdp")
 from lightning_lowmem.callbacks import ActivationCheckpointing, LowRankAdapters
 from lightning_lowmem.demo.charlm import CharLM
 from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy
-from lightning_lowmem.strategies.fsdp_checkpoint import consolidate_checkpoint, is_sharded_checkpoint
+from lightning_lowmem.checkpoints.sharded import consolidate_checkpoint, is_sharded_checkpoint
 
 GLOBAL_BATCH = 8
 
@@ -98,7 +98,7 @@ def _trainer(tmp_path, devices, strategy, max_steps, callbacks, **kwargs):
 def _assert_same_weights(left: dict, right: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     assert left.keys() == right.keys()
     for key in left:  # the reduction order differs between world sizes: equal up to float rounding
-        torch.testing.assert_close(left[key], right[key], rtol=rtol, atol=atol, msg=lambda message: f"{key}: {message}")
+        torch.testing.assert_close(left[key], right[key], rtol=rtol, atol=atol, msg=lambda message, key=key: f"{key}: {message}")
 
 
 def _resume_on_one(tmp_path, ckpt_path, name, save_base_weights: bool = False) -> dict:
@@ -159,7 +159,7 @@ def test_two_processes_train_save_consolidated_and_resume_on_one(tmp_path):
         return [state["state"][i] for group in state["param_groups"] for i in group["params"]]
 
     assert len(in_order(start)) == len(in_order(saved_state)) == 4  # lora_A / lora_B of 2 blocks
-    for resumed_moments, saved_moments in zip(in_order(start), in_order(saved_state)):
+    for resumed_moments, saved_moments in zip(in_order(start), in_order(saved_state), strict=True):
         assert torch.equal(resumed_moments["step"], saved_moments["step"])
         for name in ("exp_avg", "exp_avg_sq"):
             resumed_value, saved_value = resumed_moments[name], saved_moments[name]

@@ -78,7 +78,7 @@ def test_auto_microbatch_under_fsdp_matches_whole_batches(tmp_path):
     _trainer(tmp_path, 1, LowMemoryFSDPStrategy(), 2, [auto], enable_checkpointing=False).fit(micro)
     _trainer(tmp_path, 1, LowMemoryFSDPStrategy(), 2, [], enable_checkpointing=False).fit(whole)
     assert auto.micro_batch_size == 2
-    for (name, left), right in zip(micro.state_dict().items(), whole.state_dict().values()):
+    for (name, left), right in zip(micro.state_dict().items(), whole.state_dict().values(), strict=True):
         # float summation order only (lr=1e-2; a micro-batch weighted wrongly differs by ~1e-3)
         torch.testing.assert_close(left.full_tensor(), right.full_tensor(), rtol=0, atol=2e-4, msg=name)
     assert not torch.equal(micro.state_dict()["model.wte.weight"].full_tensor(), _TinyLM().state_dict()["model.wte.weight"])

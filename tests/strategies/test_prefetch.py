@@ -37,7 +37,7 @@ def test_prefetch_loader_yields_the_same_batches_on_the_gpu():
     batches = list(prefetching)
     torch.cuda.synchronize()
     assert len(batches) == 3 and all(x.is_cuda and y.is_cuda for x, y in batches)
-    for (x, y), (x_ref, y_ref) in zip(batches, loader):
+    for (x, y), (x_ref, y_ref) in zip(batches, loader, strict=True):
         assert torch.equal(x.cpu(), x_ref) and torch.equal(y.cpu(), y_ref)
 
 

@@ -52,7 +52,7 @@ def test_shard_keeps_class_groups_and_matches_the_plain_optimizer(process_group)
     for _ in range(2):
         _step(plain_model, plain)
         _step(zero_model, zero)
-    for a, b in zip(plain_model.parameters(), zero_model.parameters()):
+    for a, b in zip(plain_model.parameters(), zero_model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert shard_optimizer(zero) is zero
 

@@ -105,7 +105,7 @@ class CheckpointingConfig:
     nested: bool = False
 
     def __post_init__(self) -> None:
-        from lightning_lowmem.functional.checkpointing import _validate_policy
+        from lightning_lowmem.functional.checkpointing import validate_policy as _validate_policy
 
         if isinstance(self.policy, list):
             object.__setattr__(self, "policy", tuple(self.policy))

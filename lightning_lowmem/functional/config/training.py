@@ -148,7 +148,7 @@ class TrainingConfig:
         repeated = sorted({field for field in fields if fields.count(field) > 1})
         if repeated:
             raise ValueError(f"the {repeated[0]!r} technique is given more than once: {given!r}; give each once")
-        return cls(**{"precision": None, "optimizer": None, **dict(zip(fields, given))})
+        return cls(**{"precision": None, "optimizer": None, **dict(zip(fields, given, strict=True))})
 
     def __getattr__(self, name: str) -> Any:
         """A technique registered beyond the built-in fields: its config, or ``None`` when it is off."""

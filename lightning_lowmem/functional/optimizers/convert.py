@@ -59,7 +59,7 @@ def convert_optimizers(configured: Any, config: Any, info: Callable[[str], None]
             kept = [k for k in GROUP_KEYS_KEPT if k not in kwargs]  # explicit arguments win
             groups = [{"params": g["params"], **{k: g[k] for k in kept if k in g}} for g in old.param_groups]
             new = build_optimizer(config.name, groups, **kwargs)
-            for old_group, new_group in zip(old.param_groups, new.param_groups):
+            for old_group, new_group in zip(old.param_groups, new.param_groups, strict=True):
                 if "initial_lr" in old_group:  # set by schedulers created on the old optimizer
                     initial = new_group["lr"] if "lr" in kwargs else old_group["initial_lr"]
                     # torchao keeps `lr` as a tensor that schedulers fill in place: a shared one would

@@ -121,8 +121,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for group in self.param_groups:  # a torchao optimizer saves lr as a tensor; schedulers expect a float
             if isinstance(group.get("lr"), torch.Tensor):
                 group["lr"] = float(group["lr"])
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            for saved_id, param in zip(saved_group["params"], group["params"]):
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups, strict=True):
+            for saved_id, param in zip(saved_group["params"], group["params"], strict=True):
                 inner_opt = self.inner_optimizers.get(param)
                 if inner_opt is None:
                     continue

@@ -175,7 +175,7 @@ class StochasticRounding(torch.optim.Optimizer):
                 proxies.append(proxy)
             inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": proxies})
         self.inner = plain.build_from(plain.BUILDERS, plain.ARGUMENTS, self.inner_name, inner_groups)
-        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             for key, value in inner_group.items():  # the inner defaults (eps, betas, ...) become visible here
                 group.setdefault(key, value)
         self.defaults = {**self.inner.defaults, **self.defaults}
@@ -195,7 +195,7 @@ class StochasticRounding(torch.optim.Optimizer):
             self.state[param] = self.inner.state[proxy]
 
     def _sync_groups(self) -> None:
-        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             for key, value in group.items():
                 if key != "params":
                     inner_group[key] = value

@@ -184,18 +184,18 @@ def _rebuild(container: Any, visit: Any) -> Any:
     ``_metadata`` of a ``state_dict()``)."""
     values = list(container.values() if isinstance(container, dict) else container)
     visited = [visit(value) for value in values]
-    if all(new is old for new, old in zip(visited, values)):
+    if all(new is old for new, old in zip(visited, values, strict=True)):
         return container
     if isinstance(container, list):
         return visited
     if isinstance(container, tuple):
         return tuple(visited)
-    items = zip(container.keys(), visited)
+    items = zip(container.keys(), visited, strict=True)
     try:
         rebuilt = type(container)()
         rebuilt.update(items)
     except TypeError:
-        return dict(zip(container.keys(), visited))
+        return dict(zip(container.keys(), visited, strict=True))
     if getattr(container, "__dict__", None):
         rebuilt.__dict__.update(container.__dict__)
     return rebuilt

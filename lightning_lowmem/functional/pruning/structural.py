@@ -51,13 +51,9 @@ class StructuralPruningReport:
 
 
 def _import_torch_pruning() -> Any:
-    try:
-        import torch_pruning
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "structural pruning needs Torch-Pruning: pip install 'lightning-lowmem[prune]' (or torch-pruning)"
-        ) from err
-    return torch_pruning
+    from lightning_lowmem._versions import optional_import
+
+    return optional_import("torch_pruning", "structural pruning", extra="prune", distribution="torch-pruning")
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
@@ -106,7 +102,7 @@ def _trace_inputs(model: nn.Module, example_inputs: Any) -> Any:
     return example_inputs
 
 
-def _default_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def default_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Conv / Linear (and HF ``Conv1D``) layers except the last one (the output) and attention projections."""
     layers: list[tuple[str, nn.Module]] = []
     attention_children: set[int] = set()
@@ -178,7 +174,7 @@ def prune_structural_(
     if ratio == 0:
         return report
     if filter_fn is None:
-        candidates = _default_candidates(model)
+        candidates = default_candidates(model)
     else:
         layer_types = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
         candidates = [
@@ -354,7 +350,7 @@ def shrink_to_state_dict_(module: nn.Module, state_dict: dict[str, Any], prefix:
     shapes = {key[len(prefix):]: list(value.shape) for key, value in state_dict.items()
               if key.startswith(prefix) and isinstance(value, torch.Tensor)}  # fmt: skip
     changed = {name: shape for name, shape in shapes.items() if name in current and current[name] != shape}
-    shrunk = all(len(shape) == len(current[name]) and all(a <= b for a, b in zip(shape, current[name]))
+    shrunk = all(len(shape) == len(current[name]) and all(a <= b for a, b in zip(shape, current[name], strict=True))
                  for name, shape in changed.items())  # fmt: skip
     if changed and shrunk:
         restore_shapes_(module, changed)

@@ -72,9 +72,9 @@ def resolve_targets(
             pairs.append(tuple(item))
     names = list(parameter_names)
     if not pairs and structural:  # mask only the channels structural removal can cut
-        from lightning_lowmem.functional.pruning.structural import _default_candidates
+        from lightning_lowmem.functional.pruning.structural import default_candidates
 
-        pairs = [(layer, "weight") for _, layer in _default_candidates(module)]
+        pairs = [(layer, "weight") for _, layer in default_candidates(module)]
     if not pairs:  # ModelPruning prunes only the names each module has; error if a name exists nowhere
         present = {n.rsplit(".", 1)[-1] for n, _ in module.named_parameters()}
         missing = [n for n in names if n not in present]

@@ -25,7 +25,6 @@ from torch import nn
 
 from lightning_lowmem.functional.config.constants import PRUNING_METHODS
 from lightning_lowmem.functional.pruning.masks import (
-    MASK_SUFFIX,
     FilterFn,
     _key,
     _set_mask,
@@ -230,7 +229,7 @@ def prune_(
         return PruningReport(str(method), 0.0)
     weights = [getattr(sub, pname) for _, sub, pname in targets]
     masks = []  # one per target, in order (names may repeat for modules outside the model's tree)
-    for (_, sub, pname), weight in zip(targets, weights):
+    for (_, sub, pname), weight in zip(targets, weights, strict=True):
         current = get_mask(sub, pname)
         masks.append(torch.ones_like(weight, dtype=torch.bool) if current is None else current.clone())
     method_name = method if isinstance(method, str) else getattr(method, "__name__", str(method))
@@ -246,7 +245,7 @@ def prune_(
             pruner = method(target_sparsity, **kwargs)
             masks[i] &= pruner.compute_mask(weight.detach(), default_mask=masks[i].to(weight.dtype)).bool()
     elif method == "nm":
-        for i, ((fqn, sub, pname), weight) in enumerate(zip(targets, weights)):
+        for i, ((fqn, sub, pname), weight) in enumerate(zip(targets, weights, strict=True)):
             nm = _nm_mask(weight, masks[i], weight_dims(sub, pname)[1] if weight.dim() > 1 else 0, n, m)
             if nm is None:
                 message = f"{_key(fqn, pname)} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
@@ -255,7 +254,7 @@ def prune_(
             masks[i] = nm
     elif structured:
         scores = []
-        for i, ((_, sub, pname), weight) in enumerate(zip(targets, weights)):
+        for i, ((_, sub, pname), weight) in enumerate(zip(targets, weights, strict=True)):
             d = (dim if dim is not None else weight_dims(sub, pname)[0]) % max(weight.dim(), 1)
             s = _channel_scores(weight, masks[i], d, norm, random, generator)
             if global_:  # compare channels of different sizes by norm per element
@@ -284,13 +283,13 @@ def prune_(
             drop = torch.zeros(flat.numel(), dtype=torch.bool)
             drop[torch.topk(flat, k, largest=False, sorted=False).indices] = True
             offset = 0
-            for i, part in zip(group, parts):
+            for i, part in zip(group, parts, strict=True):
                 masks[i] &= ~drop[offset : offset + part.numel()].view(weights[i].shape).to(weights[i].device)
                 offset += part.numel()
 
     report = PruningReport(method_name, 0.0)
     owners = parameter_owners(module)
-    for (fqn, sub, pname), weight, mask in zip(targets, weights, masks):
+    for (fqn, sub, pname), weight, mask in zip(targets, weights, masks, strict=True):
         shared = _set_mask(owners.get(id(weight)) or [(fqn, sub, pname)], mask)
         weight.mul_(shared)
         pruned = int(mask.numel() - mask.sum())

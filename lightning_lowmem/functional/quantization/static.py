@@ -69,7 +69,7 @@ def _drop_unused_state(graph_module: torch.fx.GraphModule) -> None:
         if name not in used:
             owner_name, _, attribute = name.rpartition(".")
             delattr(graph_module.get_submodule(owner_name), attribute)
-    for name, child in list(graph_module.named_children()):
+    for name, _child in list(graph_module.named_children()):
         if not any(target == name or target.startswith(name + ".") for target in used):
             delattr(graph_module, name)
 

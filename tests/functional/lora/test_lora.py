@@ -84,7 +84,7 @@ def test_hf_gpt2_conv1d_wrap_merge_and_merged_state_dict():
     model = _hf_gpt2()
     reference = model(TOKENS).logits
     report = apply_lora_(model, r=4, target=["c_attn", "c_proj", "c_fc"])
-    assert len(report.wrapped) == 8 and all(isinstance(l, LoraLinear) for l in lora_layers(model).values())
+    assert len(report.wrapped) == 8 and all(isinstance(layer, LoraLinear) for layer in lora_layers(model).values())
     layer = model.transformer.h[0].attn.c_attn
     assert layer.fan_in_fan_out and tuple(layer.weight.shape) == (192, 64)  # Conv1D (64, 192) stored as (out, in)
     assert torch.allclose(model(TOKENS).logits, reference)

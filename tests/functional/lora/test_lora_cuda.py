@@ -53,5 +53,5 @@ def test_qlora_int4_base_is_small_close_and_trains(dtype):
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
-    for weight, before in zip(frozen, snapshot):  # the packed base never changed
-        assert all(torch.equal(a, b) for a, b in zip(inner(weight), before))
+    for weight, before in zip(frozen, snapshot, strict=True):  # the packed base never changed
+        assert all(torch.equal(a, b) for a, b in zip(inner(weight), before, strict=True))

@@ -55,7 +55,7 @@ def test_qlora_gradients_equal_the_dequantized_float_model():
     model(x).square().mean().backward()
     reference(x_ref).square().mean().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-7)
-    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         if got.requires_grad:
             torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-7, msg=name)
 

@@ -21,7 +21,7 @@ def test_matches_plain_adamw_and_frees_grads():
         ref_opt.step()
         lean_opt.step(lambda: torch.nn.functional.mse_loss(lean(x), y).backward())
     assert all(p.grad is None for p in lean.parameters())
-    for a, b in zip(ref.parameters(), lean.parameters()):
+    for a, b in zip(ref.parameters(), lean.parameters(), strict=True):
         torch.testing.assert_close(a, b)
 
 

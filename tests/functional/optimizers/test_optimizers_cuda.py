@@ -44,7 +44,7 @@ def test_compiled_low_bit_step_matches_eager_and_keeps_state_small(name, max_sta
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "torchao's step did not compile"
     _train(eager, name, eager=True)
     plain_opt = _train(plain, "adamw", eager=True)
-    for c, e, s in zip(compiled.parameters(), eager.parameters(), start.parameters()):
+    for c, e, s in zip(compiled.parameters(), eager.parameters(), start.parameters(), strict=True):
         update = (e - s).abs().max()
         assert update > 0
         assert (c - e).abs().max() <= 0.05 * update, name  # the same step, up to rounding of the quantized state

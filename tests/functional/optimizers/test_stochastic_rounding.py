@@ -76,7 +76,7 @@ def test_float32_parameters_step_exactly_like_the_inner_optimizer():
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def _train(model, opt, steps, seed):
@@ -107,7 +107,7 @@ def test_state_dict_resume_keeps_float32_state_and_continues_identically(name):
     assert state["row_var"].dtype == torch.float32  # not cast to the bf16 parameter's dtype on the way
     assert torch.equal(state["row_var"], saved_opt["state"][0]["row_var"])
     _train(resumed, resumed_opt, 2, seed=2)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True))
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
         resumed_opt.remove_hooks()
