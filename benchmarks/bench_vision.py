@@ -189,7 +189,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
                 f"{full['measured MiB']} -> {adapted['measured MiB']} MiB (predicted {adapted['predicted MiB']}, {adapted['error %']:+.2f}%)",
                 "met": adapted["error %"] == 0 and full["error %"] == 0,
             }
-            for full, adapted in zip(lora[::2], lora[1::2])
+            for full, adapted in zip(lora[::2], lora[1::2], strict=True)
         ),
     ]
     notes = (

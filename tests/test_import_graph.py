@@ -197,21 +197,10 @@ def test_private_torch_and_lightning_only_through_compat(tmp_path):
 # to be made public in its module or moved; the list only shrinks.
 _KNOWN_PRIVATE_IMPORTS = {
     "lightning_lowmem.callbacks.post_training_quantization: lightning_lowmem.functional.quantization.ptq._unsupported_reason",
-    "lightning_lowmem.functional.config.techniques: lightning_lowmem.functional.optimizers.registry._check_name",
-    "lightning_lowmem.functional.config.techniques: lightning_lowmem.functional.lora.adapters._validate",
-    "lightning_lowmem.functional.handlers: lightning_lowmem.functional.config.techniques._check_bool",
-    "lightning_lowmem.functional.lora.files: lightning_lowmem.functional.lora.adapters._count_params",
-    "lightning_lowmem.functional.lora.files: lightning_lowmem.functional.lora.adapters._is_candidate",
-    "lightning_lowmem.functional.lora.files: lightning_lowmem.functional.lora.adapters._validate",
-    "lightning_lowmem.functional.lora.files: lightning_lowmem.functional.lora.adapters._wrap",
-    "lightning_lowmem.functional.pruning.unstructured: lightning_lowmem.functional.pruning.masks._key",
-    "lightning_lowmem.functional.pruning.unstructured: lightning_lowmem.functional.pruning.masks._set_mask",
     "lightning_lowmem.functional.quantization.arguments: lightning_lowmem.functional.quantization.modes._include_embeddings",
-    "lightning_lowmem.functional.quantization.ptq: lightning_lowmem.functional.quantization.modes._check_mode",
     "lightning_lowmem.functional.quantization.ptq: lightning_lowmem.functional.quantization.modes._include_embeddings",
     "lightning_lowmem.functional.quantization.ptq: lightning_lowmem.functional.quantization.modes._needs_group",
     "lightning_lowmem.functional.quantization.ptq: lightning_lowmem.functional.quantization.modes._unsupported_reason",
-    "lightning_lowmem.functional.quantization.qat: lightning_lowmem.functional.quantization.modes._check_mode",
     "lightning_lowmem.functional.quantization.qat: lightning_lowmem.functional.quantization.modes._unsupported_reason",
     "lightning_lowmem.planning.plan: lightning_lowmem.planning.priors._PRECISION_RANK",
 }

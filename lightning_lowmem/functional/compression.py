@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem import _compat
+from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES, COMPRESSION_MODES
 
 if TYPE_CHECKING:
     from lightning_lowmem.functional.config.techniques import CompressionConfig
@@ -33,15 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["COMPRESSION_MODES", "CompressionStats", "compress_activations", "exact_activations"]
 
 
-def __getattr__(name: str) -> Any:
-    """``COMPRESSION_MODES`` and ``DEFAULT_MIN_BYTES`` (the old name of ``COMPRESSION_MIN_BYTES``) live in
-    :mod:`lightning_lowmem.functional.config.constants`; read lazily, since importing the config package here
-    at import time would run ``functional/config/__init__`` (which imports this module) half-way."""
-    if name in ("COMPRESSION_MODES", "DEFAULT_MIN_BYTES"):
-        from lightning_lowmem.functional.config import constants
-
-        return constants.COMPRESSION_MODES if name == "COMPRESSION_MODES" else constants.COMPRESSION_MIN_BYTES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+DEFAULT_MIN_BYTES = COMPRESSION_MIN_BYTES  # the old name
 
 _local = threading.local()
 

@@ -39,7 +39,7 @@ from lightning_lowmem.functional.config.techniques import (
     PrecisionConfig,
     QuantizationConfig,
     ShardingConfig,
-    _check_bool,
+    check_bool,
 )
 from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.functional.config.pruning import PruningConfig
@@ -196,7 +196,7 @@ def _checkpointing_shorthand(
 ) -> Any:
     value = _one_of("checkpointing", value, "activation_checkpointing", activation_checkpointing)
     if nested_checkpointing is not None:
-        _check_bool("nested_checkpointing", nested_checkpointing)
+        check_bool("nested_checkpointing", nested_checkpointing)
         if value is None and nested_checkpointing:
             raise ValueError("`nested_checkpointing`=True needs `activation_checkpointing` (a policy to nest)")
     if value is None or isinstance(value, (CheckpointingConfig, Mapping)):

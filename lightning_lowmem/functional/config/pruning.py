@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from lightning_lowmem.functional.config.techniques import check_bool
 from lightning_lowmem.functional.pruning.schedule import (
     Amount,
     PruningSchedule,
@@ -33,11 +34,6 @@ __all__ = ["DEFAULT_PARAMETER_NAMES", "PruningConfig"]
 
 #: what is pruned in each module when ``parameter_names`` is not given (as Lightning's ``ModelPruning``).
 DEFAULT_PARAMETER_NAMES: tuple[str, ...] = ("weight", "bias")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be True or False, got {type(value).__name__}: {value!r}")
 
 
 def _check_bool_or_callable(name: str, value: Any) -> None:
@@ -139,9 +135,9 @@ class PruningConfig:
                     raise ValueError(f"`parameter_names` entries must be parameter names like 'weight', got {name!r}")
         check_amount(self.amount)
         for name in ("use_global_unstructured", "make_pruning_permanent", "resample_parameters"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         for name in ("prune_on_train_epoch_end", "structural", "prune_embeddings"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         _check_bool_or_callable("apply_pruning", self.apply_pruning)
         _check_bool_or_callable("use_lottery_ticket_hypothesis", self.use_lottery_ticket_hypothesis)
         self._check_numbers()

@@ -43,7 +43,7 @@ def _did_you_mean(value: Any, allowed: tuple[str, ...]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def _check_bool(name: str, value: Any) -> None:
+def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False, got {type(value).__name__}: {value!r}")
 
@@ -110,7 +110,7 @@ class CheckpointingConfig:
         if isinstance(self.policy, list):
             object.__setattr__(self, "policy", tuple(self.policy))
         _validate_policy(self.policy)
-        _check_bool("nested", self.nested)
+        check_bool("nested", self.nested)
 
     def describe(self) -> str:
         policy = self.policy
@@ -168,9 +168,9 @@ class OptimizerConfig:
     hyperparameters: tuple[tuple[str, Any], ...] | Mapping[str, Any]  # a mapping given, stored as sorted pairs
 
     def __init__(self, name: str = "adamw", hyperparameters: Mapping[str, Any] | tuple | None = None, **kwargs: Any) -> None:
-        from lightning_lowmem.functional.optimizers.registry import _check_name, check_optimizer_kwargs
+        from lightning_lowmem.functional.optimizers.registry import check_optimizer_name, check_optimizer_kwargs
 
-        key = _check_name(name)
+        key = check_optimizer_name(name)
         if hyperparameters is not None and not isinstance(hyperparameters, (Mapping, tuple)):
             raise ValueError(
                 f"`optimizer_kwargs`={hyperparameters!r} must be a mapping of argument names to values, e.g. {{'lr': 1e-3}}"
@@ -285,9 +285,9 @@ class LoRAConfig:
     train_modules: Any = "auto"
 
     def __post_init__(self) -> None:
-        from lightning_lowmem.functional.lora.adapters import _validate
+        from lightning_lowmem.functional.lora.adapters import check_lora_arguments
 
-        _validate(self.r, self.alpha, self.dropout, self.quantize_base)
+        check_lora_arguments(self.r, self.alpha, self.dropout, self.quantize_base)
         object.__setattr__(self, "alpha", float(self.alpha))
         object.__setattr__(self, "dropout", float(self.dropout))
         target = self.target
@@ -299,7 +299,7 @@ class LoRAConfig:
             raise ValueError(
                 f"`target` must be 'all-linear', a layer name pattern or a list of them, got {type(target).__name__}: {target!r}"
             )
-        _check_bool("freeze_base", self.freeze_base)
+        check_bool("freeze_base", self.freeze_base)
         train = self.train_modules
         if isinstance(train, (list, tuple)) and all(isinstance(t, str) for t in train):
             object.__setattr__(self, "train_modules", tuple(train))

@@ -96,7 +96,7 @@ class LoraReport:
         return self.trainable_params / self.total_params if self.total_params else 0.0
 
 
-def _validate(r: int, alpha: float, dropout: float, quantize_base: str | None) -> None:
+def check_lora_arguments(r: int, alpha: float, dropout: float, quantize_base: str | None) -> None:
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise ValueError(f"`r` (adapter rank) must be an int > 0, got {r!r}. Typical values: 4, 8, 16, 64.")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
@@ -107,7 +107,7 @@ def _validate(r: int, alpha: float, dropout: float, quantize_base: str | None) -
         raise ValueError(f"`quantize_base` must be one of {QUANTIZE_CHOICES}, got {quantize_base!r}.")
 
 
-def _count_params(module: nn.Module) -> tuple[int, int]:
+def count_parameters(module: nn.Module) -> tuple[int, int]:
     trainable = total = 0
     for param in module.parameters():
         total += param.numel()
@@ -176,7 +176,7 @@ def apply_lora_(
         >>> report.wrapped, report.trainable_params
         (['0', '2'], 336)
     """
-    _validate(r, alpha, dropout, quantize_base)
+    check_lora_arguments(r, alpha, dropout, quantize_base)
     if not isinstance(quantize_frozen, bool):
         raise TypeError(f"`quantize_frozen` must be True or False, got {quantize_frozen!r}.")
     if quantize_frozen and quantize_base is None:
@@ -189,12 +189,12 @@ def apply_lora_(
         )
     selected = select(module, target)
     trained = _train_modules(module, train_modules, selected)
-    report = _wrap(module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base)
+    report = wrap_layers(module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base)
     if quantize_frozen:
         quantize_frozen_(module, quantize_base, adapter_type=LoraLinear)  # type: ignore[arg-type]
     train_in_full_(module, trained)
     report.trained = trained
-    report.trainable_params, report.total_params = _count_params(module)
+    report.trainable_params, report.total_params = count_parameters(module)
     return report
 
 
@@ -252,7 +252,7 @@ def trained_modules(module: nn.Module) -> list[str]:
     return [name for name, sub in module.named_modules() if sub.__dict__.get(_TRAINED_MARK)]
 
 
-def _wrap(
+def wrap_layers(
     module: nn.Module,
     selected: dict[str, nn.Module],
     *,
@@ -302,7 +302,7 @@ def _wrap(
     if quantize_base is not None:
         wrapped = lora_layers(module)
         quantize_base_layers_(module, {name: wrapped[name] for name in selected}, quantize_base)
-    trainable, total = _count_params(module)
+    trainable, total = count_parameters(module)
     return LoraReport(
         wrapped=list(selected), r=r, alpha=float(alpha), quantize_base=quantize_base,
         trainable_params=trainable, total_params=total,

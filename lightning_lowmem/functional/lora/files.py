@@ -15,10 +15,10 @@ from lightning_lowmem.functional.lora.adapters import (
     ADAPTER_SUFFIXES,
     RUNNING_STAT_SUFFIXES,
     LoraReport,
-    _count_params,
+    count_parameters,
     is_candidate,
-    _validate,
-    _wrap,
+    check_lora_arguments,
+    wrap_layers,
     lora_layers,
     train_in_full_,
     trained_modules,
@@ -135,8 +135,8 @@ def load_adapters(
             )
         r = int(adapters[f"{prefixes[0]}.lora_A"].shape[0])
         alpha = alpha if alpha is not None else config.get("alpha", 2 * r)
-        _validate(r, alpha, config.get("dropout", 0.0), quantize_base or config.get("quantize_base"))
-        _wrap(
+        check_lora_arguments(r, alpha, config.get("dropout", 0.0), quantize_base or config.get("quantize_base"))
+        wrap_layers(
             module, {mapping[p]: candidates[mapping[p]] for p in prefixes}, r=r, alpha=alpha,
             dropout=config.get("dropout", 0.0), quantize_base=quantize_base or config.get("quantize_base"), freeze_base=True,
         )  # fmt: skip
@@ -161,7 +161,7 @@ def load_adapters(
                 layer.alpha, layer.scaling = alpha, alpha / layer.r
     _load_trained(module, full, config.get("train_modules") or [])
     _load_running_stats(module, {k: v for k, v in full.items() if k.endswith(RUNNING_STAT_SUFFIXES)})
-    trainable, total = _count_params(module)
+    trainable, total = count_parameters(module)
     cfg = lora_config(module)
     return LoraReport(
         wrapped=list(layers), trained=cfg["train_modules"], r=cfg["r"], alpha=float(cfg["alpha"]),

@@ -33,7 +33,7 @@ ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 RUNNING_STAT_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked")
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
+def is_hf_conv1d(module: nn.Module) -> bool:
     # transformers.pytorch_utils.Conv1D: a linear layer with weight (in_features, out_features); matched
     # by name so transformers stays an optional dependency.
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
@@ -87,7 +87,7 @@ class LoraLinear(nn.Linear):
     @classmethod
     def from_layer(cls, layer: nn.Module, *, r: int, alpha: float, dropout: float = 0.0) -> "LoraLinear":
         """Wrap an ``nn.Linear`` or Hugging Face ``Conv1D``; its parameters are frozen and reused."""
-        fan_in_fan_out = _is_hf_conv1d(layer)
+        fan_in_fan_out = is_hf_conv1d(layer)
         weight = layer.weight
         if fan_in_fan_out:  # Conv1D stores (in, out): keep one (out, in) copy, as nn.Linear does
             weight = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)

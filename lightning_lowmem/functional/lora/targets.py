@@ -16,7 +16,7 @@ from typing import Sequence
 
 from torch import nn
 
-from lightning_lowmem.functional.lora.layers import LoraConv2d, LoraLinear, _is_hf_conv1d, conv_refusal
+from lightning_lowmem.functional.lora.layers import LoraConv2d, LoraLinear, is_hf_conv1d, conv_refusal
 from lightning_lowmem.warnings import NoEffectWarning
 
 __all__ = ["ALL", "ALL_CONV", "ALL_LINEAR", "BROAD_TARGETS", "HEAD_NAMES", "is_candidate", "matches", "select"]
@@ -36,7 +36,7 @@ def is_candidate(module: nn.Module) -> bool:
         return False
     if isinstance(module, nn.MultiheadAttention):
         return module.in_proj_weight is not None and getattr(module, "lora_A", None) is None
-    return isinstance(module, (nn.Linear, nn.Conv2d)) or _is_hf_conv1d(module)
+    return isinstance(module, (nn.Linear, nn.Conv2d)) or is_hf_conv1d(module)
 
 
 def _is_linear(module: nn.Module) -> bool:

@@ -53,7 +53,7 @@ def available_optimizers() -> list[str]:
     return sorted(_BUILDERS)
 
 
-def _check_name(name: Any, argument: str = "optimizer") -> str:
+def check_optimizer_name(name: Any, argument: str = "optimizer") -> str:
     key = name.lower() if isinstance(name, str) else name
     if key not in _BUILDERS:
         close = difflib.get_close_matches(str(name).lower(), available_optimizers(), n=1)
@@ -76,7 +76,7 @@ def optimizer_arguments(name: str) -> tuple[str, ...]:
         >>> optimizer_arguments("adafactor")
         ('lr', 'beta2_decay', 'eps', 'd', 'weight_decay', 'foreach', 'maximize')
     """
-    key = _check_name(name)
+    key = check_optimizer_name(name)
     return tuple(_ARGUMENTS[key.removesuffix("_in_backward")]())
 
 
@@ -113,7 +113,7 @@ def state_layout(name: str) -> tuple[str, str]:
         >>> state_layout("adamw4bit_in_backward"), state_layout("adafactor_bf16_sr")
         (('adam', '4bit'), ('adafactor', 'float'))
     """
-    return plain.layout(_check_name(name))
+    return plain.layout(check_optimizer_name(name))
 
 
 def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> torch.optim.Optimizer:
@@ -139,4 +139,4 @@ def build_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> torch.op
         >>> type(build_optimizer("adafactor", torch.nn.Linear(2, 2).parameters())).__name__
         'Adafactor'
     """
-    return plain.build_from(_BUILDERS, _ARGUMENTS, _check_name(name), params, **kwargs)
+    return plain.build_from(_BUILDERS, _ARGUMENTS, check_optimizer_name(name), params, **kwargs)

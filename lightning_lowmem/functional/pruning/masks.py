@@ -79,11 +79,11 @@ def embedding_parameters(module: nn.Module) -> set[int]:
     return {id(sub.weight) for sub in module.modules() if isinstance(sub, EMBEDDING_TYPES)}
 
 
-def _key(fqn: str, pname: str) -> str:
+def mask_key(fqn: str, pname: str) -> str:
     return f"{fqn}.{pname}" if fqn else pname
 
 
-def _set_mask(owners: Sequence[Owner], mask: torch.Tensor) -> torch.Tensor:
+def set_mask(owners: Sequence[Owner], mask: torch.Tensor) -> torch.Tensor:
     """Store ``mask`` as the ``bool`` buffer of the parameter on every owner: one tensor, shared by tied owners."""
     _, first, pname = owners[0]
     shared = get_mask(first, pname)
@@ -99,7 +99,7 @@ def _set_mask(owners: Sequence[Owner], mask: torch.Tensor) -> torch.Tensor:
 
 
 def _module_names(module: nn.Module, owners: dict[int, list[Owner]], pname: str) -> list[str]:
-    return [_key(o[0], o[2]) for found in owners.values() for o in found if o[2] == pname] or [
+    return [mask_key(o[0], o[2]) for found in owners.values() for o in found if o[2] == pname] or [
         n for n, _ in module.named_parameters()
     ]
 
@@ -230,7 +230,7 @@ def remove_pruning_(module: nn.Module) -> int:
 
 def mask_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every mask of ``module`` on CPU, keyed ``"fqn.param"`` (a tied parameter once, under its first owner)."""
-    return {_key(fqn, pname): mask.detach().cpu().clone() for fqn, sub, pname, mask in _masked(module)}
+    return {mask_key(fqn, pname): mask.detach().cpu().clone() for fqn, sub, pname, mask in _masked(module)}
 
 
 @torch.no_grad()
@@ -241,7 +241,7 @@ def load_masks_(module: nn.Module, masks: dict[str, torch.Tensor]) -> list[str]:
         The keys of ``masks`` that name no parameter of ``module``.
     """
     owners = parameter_owners(module)
-    by_name = {_key(fqn, pname): found for found in owners.values() for fqn, _, pname in found}
+    by_name = {mask_key(fqn, pname): found for found in owners.values() for fqn, _, pname in found}
     missing = []
     for key, mask in masks.items():
         found = by_name.get(key)
@@ -249,18 +249,18 @@ def load_masks_(module: nn.Module, masks: dict[str, torch.Tensor]) -> list[str]:
             missing.append(key)
             continue
         param = getattr(found[0][1], found[0][2])
-        _set_mask(owners[id(param)], mask.to(device=param.device, dtype=torch.bool))
+        set_mask(owners[id(param)], mask.to(device=param.device, dtype=torch.bool))
     apply_masks_(module)
     return missing
 
 
 def layer_sparsity(module: nn.Module) -> dict[str, float]:
     """Fraction of zeros of each masked tensor (or, without masks, of each leaf module's ``weight``)."""
-    result = {_key(fqn, pname): float((getattr(sub, pname) == 0).float().mean()) for fqn, sub, pname, _ in _masked(module)}
+    result = {mask_key(fqn, pname): float((getattr(sub, pname) == 0).float().mean()) for fqn, sub, pname, _ in _masked(module)}
     if result:
         return result
     return {
-        _key(fqn, "weight"): float((sub.weight == 0).float().mean())
+        mask_key(fqn, "weight"): float((sub.weight == 0).float().mean())
         for fqn, sub in module.named_modules()
         if isinstance(getattr(sub, "weight", None), nn.Parameter) and sub.weight.dim() > 1
     }

@@ -26,8 +26,8 @@ from torch import nn
 from lightning_lowmem.functional.config.constants import PRUNING_METHODS
 from lightning_lowmem.functional.pruning.masks import (
     FilterFn,
-    _key,
-    _set_mask,
+    mask_key,
+    set_mask,
     apply_masks_,
     collect_prunable,
     embedding_parameters,
@@ -248,7 +248,7 @@ def prune_(
         for i, ((fqn, sub, pname), weight) in enumerate(zip(targets, weights, strict=True)):
             nm = _nm_mask(weight, masks[i], weight_dims(sub, pname)[1] if weight.dim() > 1 else 0, n, m)
             if nm is None:
-                message = f"{_key(fqn, pname)} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
+                message = f"{mask_key(fqn, pname)} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
                 warnings.warn(message, NoEffectWarning, stacklevel=2)
                 continue
             masks[i] = nm
@@ -290,10 +290,10 @@ def prune_(
     report = PruningReport(method_name, 0.0)
     owners = parameter_owners(module)
     for (fqn, sub, pname), weight, mask in zip(targets, weights, masks, strict=True):
-        shared = _set_mask(owners.get(id(weight)) or [(fqn, sub, pname)], mask)
+        shared = set_mask(owners.get(id(weight)) or [(fqn, sub, pname)], mask)
         weight.mul_(shared)
         pruned = int(mask.numel() - mask.sum())
-        report.per_tensor[_key(fqn, pname)] = pruned / max(mask.numel(), 1)
+        report.per_tensor[mask_key(fqn, pname)] = pruned / max(mask.numel(), 1)
         report.num_pruned += pruned
         report.num_prunable += mask.numel()
         report.mask_bytes += shared.nbytes

@@ -128,7 +128,7 @@ def test_masks_and_attention_weights_as_the_original():
     padding[0, -2:] = True
     expected = attention(query, memory, memory, key_padding_mask=padding)
     wrapped = LoraMultiheadAttention.from_module(attention, in_proj=False, r=2, alpha=4.0)  # separate q/k/v weights
-    for got, want in zip(wrapped(query, memory, memory, key_padding_mask=padding), expected):
+    for got, want in zip(wrapped(query, memory, memory, key_padding_mask=padding), expected, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     with pytest.raises(ValueError, match="in_proj_weight is None"):
         LoraMultiheadAttention.from_module(attention, in_proj=True, r=2, alpha=4.0)
