@@ -20,6 +20,7 @@ from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning.attention import validate_attention_kernel
 from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
 from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
+from lightning_lowmem.planning.axes import model_side_key
 from lightning_lowmem.planning.estimate import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -131,8 +132,7 @@ class CandidateEvaluator:
     def _probe(self, config: TrainingConfig, limit_bytes: int | None) -> tuple[ModelProbe, int | None]:
         """The model-side run of ``config`` and the limit its model side alone must stay within: ``limit_bytes``
         less the smallest state of :attr:`reserve_optimizers` (known once its precision / LoRA ran once)."""
-        key = (config.precision, config.checkpointing, config.compression, config.microbatch, config.lora,
-               config.cross_entropy)  # fmt: skip
+        key = model_side_key(config)  # the model-side axes of planning/axes.py
         limit = None if limit_bytes is None else limit_bytes - self._reserve(config)
         if key in self._failed:
             raise self._failed[key]  # this model side cannot be built: no need to apply it again
