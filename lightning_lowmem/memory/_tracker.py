@@ -70,6 +70,10 @@ class MemoryLimitExceeded(RuntimeError):
     """Raised by a tracker with ``limit_bytes`` as soon as the live bytes pass the limit."""
 
 
+class PhaseReached(RuntimeError):
+    """Raised by a tracker with ``stop_before_phase`` when that phase's first op is about to run."""
+
+
 class StorageTracker(TorchDispatchMode):
     """Counts live storages on one device type, by category and phase. Use via ``track_memory``.
 
@@ -114,6 +118,7 @@ class StorageTracker(TorchDispatchMode):
         self._module_stack: list[tuple[str, int]] = []
         self._module_stats: dict[str, dict[str, int]] = {}
         self.limit_bytes: int | None = None  # raise MemoryLimitExceeded once live bytes pass it
+        self.stop_before_phase: str | None = None  # raise PhaseReached when this phase starts (e.g. "backward")
         self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
         self._backend_depth = 0  # > 0 inside a collective: storages first seen then were made by the backend
         self.report: MemoryReport | None = None
@@ -383,6 +388,8 @@ class StorageTracker(TorchDispatchMode):
         return "forward"
 
     def _enter_phase(self, phase: str) -> None:
+        if phase == self.stop_before_phase and not self._stopped:
+            raise PhaseReached(f"stopped before {phase}, with {self._total} bytes live")
         if self._phase == "forward" and phase == "backward":
             # what forward allocated and still holds is what backward needs: activations
             for key in self._forward_keys:

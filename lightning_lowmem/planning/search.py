@@ -227,8 +227,9 @@ class PlanSearch:
 
     def predict_in_order(self, config: TrainingConfig) -> Candidate:
         """:meth:`predict`, with the dominance shortcut of the axes that have a value that never adds memory (the
-        chunked loss): a candidate without it is predicted only if the same candidate with it fits; otherwise it is
-        listed with that candidate's figure as its lower bound, and no run is made for it."""
+        chunked loss): a candidate without it is predicted only if the same candidate with it is not proven over the
+        budget by its forward (:meth:`CandidateEvaluator.model_side_over`); otherwise it is listed with that
+        candidate's lower bound as its own, and no run is made for it."""
         if config in self.evaluated or config.sharding is not None:
             return self.predict(config)
         for row in AXES:
@@ -237,9 +238,13 @@ class PlanSearch:
             leaner = config.replace(**{row.field: row.never_adds_memory})
             if leaner not in self.searchable:
                 continue
-            lean = self.predict(leaner)
-            if lean.error is None and lean.fits is False:
-                return self._dominated(config, lean)
+            try:  # a run of the leaner twin's forward at most: over the budget there, this candidate is too
+                if self.evaluator.model_side_over(leaner, self.limit):
+                    return self._dominated(config, self.predict(leaner))
+            except EstimationError:
+                raise
+            except _BUILD_ERRORS as err:
+                self.skip(leaner, err)
         return self.predict(config)
 
     def _dominated(self, config: TrainingConfig, lean: Candidate) -> Candidate:
@@ -292,16 +297,16 @@ class PlanSearch:
 
     def model_side_can_fit(self, stage: list[TrainingConfig]) -> bool:
         """Whether the model side (no optimizer state) of one of the stage's four leanest candidates that can be
-        built fits; if none does, no candidate of the stage can fit, and the stage is skipped without predicting
-        them. A candidate that cannot be built on this model (e.g. checkpointing ``"auto"`` where no block repeats)
+        built may fit: its forward does not pass the budget; if each passes it, no candidate of the stage can fit, and
+        the stage is skipped without predicting them. A candidate that cannot be built on this model (e.g. checkpointing ``"auto"`` where no block repeats)
         says nothing about the others: the next-leanest is checked instead."""
         checked = 0
         for config in sorted(stage, key=leanness, reverse=True):
             if checked == 4:
                 break
             try:
-                if self.evaluator.model_side_fits(config, self.limit):
-                    return True
+                if not self.evaluator.model_side_over(config, self.limit):
+                    return True  # not proven over the budget by its forward: the stage is searched
             except EstimationError:
                 raise
             except _BUILD_ERRORS as err:
