@@ -86,17 +86,18 @@ class MemoryReport:
             ...                       "other": 10}, other_breakdown={"loss / logits": 10},
             ...                       phases={"forward": {"peak_bytes": 100, "breakdown": {"activations": 30}}})
             >>> [column.header for column in report.to_table().columns]
-            ['what', 'at the peak', 'share', 'forward peak']
+            ['what', 'step peak', 'share', 'forward']
         """
         from rich.table import Table
 
         phases = [phase for phase in PHASES if phase in self.phases]
-        table = Table(title=title or f"Peak memory ({self.source}, {self.device})", show_lines=False)
-        table.add_column("what", style="bold")
-        table.add_column("at the peak", justify="right")
+        caption = f"{' / '.join(phases)}: the categories at that phase's own peak" if phases else None
+        table = Table(title=title or f"Peak memory ({self.source}, {self.device})", show_lines=False, caption=caption)
+        table.add_column("what", style="bold", no_wrap=True)
+        table.add_column("step peak", justify="right")
         table.add_column("share", justify="right")
         for phase in phases:
-            table.add_column(f"{phase} peak", justify="right")
+            table.add_column(phase, justify="right")
 
         def by_phase(key: str, category: str) -> list[str]:
             return [format_bytes(self.phases[p].get(key, {}).get(category, 0)) for p in phases]
@@ -110,7 +111,7 @@ class MemoryReport:
                 for kind in kinds:
                     value = self.other_breakdown.get(kind, 0)
                     share = f"{100 * value / self.peak_bytes:.1f}%" if self.peak_bytes else "-"
-                    table.add_row(f"  other: {kind}", format_bytes(value), share, *by_phase("other", kind))
+                    table.add_row(f"  {kind}", format_bytes(value), share, *by_phase("other", kind))
         table.add_row(
             "[bold]peak[/bold]", f"[bold]{format_bytes(self.peak_bytes)}[/bold]", "100%",
             *(format_bytes(self.phases[p]["peak_bytes"]) for p in phases), end_section=True,

@@ -49,7 +49,7 @@ def test_forward_phase_activations_are_the_saved_tensors_and_each_phase_has_its_
         assert sum(phase["other"].values()) == phase["breakdown"]["other"]
     assert sum(report.other_breakdown.values()) == report.breakdown["other"]
     table = report.to_table()
-    assert [c.header for c in table.columns][-3:] == ["forward peak", "backward peak", "optimizer peak"]
+    assert [c.header for c in table.columns][-3:] == ["forward", "backward", "optimizer"]
     assert report.to_dict()["phases"]["forward"]["other"] == forward["other"]  # in `--json` too
 
 
@@ -72,4 +72,4 @@ def test_other_names_the_logits_packing_and_optimizer_step_temporaries():
 
 def test_a_report_without_phases_still_makes_a_table():
     report = MemoryReport(10, dict.fromkeys(CATEGORIES, 2))
-    assert [c.header for c in report.to_table().columns] == ["what", "at the peak", "share"]
+    assert [c.header for c in report.to_table().columns] == ["what", "step peak", "share"]
