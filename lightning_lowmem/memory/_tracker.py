@@ -453,7 +453,9 @@ class StorageTracker(TorchDispatchMode):
             self._after_head = False
         self._phase = self._last_phase = phase
         if phase not in self._phase_peaks:
-            self._phase_peaks[phase] = _Snapshot(self._total, self._last_seq, dict(self._current), dict(self._current_other))
+            self._phase_peaks[phase] = _Snapshot(
+                self._total, self._last_seq, dict(self._current), dict(self._current_other)
+            )
 
     def _on_pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = self._key(tensor)

@@ -107,7 +107,8 @@ class MemoryReport:
             share = f"{100 * value / self.peak_bytes:.1f}%" if self.peak_bytes else "-"
             table.add_row(category, format_bytes(value), share, *by_phase("breakdown", category))
             if category == "other":
-                kinds = dict.fromkeys([*self.other_breakdown, *(k for p in phases for k in self.phases[p].get("other", {}))])
+                in_phases = [kind for p in phases for kind in self.phases[p].get("other", {})]
+                kinds = dict.fromkeys([*self.other_breakdown, *in_phases])
                 for kind in kinds:
                     value = self.other_breakdown.get(kind, 0)
                     share = f"{100 * value / self.peak_bytes:.1f}%" if self.peak_bytes else "-"

@@ -135,12 +135,32 @@ def plan_memory(
     from lightning_lowmem.planning.search import PlanSearch
 
     axes = {
-        "precisions": precisions, "checkpointing": checkpointing, "compressions": compressions, "optimizers": optimizers,
-        "micro_batch_sizes": micro_batch_sizes, "loras": loras, "cross_entropies": cross_entropies, "shardings": shardings,
-    }  # fmt: skip
+        "precisions": precisions,
+        "checkpointing": checkpointing,
+        "compressions": compressions,
+        "optimizers": optimizers,
+        "micro_batch_sizes": micro_batch_sizes,
+        "loras": loras,
+        "cross_entropies": cross_entropies,
+        "shardings": shardings,
+    }
     search = PlanSearch(
-        module, batch, budget, loss_fn=loss_fn, optimizer=optimizer, precision=precision, device=device, margin=margin,
-        axes=axes, optimizer_kwargs=optimizer_kwargs, config=config, world_size=world_size, max_estimates=max_estimates,
-        include_overheads=include_overheads, loop=loop, progress=progress, attention_kernel=attention_kernel,
-    )  # fmt: skip
+        module,
+        batch,
+        budget,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        precision=precision,
+        device=device,
+        margin=margin,
+        axes=axes,
+        optimizer_kwargs=optimizer_kwargs,
+        config=config,
+        world_size=world_size,
+        max_estimates=max_estimates,
+        include_overheads=include_overheads,
+        loop=loop,
+        progress=progress,
+        attention_kernel=attention_kernel,
+    )
     return search.run()

@@ -30,7 +30,12 @@ from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
 from lightning_lowmem.planning._fake_step import tensor_leaves
 from lightning_lowmem.planning.axes import AXES, AxisContext, axis, leanness
-from lightning_lowmem.planning.estimate import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, EstimationError, TrainingConfig
+from lightning_lowmem.planning.estimate import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    EstimationError,
+    TrainingConfig,
+)
 from lightning_lowmem.planning.plan_report import Candidate, Plan, peak_label
 from lightning_lowmem.planning.priors import DEFAULT_LR, expected_slowdown, numerics_caveat
 
@@ -106,7 +111,9 @@ class PlanSearch:
                         f"{config.sharding.world_size}); give one of them"
                     )
                 world_size = config.sharding.world_size
-            given = {argument: values if values is not None else fixed.get(argument) for argument, values in given.items()}
+            given = {
+                argument: values if values is not None else fixed.get(argument) for argument, values in given.items()
+            }
         self.sharding_axis = sharding_axis(world_size, given["shardings"])
         self.batch_size = _batch_size(batch)
         self.unknown_optimizer = False
@@ -131,9 +138,14 @@ class PlanSearch:
         overheads = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES if include_overheads and device == "cuda" else 0
         self.limit = self.usable - overheads  # a model-side run that passes this (without optimizer state) cannot fit
         self.evaluator = CandidateEvaluator(
-            module, batch, loss_fn=loss_fn, device=device, loop=loop, optimizer_kwargs=self.kwargs_for,
+            module,
+            batch,
+            loss_fn=loss_fn,
+            device=device,
+            loop=loop,
+            optimizer_kwargs=self.kwargs_for,
             attention_kernel=attention_kernel,
-        )  # fmt: skip
+        )
         self.evaluator.reserve_optimizers = sorted({c.optimizer.name for stage in self.stages for c in stage})
         self.evaluated: dict[TrainingConfig, Candidate] = {}
         """Every candidate predicted (or skipped), by configuration."""
@@ -182,7 +194,9 @@ class PlanSearch:
             fallback = {row.argument: row.fallback_values(self.context) for row in AXES if row.fallback_values}
             stages = [self.space(), self.space(fallback)]
         plain = TrainingConfig(precision=self.precision, optimizer=self.optimizer)
-        return [stage for stage in stages if stage] or [[plain.replace(sharding=s) for s in self.sharding_axis] or [plain]]
+        return [stage for stage in stages if stage] or [
+            [plain.replace(sharding=s) for s in self.sharding_axis] or [plain]
+        ]
 
     # ------------------------------------------------------------------ 2. the order
     def ranked(self, stage: list[TrainingConfig]) -> list[TrainingConfig]:
@@ -256,10 +270,12 @@ class PlanSearch:
             overheads=dict(lean.report.overheads),
             source="estimated",
             meta={
-                "config": config.to_dict(), "label": config.describe(), "method": "lower bound",
+                "config": config.to_dict(),
+                "label": config.describe(),
+                "method": "lower bound",
                 "dominated_by": lean.config.describe(),
             },
-        )  # fmt: skip
+        )
         candidate = Candidate(config, expected_slowdown(config, self.batch_size), report=report, fits=False)
         self._record(candidate)
         return candidate
@@ -282,9 +298,11 @@ class PlanSearch:
         candidate.fits = self.fits(candidate.report)
         log.info(
             "plan_memory: %s re-estimated in full: %s (per-axis %s)%s",
-            candidate.config.describe(), format_bytes(candidate.report.peak_bytes),
-            format_bytes(candidate.per_axis_peak_bytes or 0), "" if candidate.fits else ", over the budget",
-        )  # fmt: skip
+            candidate.config.describe(),
+            format_bytes(candidate.report.peak_bytes),
+            format_bytes(candidate.per_axis_peak_bytes or 0),
+            "" if candidate.fits else ", over the budget",
+        )
         return candidate.fits
 
     # ------------------------------------------------------------------ 5. skipped candidates
@@ -376,7 +394,9 @@ class PlanSearch:
         for reason, labels in plan.skipped.items():
             plan.notes.append(f"skipped {len(labels)} candidate(s) that cannot be built on this model ({reason}).")
         if self.unknown_optimizer:
-            plan.notes.append("configure_optimizers' optimizer is not one the estimator knows: estimated as AdamW, kept.")
+            plan.notes.append(
+                "configure_optimizers' optimizer is not one the estimator knows: estimated as AdamW, kept."
+            )
         caveat = numerics_caveat(chosen.config)
         if caveat is not None:
             plan.notes.append(caveat)
@@ -462,9 +482,7 @@ def short_error(err: BaseException) -> str:
 
 def _report_progress(candidate: Candidate, index: int, total: int, usable: int, progress: Progress | None) -> None:
     if candidate.report is not None:
-        outcome = (
-            f"{peak_label(candidate)} ({'fits' if candidate.fits else 'over'} {format_bytes(usable)}, {candidate.method})"
-        )
+        outcome = f"{peak_label(candidate)} ({'fits' if candidate.fits else 'over'} {format_bytes(usable)}, {candidate.method})"
     else:
         outcome = f"not estimated: {candidate.error}"
     log.info("plan_memory [%d/%d] %s: %s", index, total, candidate.config.describe(), outcome)

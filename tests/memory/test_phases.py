@@ -36,9 +36,12 @@ def test_forward_phase_activations_are_the_saved_tensors_and_each_phase_has_its_
     x = torch.randint(0, 256, (4, 32))
     y = x.roll(-1, 1)
     report = estimate_memory(
-        model, (x, y), device="cpu", optimizer="adamw",
+        model,
+        (x, y),
+        device="cpu",
+        optimizer="adamw",
         loss_fn=lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()),
-    )  # fmt: skip
+    )
     assert set(report.phases) == {"forward", "backward", "optimizer"}
     forward = report.phases["forward"]
     # 1.25 MB saved; they differ by one batch tensor (the 1 KiB of targets the loss saves counts as an input there)
@@ -66,8 +69,15 @@ def test_other_names_the_logits_packing_and_optimizer_step_temporaries():
     packed = estimate_memory(model, batch, device="cuda", activation_compression="int8")
     assert packed.phases["backward"]["other"]["activation packing"] > 0  # unpacked activations
     kinds = {kind for phase in packed.phases.values() for kind in phase["other"]}
-    assert kinds <= {"loss / logits", "attention", "activation packing", "forward temporaries", "backward temporaries",
-                     "optimizer step", "inputs"}  # fmt: skip
+    assert kinds <= {
+        "loss / logits",
+        "attention",
+        "activation packing",
+        "forward temporaries",
+        "backward temporaries",
+        "optimizer step",
+        "inputs",
+    }
 
 
 def test_a_report_without_phases_still_makes_a_table():

@@ -27,20 +27,33 @@ def test_the_axes_are_one_table_of_plan_memory_arguments_and_config_fields():
     parameters = inspect.signature(plan_memory).parameters
     fields = set(TrainingConfig.__dataclass_fields__)
     assert [row.argument for row in AXES] == [
-        "precisions", "checkpointing", "compressions", "optimizers", "micro_batch_sizes", "loras", "cross_entropies",
+        "precisions",
+        "checkpointing",
+        "compressions",
+        "optimizers",
+        "micro_batch_sizes",
+        "loras",
+        "cross_entropies",
         "shardings",
-    ]  # fmt: skip
+    ]
     for row in AXES:
         assert row.argument in parameters and row.field in fields and row.side in ("model", "optimizer", "sharding")
     assert [row.field for row in AXES if row.side == "model"] == [
-        "precision", "checkpointing", "compression", "microbatch", "lora", "cross_entropy"
-    ]  # fmt: skip
+        "precision",
+        "checkpointing",
+        "compression",
+        "microbatch",
+        "lora",
+        "cross_entropy",
+    ]
     assert axis("cross_entropy").never_adds_memory == "chunked" and axis("loras") is axis("lora")
     with pytest.raises(KeyError, match="no search axis 'dropout'"):
         axis("dropout")
     # candidates differing only in the optimizer share one model-side run
     assert model_side_key(TrainingConfig(optimizer="sgd")) == model_side_key(TrainingConfig(optimizer="adamw8bit"))
-    qlora = TrainingConfig(precision="bf16-true", lora={"r": 8, "quantize_base": "int8"}, activation_checkpointing="auto")
+    qlora = TrainingConfig(
+        precision="bf16-true", lora={"r": 8, "quantize_base": "int8"}, activation_checkpointing="auto"
+    )
     assert leanness(qlora) > leanness(TrainingConfig(precision="bf16-true", activation_checkpointing="auto"))
 
 
@@ -55,8 +68,13 @@ def test_stages_and_their_order(model_and_batch):
     slowdowns = [expected_slowdown(c, 16) for c in ranked]
     assert slowdowns == sorted(slowdowns) and ranked[0] == TrainingConfig()
     assert ranked[-1].describe() == "bf16-true + ckpt(auto) + adamw8bit"
-    fixed = PlanSearch(model, batch, "1GiB", device="cpu", config=TrainingConfig(precision=None, optimizer=None,
-                                                                                 activation_checkpointing="auto"))
+    fixed = PlanSearch(
+        model,
+        batch,
+        "1GiB",
+        device="cpu",
+        config=TrainingConfig(precision=None, optimizer=None, activation_checkpointing="auto"),
+    )
     assert all(c.activation_checkpointing == "auto" for stage in fixed.stages for c in stage)
     with pytest.raises(ValueError, match=r"unknown search axes \['dropouts'\]"):
         PlanSearch(model, batch, "1GiB", device="cpu", axes={"dropouts": [0.1]})
@@ -65,8 +83,11 @@ def test_stages_and_their_order(model_and_batch):
 def test_a_prediction_equals_estimate_memory_and_the_full_estimate_confirms(model_and_batch):
     model, batch = model_and_batch
     search = PlanSearch(model, batch, "1GiB", device="cpu")
-    for config in (TrainingConfig(), TrainingConfig(precision="bf16-mixed", optimizer="adamw8bit"),
-                   TrainingConfig(activation_checkpointing="auto", activation_compression="int8")):  # fmt: skip
+    for config in (
+        TrainingConfig(),
+        TrainingConfig(precision="bf16-mixed", optimizer="adamw8bit"),
+        TrainingConfig(activation_checkpointing="auto", activation_compression="int8"),
+    ):
         candidate = search.predict(config)
         assert candidate.method == "per-axis" and candidate.fits
         assert candidate.predicted_peak_bytes == estimate_memory(model, batch, device="cpu", config=config).peak_bytes
@@ -97,7 +118,9 @@ def test_model_side_over_runs_at_most_the_forward(model_and_batch):
     assert evaluator.probes == 1 and not evaluator._probes  # a forward-only run is not kept as a model side
     assert not evaluator.model_side_over(TrainingConfig(precision="bf16-true"), 2**30) and evaluator.probes == 1
     forward_peak = estimate_memory(model, batch, device="cpu", precision="bf16-true", optimizer="sgd")
-    assert evaluator.model_side_over(TrainingConfig(precision="bf16-true"), forward_peak.phases["forward"]["peak_bytes"] // 2)
+    assert evaluator.model_side_over(
+        TrainingConfig(precision="bf16-true"), forward_peak.phases["forward"]["peak_bytes"] // 2
+    )
 
 
 def test_the_chunked_loss_twin_rules_out_a_candidate_without_a_run():
@@ -106,13 +129,22 @@ def test_the_chunked_loss_twin_rules_out_a_candidate_without_a_run():
     hf_zoo = pytest.importorskip("tests.hf_zoo")
     model = hf_zoo.hf_module("llama", vocab_size=8192)
     batch = hf_zoo.hf_batch("llama", seq_len=64, batch_size=4)
-    for config in (TrainingConfig(), TrainingConfig(precision="bf16-true", activation_checkpointing="auto"),
-                   TrainingConfig(activation_compression="int8", optimizer="sgd")):  # fmt: skip
+    for config in (
+        TrainingConfig(),
+        TrainingConfig(precision="bf16-true", activation_checkpointing="auto"),
+        TrainingConfig(activation_compression="int8", optimizer="sgd"),
+    ):
         with_chunked = estimate_memory(model, batch, device="cpu", config=config.replace(cross_entropy="chunked"))
         assert with_chunked.peak_bytes <= estimate_memory(model, batch, device="cpu", config=config).peak_bytes
     chunked = estimate_memory(model, batch, device="cpu", cross_entropy="chunked")
-    search = PlanSearch(model, batch, chunked.phases["forward"]["peak_bytes"] // 2, device="cpu", margin=0.0,
-                        axes={"precisions": ["32-true"], "checkpointing": [None], "compressions": [None]})  # fmt: skip
+    search = PlanSearch(
+        model,
+        batch,
+        chunked.phases["forward"]["peak_bytes"] // 2,
+        device="cpu",
+        margin=0.0,
+        axes={"precisions": ["32-true"], "checkpointing": [None], "compressions": [None]},
+    )
     assert search.axis_values["cross_entropies"] == [None, "chunked"]
     candidate = search.predict_in_order(TrainingConfig())
     assert candidate.method == "lower bound" and not candidate.fits
