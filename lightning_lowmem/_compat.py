@@ -67,6 +67,16 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def current_autograd_node_name() -> str:
+    """The class name of the autograd node backward is running on this thread (e.g. ``"MmBackward0"``), or ``""``.
+
+    Why private: torch exposes the node being run only as ``torch._C._current_autograd_node`` (used by
+    ``torch.autograd.graph`` itself); the memory tracker names backward's temporaries by it.
+    """
+    node = torch._C._current_autograd_node()
+    return type(node).__name__ if node is not None else ""
+
+
 def move_post_accumulate_grad_hook_first(param: torch.Tensor, handle: Any) -> None:
     """Make the hook behind ``handle`` run before every other post-accumulate-grad hook of ``param``.
 

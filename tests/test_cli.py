@@ -339,6 +339,24 @@ def test_estimate_from_a_hugging_face_config_json_equals_the_built_model(tmp_pat
     assert json.loads(capsys.readouterr().out)["chosen"]["config"]["precision"] == "32-true"
 
 
+def test_estimate_shows_each_phase_and_names_other(tmp_path, capsys):
+    """The table has a column per phase (the forward's activations, which the step's single peak in the optimizer
+    step no longer holds) and says what `other` is; `--json` has the same figures (#26 item 8)."""
+    pytest.importorskip("transformers")
+    folder = _hf_config_folder(tmp_path)
+    args = ["estimate", "--hf-config", str(folder), "--batch-size", "2", "--seq-len", "64", "--device", "cuda"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    forward, optimizer = report["phases"]["forward"], report["phases"]["optimizer"]
+    assert forward["breakdown"]["activations"] > 100 * optimizer["breakdown"]["activations"]
+    assert forward["other"]["loss / logits"] >= 2 * 64 * 2048 * 4  # the (B, T, V) float32 logits
+    assert optimizer["other"]["optimizer step"] > 0
+    assert sum(report["other_breakdown"].values()) == report["breakdown"]["other"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "optimizer" in out and "loss / logits" in out and "optimizer step" in out and "phase's own peak" in out
+
+
 @pytest.mark.parametrize(
     "extra, config, expected",
     [

@@ -292,6 +292,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     from lightning_lowmem.planning.plan_report import rich_progress
 
     console = Console()
+    if not console.is_terminal:  # a pipe or a CI log: wide enough for a column per phase, never wrapped
+        console = Console(width=120)
     where = device if device == "cuda" or torch.cuda.is_available() else "cpu (no CUDA device here; --device cuda plans for a GPU)"
     budget = techniques.pop("memory_budget", None)
     own.budget = own.budget if own.budget is not None else budget

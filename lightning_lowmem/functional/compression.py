@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_lowmem import _compat
 from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES, COMPRESSION_MODES
+from lightning_lowmem.memory.measure import tagged_allocations
 
 if TYPE_CHECKING:
     from lightning_lowmem.functional.config.techniques import CompressionConfig
@@ -178,6 +179,10 @@ class _Packer:
         return self.mode == "cpu" and tensor.device.type == "cpu"  # already in host memory: no-op
 
     def pack(self, tensor: torch.Tensor) -> Any:
+        with tagged_allocations("activation packing"):  # what packing makes, for the memory tracker's "other"
+            return self._pack(tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
         if self._keep(tensor):
             self.stats.kept += 1
             return tensor
@@ -209,6 +214,10 @@ class _Packer:
         return ("pinned", host, copied, tensor.device)
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        with tagged_allocations("activation packing"):
+            return self._unpack(packed)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         kind = packed[0]

@@ -9,6 +9,12 @@ autograd assigns it to ``.grad``; optimizer state when ``step()`` returns). Rela
 corrects every snapshot taken while the storage was alive, so the breakdown at the peak is exact.
 The same holds for storages that existed before tracking began and are first seen later.
 
+``other`` (neither model / optimizer state nor saved for backward) is split by where each storage was made
+(:data:`OTHER_KINDS`): the loss and logits (after the output head ran), attention, activation packing
+(``tagged_allocations``, e.g. compression's pack / unpack), forward / backward temporaries, the optimizer step's
+temporaries, inputs (alive before tracking), communication buffers. ``report.other_breakdown`` is that split at the
+peak, ``report.phases[phase]["other"]`` at each phase's peak.
+
 ``torch.compile`` cannot trace a region while a user ``TorchDispatchMode`` is active (dynamo skips the
 frame; with ``fullgraph=True``, as torchao's 8/4-bit optimizers use for their per-parameter step, it
 raises). The tracker therefore sets the compiler stance to ``"force_eager"`` while it runs: compiled
@@ -43,6 +49,24 @@ from lightning_lowmem.memory.report import CATEGORIES, PHASES, MemoryReport
 
 _ACTIVE: list["StorageTracker"] = []
 
+OTHER_KINDS: tuple[str, ...] = (
+    "loss / logits",
+    "attention",
+    "activation packing",
+    "forward temporaries",
+    "backward temporaries",
+    "optimizer step",
+    "inputs",
+    "communication buffers",
+)
+"""What ``other`` bytes are, by where they were made (module docstring)."""
+
+_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier", "score", "embed_out")
+"""Last name segments of an output head: what a forward allocates after one ran is the loss and its logits."""
+
+_LOSS_NODES = ("NllLoss", "LogSoftmax", "CrossEntropy", "ChunkedCrossEntropy")
+"""Autograd nodes of a loss (by name): what their backward makes is the logits' gradient."""
+
 
 def cuda_block_bytes(nbytes: int) -> int:
     """Bytes the CUDA caching allocator books for a request of ``nbytes`` (512-byte rounding)."""
@@ -57,6 +81,7 @@ class _Record:
     category: str
     seq: int  # allocation sequence number; 0 = existed before tracking began
     phase: str
+    kind: str = "inputs"  # where it was made (OTHER_KINDS): what it is while its category is "other"
 
 
 @dataclass
@@ -64,10 +89,15 @@ class _Snapshot:
     total: int = 0
     seq: int = 0
     breakdown: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    other: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OTHER_KINDS, 0))
 
 
 class MemoryLimitExceeded(RuntimeError):
     """Raised by a tracker with ``limit_bytes`` as soon as the live bytes pass the limit."""
+
+
+class PhaseReached(RuntimeError):
+    """Raised by a tracker with ``stop_before_phase`` when that phase's first op is about to run."""
 
 
 class StorageTracker(TorchDispatchMode):
@@ -100,6 +130,11 @@ class StorageTracker(TorchDispatchMode):
         self._records: dict[int, _Record] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._current = dict.fromkeys(CATEGORIES, 0)
+        self._current_other = dict.fromkeys(OTHER_KINDS, 0)  # the "other" bytes by kind
+        self._kind_stack: list[tuple[int, str]] = []  # (module id, kind) of the module forwards running
+        self._module_kinds: dict[int, str] = {}
+        self._after_head = False  # an output head ran in this forward: what follows is the loss
+        self._tag: str | None = None  # set by tagged_allocations
         self._total = 0
         self._seq = itertools.count(1)
         self._last_seq = 0
@@ -114,6 +149,7 @@ class StorageTracker(TorchDispatchMode):
         self._module_stack: list[tuple[str, int]] = []
         self._module_stats: dict[str, dict[str, int]] = {}
         self.limit_bytes: int | None = None  # raise MemoryLimitExceeded once live bytes pass it
+        self.stop_before_phase: str | None = None  # raise PhaseReached when this phase starts (e.g. "backward")
         self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
         self._backend_depth = 0  # > 0 inside a collective: storages first seen then were made by the backend
         self.report: MemoryReport | None = None
@@ -133,6 +169,7 @@ class StorageTracker(TorchDispatchMode):
         self._handles.append(register_optimizer_step_pre_hook(self._on_step_pre))
         self._handles.append(register_optimizer_step_post_hook(self._on_step_post))
         self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_pre))
+        self._handles.append(nn.modules.module.register_module_forward_hook(self._on_module_exit))
         if self.track_modules and self._module_names:
             self._handles.append(nn.modules.module.register_module_forward_hook(self._on_module_post))
         # observe saved tensors without replacing the hooks below (e.g. activation compression entered
@@ -252,6 +289,7 @@ class StorageTracker(TorchDispatchMode):
         """
         nbytes = self.round_bytes(nbytes) if nbytes > 0 else 0
         self._current["other"] += nbytes
+        self._current_other["communication buffers"] += nbytes
         self._total += nbytes
         if not self._stopped:
             self._update_peaks(next(self._seq))
@@ -259,6 +297,7 @@ class StorageTracker(TorchDispatchMode):
             yield
         finally:
             self._current["other"] -= nbytes
+            self._current_other["communication buffers"] -= nbytes
             self._total -= nbytes
 
     @property
@@ -293,6 +332,8 @@ class StorageTracker(TorchDispatchMode):
             self._refs.pop(key, None)
             if record is not None:
                 self._current[record.category] -= record.nbytes
+                if record.category == "other":
+                    self._current_other[record.kind] -= record.nbytes
                 self._total -= record.nbytes
 
         return freed
@@ -311,12 +352,16 @@ class StorageTracker(TorchDispatchMode):
                 delta = nbytes - record.nbytes
                 record.nbytes = nbytes
                 self._current[record.category] += delta
+                if record.category == "other":
+                    self._current_other[record.kind] += delta
                 self._total += delta
                 self._update_peaks(next(self._seq))
             return
         seq = next(self._seq)
-        self._records[key] = _Record(nbytes, "other", seq, self._phase)
+        kind = self._kind_now()
+        self._records[key] = _Record(nbytes, "other", seq, self._phase, kind)
         self._current["other"] += nbytes
+        self._current_other[kind] += nbytes
         self._total += nbytes
         if self._phase == "forward":
             self._forward_keys.append(key)
@@ -336,10 +381,14 @@ class StorageTracker(TorchDispatchMode):
         nbytes = self._storage_bytes(tensor)
         self._records[key] = _Record(nbytes, category, 0, "forward")
         self._current[category] += nbytes
+        if category == "other":
+            self._current_other["inputs"] += nbytes
         self._total += nbytes
         for snap in self._snapshots():  # it was alive at every snapshot taken so far
             snap.total += nbytes
             snap.breakdown[category] += nbytes
+            if category == "other":
+                snap.other["inputs"] += nbytes
         for stats in self._module_stats.values():
             stats["peak_bytes"] += nbytes
         if self._total > self._peak.total:
@@ -353,10 +402,17 @@ class StorageTracker(TorchDispatchMode):
         record.category = category
         self._current[old] -= record.nbytes
         self._current[category] += record.nbytes
+        for other, sign in ((old, -1), (category, 1)):
+            if other == "other":
+                self._current_other[record.kind] += sign * record.nbytes
         for snap in self._snapshots():
             if record.seq <= snap.seq:  # alive when the snapshot was taken: correct it
                 snap.breakdown[old] -= record.nbytes
                 snap.breakdown[category] += record.nbytes
+                if old == "other":
+                    snap.other[record.kind] -= record.nbytes
+                elif category == "other":
+                    snap.other[record.kind] += record.nbytes
 
     def _snapshots(self) -> Iterator[_Snapshot]:
         yield self._peak
@@ -365,12 +421,12 @@ class StorageTracker(TorchDispatchMode):
     def _update_peaks(self, seq: int) -> None:
         self._last_seq = seq
         if self._total > self._peak.total:
-            self._peak = _Snapshot(self._total, seq, dict(self._current))
+            self._peak = _Snapshot(self._total, seq, dict(self._current), dict(self._current_other))
             if self.limit_bytes is not None and self._total > self.limit_bytes and not self._stopped:
                 raise MemoryLimitExceeded(f"live bytes {self._total} passed the limit {self.limit_bytes}")
         phase_peak = self._phase_peaks.get(self._phase)
         if phase_peak is None or self._total > phase_peak.total:
-            self._phase_peaks[self._phase] = _Snapshot(self._total, seq, dict(self._current))
+            self._phase_peaks[self._phase] = _Snapshot(self._total, seq, dict(self._current), dict(self._current_other))
         for name, _ in self._module_stack:
             stats = self._module_stats[name]
             stats["peak_bytes"] = max(stats["peak_bytes"], self._total)
@@ -383,6 +439,8 @@ class StorageTracker(TorchDispatchMode):
         return "forward"
 
     def _enter_phase(self, phase: str) -> None:
+        if phase == self.stop_before_phase and not self._stopped:
+            raise PhaseReached(f"stopped before {phase}, with {self._total} bytes live")
         if self._phase == "forward" and phase == "backward":
             # what forward allocated and still holds is what backward needs: activations
             for key in self._forward_keys:
@@ -392,9 +450,12 @@ class StorageTracker(TorchDispatchMode):
             self._forward_keys.clear()
         elif phase == "forward":
             self._forward_keys.clear()
+            self._after_head = False
         self._phase = self._last_phase = phase
         if phase not in self._phase_peaks:
-            self._phase_peaks[phase] = _Snapshot(self._total, self._last_seq, dict(self._current))
+            self._phase_peaks[phase] = _Snapshot(
+                self._total, self._last_seq, dict(self._current), dict(self._current_other)
+            )
 
     def _on_pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = self._key(tensor)
@@ -437,10 +498,46 @@ class StorageTracker(TorchDispatchMode):
         self._label_optimizer(optimizer)
         self._last_phase = "forward"
 
+    def _kind_now(self) -> str:
+        """Where an allocation made now is made (:data:`OTHER_KINDS`)."""
+        if self._tag is not None:
+            return self._tag
+        if self._phase == "optimizer":
+            return "optimizer step"
+        if self._phase == "backward":
+            node = _compat.current_autograd_node_name()
+            if any(loss in node for loss in _LOSS_NODES):
+                return "loss / logits"  # the gradient of the logits
+            return "attention" if "ttention" in node else "backward temporaries"
+        if self._after_head:
+            return "loss / logits"
+        return self._kind_stack[-1][1] if self._kind_stack else "forward temporaries"
+
+    def _module_kind(self, module: nn.Module) -> str:
+        kind = self._module_kinds.get(id(module))
+        if kind is None:
+            name = self._module_names.get(id(module), "")
+            last = name.rpartition(".")[2]
+            attention = "attention" in type(module).__name__.lower() or any(
+                "attn" in part or "attention" in part for part in name.lower().split(".")
+            )
+            kind = "loss / logits" if last in _HEAD_NAMES else "attention" if attention else "forward temporaries"
+            self._module_kinds[id(module)] = kind
+        return kind
+
+    def _on_module_exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._kind_stack and self._kind_stack[-1][0] == id(module):
+            self._kind_stack.pop()
+
     def _on_module_pre(self, module: nn.Module, args: Any) -> None:
         if self._stopped or _compat.in_backward():  # checkpoint recomputation: not a new forward
             return
         self._last_phase = "forward"  # a module forward starts the forward phase
+        kind = self._module_kind(module)
+        if kind == "loss / logits":
+            self._after_head = True
+        inner = self._kind_stack[-1][1] if self._kind_stack else "forward temporaries"
+        self._kind_stack.append((id(module), inner if kind == "forward temporaries" else kind))
         name = self._module_names.get(id(module)) if self.track_modules else None
         if name is None:
             return
@@ -460,12 +557,13 @@ class StorageTracker(TorchDispatchMode):
 
     def _build_report(self) -> MemoryReport:
         phases = {
-            phase: {"peak_bytes": snap.total, "breakdown": dict(snap.breakdown)}
+            phase: {"peak_bytes": snap.total, "breakdown": dict(snap.breakdown), "other": _nonzero(snap.other)}
             for phase, snap in sorted(self._phase_peaks.items(), key=lambda kv: PHASES.index(kv[0]))
         }
         return MemoryReport(
             peak_bytes=self._peak.total,
             breakdown=dict(self._peak.breakdown),
+            other_breakdown=_nonzero(self._peak.other),
             device=self.device,
             phases=phases,
             by_module={name: dict(stats) for name, stats in self._module_stats.items()},
@@ -475,6 +573,25 @@ class StorageTracker(TorchDispatchMode):
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def _nonzero(kinds: dict[str, int]) -> dict[str, int]:
+    return {kind: nbytes for kind, nbytes in kinds.items() if nbytes}
+
+
+@contextlib.contextmanager
+def tagged_allocations(kind: str) -> Iterator[None]:
+    """Inside: what the running tracker sees allocated counts, while it is ``other``, as ``kind`` (one of
+    :data:`OTHER_KINDS`, e.g. ``"activation packing"`` around a saved-tensor pack / unpack). Free without a tracker."""
+    tracker = active_tracker()
+    if tracker is None:
+        yield
+        return
+    outer, tracker._tag = tracker._tag, kind
+    try:
+        yield
+    finally:
+        tracker._tag = outer
 
 
 class _PassOn:

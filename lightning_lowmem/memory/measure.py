@@ -9,10 +9,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lightning_lowmem.memory._tracker import StorageTracker, active_tracker, cuda_block_bytes
+from lightning_lowmem.memory._tracker import StorageTracker, active_tracker, cuda_block_bytes, tagged_allocations
 from lightning_lowmem.memory.report import CATEGORIES, MemoryReport
 
-__all__ = ["MemoryTracking", "mark_memory", "measure_memory", "state_bytes", "track_memory"]
+__all__ = ["MemoryTracking", "mark_memory", "measure_memory", "state_bytes", "tagged_allocations", "track_memory"]
 
 
 def _resolve_device(device: str | torch.device | None, modules: list[nn.Module]) -> str:

@@ -41,7 +41,13 @@ from lightning_lowmem.planning._fake_step import (
     fake_module,
     train_step,
 )
-from lightning_lowmem.memory._tracker import MemoryLimitExceeded, StorageTracker, cuda_block_bytes, iter_tensors
+from lightning_lowmem.memory._tracker import (
+    MemoryLimitExceeded,
+    PhaseReached,
+    StorageTracker,
+    cuda_block_bytes,
+    iter_tensors,
+)
 from lightning_lowmem.planning.attention import fake_attention
 from lightning_lowmem.memory.report import CATEGORIES
 
@@ -54,7 +60,8 @@ class ModelProbe:
     """The model side of a step: its peak without optimizer state, and what is alive at ``step()``.
 
     ``stopped_at`` is set when the run was stopped as soon as its live bytes passed that limit: then
-    ``peak_bytes`` is only a lower bound and the step figures are unknown (0).
+    ``peak_bytes`` is only a lower bound and the step figures are unknown (0). ``forward_only``: the run was
+    asked to stop when backward starts and did so below the limit: ``peak_bytes`` is the forward's peak only.
     """
 
     peak_bytes: int
@@ -63,6 +70,7 @@ class ModelProbe:
     step_breakdown: dict[str, int]
     trainable: Signature
     stopped_at: int | None = None
+    forward_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,12 +109,15 @@ def probe_model(
     loop: str,
     limit_bytes: int | None = None,
     attention_kernel: str = "auto",
+    forward_only: bool = False,
 ) -> ModelProbe:
     """Run ``config``'s model side once on fake tensors (the optimizer is left out; see module docstring).
 
     With ``loop="lightning"`` the previous step's gradients are alive during the forward, as in the
     full estimate's second step. With ``limit_bytes`` the run stops as soon as more bytes than that are
-    alive: a candidate that cannot fit is known without running the rest of its step.
+    alive: a candidate that cannot fit is known without running the rest of its step. ``forward_only``: the
+    run also stops when backward starts (about a third of a step's ops): below the limit by then, the
+    probe says only that (``ModelProbe.forward_only``).
     """
     true_dtype = config.precision.true_dtype
     autocast_dtype = config.precision.autocast_dtype
@@ -125,17 +136,23 @@ def probe_model(
             fake_gradients(params)  # left by the previous step until Lightning's zero_grad
         tracker.modules = [model]
         tracker.limit_bytes = limit_bytes
-        stopped = False
+        tracker.stop_before_phase = "backward" if forward_only else None
+        stopped = forward_done = False
         try:
             with BatchValues(batch, inputs), tracker:
                 train_step(model, inputs, loss_fn, optimizer, config, autocast_dtype, fake=True, loop=loop)
         except MemoryLimitExceeded:
             stopped = True
+        except PhaseReached:
+            forward_done = True
     report = tracker.report
     assert report is not None
     trainable = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in params)
-    if stopped:
-        return ModelProbe(report.peak_bytes, report.breakdown, 0, dict.fromkeys(CATEGORIES, 0), trainable, limit_bytes)
+    if stopped or forward_done:
+        nothing = dict.fromkeys(CATEGORIES, 0)
+        return ModelProbe(
+            report.peak_bytes, report.breakdown, 0, nothing, trainable, limit_bytes if stopped else None, forward_done
+        )
     return ModelProbe(report.peak_bytes, report.breakdown, optimizer.step_bytes, optimizer.step_breakdown, trainable)
 
 

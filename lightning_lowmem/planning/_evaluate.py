@@ -20,6 +20,7 @@ from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning.attention import validate_attention_kernel
 from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
 from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
+from lightning_lowmem.planning.axes import model_side_key
 from lightning_lowmem.planning.estimate import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -68,6 +69,7 @@ class CandidateEvaluator:
         self._full: dict[TrainingConfig, MemoryReport] = {}
         self._failed: dict[Any, Exception] = {}  # a probe key / config that could not be built -> its error
         self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
+        self._forward_peaks: dict[tuple, int] = {}  # model-side key -> its forward's peak, from a forward-only run
         self.reserve_optimizers: list[str] = []
         """Optimizers whose state a limited model-side run reserves, once each was profiled: the run stops
         once the model side plus the smallest state among them passes the limit (no candidate fits then)."""
@@ -103,6 +105,30 @@ class CandidateEvaluator:
         probe, limit = self._probe(config, limit_bytes)
         return probe.stopped_at is None and limit is not None and probe.peak_bytes <= limit
 
+    def model_side_over(self, config: TrainingConfig, limit_bytes: int) -> bool:
+        """Whether ``config`` provably cannot fit ``limit_bytes``: its model side (plus the smallest optimizer state
+        of :attr:`reserve_optimizers`) passes the limit before backward starts. Runs at most the forward (a run
+        already made answers at once); ``False`` means only "not proven": it may still pass the limit later.
+        """
+        if config.optimizer.in_backward:
+            return self.predict(config, limit_bytes).peak_bytes > limit_bytes
+        key = model_side_key(config)
+        limit = limit_bytes - self._reserve(config)
+        if key in self._failed:
+            raise self._failed[key]
+        cached = self._probes.get(key)
+        if cached is not None and cached.stopped_at is None:
+            return cached.peak_bytes > limit  # a complete run
+        if cached is not None and limit <= cached.stopped_at:
+            return True  # already proven above this limit
+        if key in self._forward_peaks:
+            return self._forward_peaks[key] > limit  # its whole forward already ran
+        probe, _ = self._probe(config, limit_bytes, forward_only=True)
+        if probe.forward_only:
+            self._forward_peaks[key] = probe.peak_bytes
+            return False
+        return True
+
     def full(self, config: TrainingConfig) -> MemoryReport:
         """The full :func:`estimate_memory` of ``config`` (cached)."""
         if config in self._failed:
@@ -128,11 +154,13 @@ class CandidateEvaluator:
         return self._full[config]
 
     # ------------------------------------------------------------------ the per-axis parts
-    def _probe(self, config: TrainingConfig, limit_bytes: int | None) -> tuple[ModelProbe, int | None]:
+    def _probe(
+        self, config: TrainingConfig, limit_bytes: int | None, forward_only: bool = False
+    ) -> tuple[ModelProbe, int | None]:
         """The model-side run of ``config`` and the limit its model side alone must stay within: ``limit_bytes``
-        less the smallest state of :attr:`reserve_optimizers` (known once its precision / LoRA ran once)."""
-        key = (config.precision, config.checkpointing, config.compression, config.microbatch, config.lora,
-               config.cross_entropy)  # fmt: skip
+        less the smallest state of :attr:`reserve_optimizers` (known once its precision / LoRA ran once).
+        ``forward_only``: a run that reaches backward below the limit stops there, and is not kept."""
+        key = model_side_key(config)  # the model-side axes of planning/axes.py
         limit = None if limit_bytes is None else limit_bytes - self._reserve(config)
         if key in self._failed:
             raise self._failed[key]  # this model side cannot be built: no need to apply it again
@@ -144,11 +172,14 @@ class CandidateEvaluator:
             with data_dependent_errors_explained(self.module, config, steps=2):
                 probe = probe_model(
                     self.module, self.batch, config, loss_fn=self.loss_fn, device=self.device, loop=self.loop,
-                    limit_bytes=limit, attention_kernel=self.attention_kernel,
+                    limit_bytes=limit, attention_kernel=self.attention_kernel, forward_only=forward_only,
                 )  # fmt: skip
         except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
             self._failed[key] = err
             raise
+        self._trainable[(config.precision, config.lora)] = probe.trainable
+        if probe.forward_only:
+            return probe, limit  # says only that the forward stayed below the limit: not a model side to reuse
         self._probes[key] = probe
         self._trainable[(config.precision, config.lora)] = probe.trainable
         return probe, limit

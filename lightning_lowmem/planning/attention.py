@@ -36,6 +36,8 @@ ATTENTION_KERNELS = ("auto", "flash", "efficient", "math")
 
 _HALF = (torch.float16, torch.bfloat16)
 
+_SDPA = F.scaled_dot_product_attention  # torch's own, whatever CudaAttention puts in its place while it runs
+
 
 def validate_attention_kernel(attention_kernel: Any) -> str:
     """``attention_kernel`` itself, or a ``ValueError`` naming what is allowed."""
@@ -195,17 +197,40 @@ class CudaAttention(TorchFunctionMode):
         attention_kernel: ``"auto"`` (torch's choice, :func:`choose_cuda_kernel`) or one kernel forced
             (``"flash"``, ``"efficient"``, ``"math"``), as under ``torch.nn.attention.sdpa_kernel``.
 
-    ``self.chosen`` counts the kernels run (``{"flash": 4}``), for the report's meta.
+    ``self.chosen`` counts the kernels run (``{"flash": 4}``, a checkpointed block's recomputation included),
+    for the report's meta.
+
+    Activation checkpointing recomputes a block's forward inside backward, where autograd's engine runs
+    without the torch-function modes of the forward: there a call would reach CPU's kernel, which saves other
+    tensors than the forward did (``CheckpointError``, so no half-precision plan for CUDA could checkpoint). While
+    the mode is entered, ``torch.nn.functional.scaled_dot_product_attention`` is therefore also this mode's
+    :meth:`attend` (restored on exit); the mode still catches a reference to torch's function taken earlier.
     """
 
     def __init__(self, attention_kernel: str = "auto") -> None:
         super().__init__()
         self.attention_kernel = validate_attention_kernel(attention_kernel)
         self.chosen: dict[str, int] = {}
+        self._replaced: Any = None
+
+    def __enter__(self) -> "CudaAttention":
+        self._replaced = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self.attend  # seen by checkpoint recomputation too (class docstring)
+        try:
+            return super().__enter__()
+        except BaseException:
+            F.scaled_dot_product_attention = self._replaced
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            F.scaled_dot_product_attention = self._replaced
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func is not _SDPA:
             return func(*args, **kwargs)
         return self.attend(*args, **kwargs)
 

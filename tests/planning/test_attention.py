@@ -207,3 +207,18 @@ def test_cuda_padded_batch_keeps_the_mask_as_the_efficient_kernels_bias():
     assert without.meta["attention_kernels"] == {"flash": 2}
     mask_bytes = 1 * 1 * length * length * 2  # (B, 1, T, T) in bf16
     assert with_mask.peak_bytes - without.peak_bytes == 2 * mask_bytes  # each layer's bias, kept for backward
+
+
+def test_cuda_attention_also_runs_in_checkpoint_recomputation():
+    """Checkpointing recomputes a block inside backward, where autograd runs without torch-function modes: the
+    recomputed attention must still be CUDA's kernel (it was CPU's, which saves other tensors: CheckpointError for
+    every bf16 + checkpointing candidate of a CUDA plan)."""
+    model, batch = _hf("llama", 128)
+    plain = estimate_memory(model, batch, device="cuda", precision="bf16-true")
+    checkpointed = estimate_memory(model, batch, device="cuda", precision="bf16-true", activation_checkpointing="auto")
+    assert checkpointed.meta["attention_kernels"] == {"flash": 4}  # 2 layers, each run again in backward
+    assert plain.meta["attention_kernels"] == {"flash": 2}
+    assert checkpointed.breakdown["activations"] < plain.breakdown["activations"]
+    from lightning_lowmem.planning import attention
+
+    assert torch.nn.functional.scaled_dot_product_attention is attention._SDPA  # restored on exit

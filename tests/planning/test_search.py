@@ -1,0 +1,153 @@
+"""planning/search.py and planning/axes.py: the planner's steps, each on its own (plan_memory's results are
+tests/planning/test_plan.py's)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from lightning_lowmem.demo import CharLM
+from lightning_lowmem.planning.axes import AXES, axis, leanness, model_side_key
+from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
+from lightning_lowmem.planning.plan import expected_slowdown, plan_memory
+from lightning_lowmem.planning.search import PlanSearch
+
+
+@pytest.fixture
+def model_and_batch():
+    torch.manual_seed(0)
+    model = CharLM(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    x = torch.randint(0, 256, (16, 32))
+    return model, (x, x.roll(-1, 1))
+
+
+def test_the_axes_are_one_table_of_plan_memory_arguments_and_config_fields():
+    parameters = inspect.signature(plan_memory).parameters
+    fields = set(TrainingConfig.__dataclass_fields__)
+    assert [row.argument for row in AXES] == [
+        "precisions",
+        "checkpointing",
+        "compressions",
+        "optimizers",
+        "micro_batch_sizes",
+        "loras",
+        "cross_entropies",
+        "shardings",
+    ]
+    for row in AXES:
+        assert row.argument in parameters and row.field in fields and row.side in ("model", "optimizer", "sharding")
+    assert [row.field for row in AXES if row.side == "model"] == [
+        "precision",
+        "checkpointing",
+        "compression",
+        "microbatch",
+        "lora",
+        "cross_entropy",
+    ]
+    assert axis("cross_entropy").never_adds_memory == "chunked" and axis("loras") is axis("lora")
+    with pytest.raises(KeyError, match="no search axis 'dropout'"):
+        axis("dropout")
+    # candidates differing only in the optimizer share one model-side run
+    assert model_side_key(TrainingConfig(optimizer="sgd")) == model_side_key(TrainingConfig(optimizer="adamw8bit"))
+    qlora = TrainingConfig(
+        precision="bf16-true", lora={"r": 8, "quantize_base": "int8"}, activation_checkpointing="auto"
+    )
+    assert leanness(qlora) > leanness(TrainingConfig(precision="bf16-true", activation_checkpointing="auto"))
+
+
+def test_stages_and_their_order(model_and_batch):
+    model, batch = model_and_batch
+    search = PlanSearch(model, batch, "1GiB", device="cpu", axes={"compressions": [None]})
+    whole, micro = search.stages
+    # 3 precisions x 2 checkpointing x 1 compression x 2 optimizers, then the same x micro-batches 8, 4, 2, 1
+    assert len(whole) == 12 and len(micro) == 48
+    assert {c.micro_batch_size for c in micro} == {8, 4, 2, 1}
+    ranked = search.ranked(whole)
+    slowdowns = [expected_slowdown(c, 16) for c in ranked]
+    assert slowdowns == sorted(slowdowns) and ranked[0] == TrainingConfig()
+    assert ranked[-1].describe() == "bf16-true + ckpt(auto) + adamw8bit"
+    fixed = PlanSearch(
+        model,
+        batch,
+        "1GiB",
+        device="cpu",
+        config=TrainingConfig(precision=None, optimizer=None, activation_checkpointing="auto"),
+    )
+    assert all(c.activation_checkpointing == "auto" for stage in fixed.stages for c in stage)
+    with pytest.raises(ValueError, match=r"unknown search axes \['dropouts'\]"):
+        PlanSearch(model, batch, "1GiB", device="cpu", axes={"dropouts": [0.1]})
+
+
+def test_a_prediction_equals_estimate_memory_and_the_full_estimate_confirms(model_and_batch):
+    model, batch = model_and_batch
+    search = PlanSearch(model, batch, "1GiB", device="cpu")
+    for config in (
+        TrainingConfig(),
+        TrainingConfig(precision="bf16-mixed", optimizer="adamw8bit"),
+        TrainingConfig(activation_checkpointing="auto", activation_compression="int8"),
+    ):
+        candidate = search.predict(config)
+        assert candidate.method == "per-axis" and candidate.fits
+        assert candidate.predicted_peak_bytes == estimate_memory(model, batch, device="cpu", config=config).peak_bytes
+        assert search.confirm(candidate) and candidate.method == "full"
+        assert candidate.per_axis_peak_bytes == candidate.predicted_peak_bytes
+    assert search.evaluator.probes == 3 and search.evaluator.full_estimates == 3
+    assert search.predict(TrainingConfig(optimizer="sgd")).method == "per-axis"
+    assert search.evaluator.probes == 3  # the plain model side again, with another optimizer
+
+
+def test_a_tight_budget_is_a_lower_bound_and_an_unbuildable_candidate_is_skipped(model_and_batch):
+    model, batch = model_and_batch
+    plain = estimate_memory(model, batch, device="cpu").peak_bytes
+    search = PlanSearch(model, batch, plain // 3, device="cpu", margin=0.0)
+    bound = search.predict(TrainingConfig())
+    assert bound.method == "lower bound" and not bound.fits and plain // 3 < bound.predicted_peak_bytes < plain
+    assert search.evaluator.model_side_over(TrainingConfig(), plain // 3)  # answered by that run: no new one
+    assert search.evaluator.probes == 1
+    search.skip(TrainingConfig(optimizer="sgd"), RuntimeError("no repeated block. Try another policy"))
+    assert search.evaluated[TrainingConfig(optimizer="sgd")].error == "RuntimeError: no repeated block"
+
+
+def test_model_side_over_runs_at_most_the_forward(model_and_batch):
+    model, batch = model_and_batch
+    search = PlanSearch(model, batch, "1GiB", device="cpu")
+    evaluator = search.evaluator
+    assert not evaluator.model_side_over(TrainingConfig(precision="bf16-true"), 2**30)  # not proven over
+    assert evaluator.probes == 1 and not evaluator._probes  # a forward-only run is not kept as a model side
+    assert not evaluator.model_side_over(TrainingConfig(precision="bf16-true"), 2**30) and evaluator.probes == 1
+    forward_peak = estimate_memory(model, batch, device="cpu", precision="bf16-true", optimizer="sgd")
+    assert evaluator.model_side_over(
+        TrainingConfig(precision="bf16-true"), forward_peak.phases["forward"]["peak_bytes"] // 2
+    )
+
+
+def test_the_chunked_loss_twin_rules_out_a_candidate_without_a_run():
+    """A candidate without the chunked loss is not run when the same candidate with it passes the budget in its
+    forward: that never adds memory (checked here on every model side of the test), so it cannot fit either."""
+    hf_zoo = pytest.importorskip("tests.hf_zoo")
+    model = hf_zoo.hf_module("llama", vocab_size=8192)
+    batch = hf_zoo.hf_batch("llama", seq_len=64, batch_size=4)
+    for config in (
+        TrainingConfig(),
+        TrainingConfig(precision="bf16-true", activation_checkpointing="auto"),
+        TrainingConfig(activation_compression="int8", optimizer="sgd"),
+    ):
+        with_chunked = estimate_memory(model, batch, device="cpu", config=config.replace(cross_entropy="chunked"))
+        assert with_chunked.peak_bytes <= estimate_memory(model, batch, device="cpu", config=config).peak_bytes
+    chunked = estimate_memory(model, batch, device="cpu", cross_entropy="chunked")
+    search = PlanSearch(
+        model,
+        batch,
+        chunked.phases["forward"]["peak_bytes"] // 2,
+        device="cpu",
+        margin=0.0,
+        axes={"precisions": ["32-true"], "checkpointing": [None], "compressions": [None]},
+    )
+    assert search.axis_values["cross_entropies"] == [None, "chunked"]
+    candidate = search.predict_in_order(TrainingConfig())
+    assert candidate.method == "lower bound" and not candidate.fits
+    assert candidate.report.meta["dominated_by"] == "32-true + chunked CE + adamw"
+    assert search.evaluator.probes == 1  # the twin's forward only
+    assert search.evaluated[TrainingConfig(cross_entropy="chunked")].method == "lower bound"
