@@ -146,5 +146,6 @@ def test_two_fsdp_ranks_train_as_one_unchunked_process(tmp_path, tiny_trainer_kw
     sharded = torch.load(path)
     assert sharded.keys() == reference.state_dict().keys()
     for name, value in reference.state_dict().items():
-        torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        # the reduction order differs between world sizes (and with the threads a process runs): equal up to rounding
+        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-5, msg=lambda message: f"{name}: {message}")
     assert not torch.equal(sharded["model.transformer.h.0.mlp.c_fc.weight"], start)  # it trained
