@@ -47,6 +47,13 @@ def test_the_axes_are_one_table_of_plan_memory_arguments_and_config_fields():
         "cross_entropy",
     ]
     assert axis("cross_entropy").never_adds_memory == "chunked" and axis("loras") is axis("lora")
+    # every registered technique is searched by one axis, or is deliberately not a planner decision (PTQ, a
+    # one-shot prune and QAT change what the model computes: the user chooses them): a new technique decides
+    from lightning_lowmem.functional.registry import techniques
+
+    registered = {t.field for t in techniques()}
+    assert {row.field for row in AXES} <= registered
+    assert registered - {row.field for row in AXES} == {"quantization", "pruning", "qat"}
     with pytest.raises(KeyError, match="no search axis 'dropout'"):
         axis("dropout")
     # candidates differing only in the optimizer share one model-side run
