@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "QAT_MODES": "lightning_lowmem.functional.quantization.qat",
     "QuantizationReport": "lightning_lowmem.functional.quantization.ptq",
     "StaticInt8Module": "lightning_lowmem.functional.quantization.static",
+    "StaticQuantizationError": "lightning_lowmem.functional.quantization.static",
     "ToleranceReport": "lightning_lowmem.functional.quantization.tolerance",
     "ToleranceSearchResult": "lightning_lowmem.functional.quantization.search",
     "available_modes": "lightning_lowmem.functional.quantization.modes",
@@ -53,5 +54,9 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
         measure_latency,
         search_float_fallback,
     )
-    from lightning_lowmem.functional.quantization.static import StaticInt8Module, quantize_static
+    from lightning_lowmem.functional.quantization.static import (
+        StaticInt8Module,
+        StaticQuantizationError,
+        quantize_static,
+    )
     from lightning_lowmem.functional.quantization.tolerance import ToleranceReport, quantize_within_tolerance

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.quantization.conv import quantize_conv2d_
 from lightning_lowmem.functional.quantization.layers import tied_groups
 from lightning_lowmem.functional.quantization.modes import apply_config
 from lightning_lowmem.functional.quantization.serialization import is_quantized_tensor
@@ -54,7 +55,9 @@ def requantize_(module: nn.Module, names: Sequence[str], config: Any) -> None:
     quantized once (through its ``nn.Linear`` member) and the one tensor is shared by the group again."""
     groups = [group for group in tied_groups(module) if set(group) & set(names)]
     in_groups = {name for group in groups for name in group}
-    apply_config(module, config, [name for name in names if name not in in_groups])
+    convs = [name for name in names if isinstance(module.get_submodule(name), nn.Conv2d)]
+    quantize_conv2d_(module, convs)  # int8 per output channel, whatever the config (no torchao config takes them)
+    apply_config(module, config, [name for name in names if name not in in_groups and name not in convs])
     for group in groups:  # quantized once, shared again
         head = next((name for name in group if isinstance(module.get_submodule(name), nn.Linear)), group[0])
         apply_config(module, config, [head], type(module.get_submodule(head)))

@@ -46,6 +46,7 @@ from torch import nn
 from lightning_lowmem.functional.attention import left_alone_message, mha_out_projections
 from lightning_lowmem.functional.config.constants import GROUP_SIZE
 from lightning_lowmem.functional.config.techniques import QuantizationConfig
+from lightning_lowmem.functional.quantization.conv import is_quantizable_conv, quantize_conv2d_
 from lightning_lowmem.functional.quantization.layers import (
     check_patterns,
     convert_conv1d_,
@@ -73,7 +74,7 @@ from lightning_lowmem.functional.quantization.search import (  # re-exported: pa
 )
 from lightning_lowmem.functional.quantization.report import QuantizationReport, warn_if_mostly_float, weight_bytes
 from lightning_lowmem.memory.measure import state_bytes
-from lightning_lowmem.warnings import NoEffectWarning
+from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
 
 __all__ = [
     "MODES",
@@ -93,7 +94,10 @@ __all__ = [
 
 def _eligible(layer: nn.Module, mode: str, with_embeddings: bool, group_size: int) -> bool:
     """A layer ``mode`` can quantize: Linear / Conv1D (/ Embedding without ``max_norm``, which renormalizes
-    the table in place) with a plain float weight, whose width fits the int4 group size."""
+    the table in place) with a plain float weight, whose width fits the int4 group size; in the int8 modes an
+    ``nn.Conv2d`` with a float weight too (:mod:`~lightning_lowmem.functional.quantization.conv`)."""
+    if is_quantizable_conv(layer, mode):
+        return True
     if isinstance(layer, nn.Linear):
         width = layer.in_features
     elif is_conv1d(layer):
@@ -129,8 +133,9 @@ def quantizable_layers(
     """Fully-qualified names of the layers ``mode`` would quantize.
 
     A layer is chosen when it is an ``nn.Linear`` (not the ``out_proj`` of an ``nn.MultiheadAttention``, see
-    :mod:`lightning_lowmem.functional.attention`), a ``transformers`` ``Conv1D`` or (with ``embeddings``)
-    an ``nn.Embedding`` without ``max_norm`` with a float weight, no entry of ``skip_modules`` names it or
+    :mod:`lightning_lowmem.functional.attention`), a ``transformers`` ``Conv1D``, (with ``embeddings``)
+    an ``nn.Embedding`` without ``max_norm`` or (int8 modes) an ``nn.Conv2d`` with a float weight, no entry of
+    ``skip_modules`` names it or
     a parent (qualified name, dotted suffix, glob or class name), ``filter_fn(layer, fqn)`` is true, and for
     grouped int4 modes its input width is a multiple of ``group_size``. Layers sharing one weight (tied)
     are chosen together or not at all.
@@ -173,6 +178,7 @@ def quantize_(
     example_inputs: tuple[Any, ...] | None = None,
     group_size: int = GROUP_SIZE,
     embeddings: bool | None = None,
+    fallback: str | None = None,
 ) -> QuantizationReport:
     """Quantize the ``nn.Linear``, ``Conv1D`` and ``nn.Embedding`` layers of ``module`` in place (static
     mode: its Linear/Conv layers, into a new module).
@@ -193,6 +199,10 @@ def quantize_(
         embeddings: quantize ``nn.Embedding`` tables too (weight-only, :func:`embedding_config`).
             Default: ``None``: yes for the in-place modes, no for ``"int8_static"`` (``True`` there
             raises).
+        fallback: ``"int8_static"`` only: an in-place mode (e.g. ``"int8_weight_only"``) applied, with a
+            ``LowMemWarning`` carrying the reason, when the model cannot be exported or torchao's quantizer
+            cannot annotate it (:class:`~lightning_lowmem.functional.quantization.static.StaticQuantizationError`).
+            Default: ``None`` (raise).
 
     Returns:
         A :class:`QuantizationReport` (``report.summary()`` says what was converted); ``report.module``
@@ -205,6 +215,7 @@ def quantize_(
             entry naming nothing (the message lists the model's layers), missing calibration data for
             static mode or ``embeddings=True`` with it.
         TypeError: ``embeddings`` not a bool or ``None``.
+        StaticQuantizationError: ``"int8_static"`` cannot export / annotate the model and no ``fallback``.
 
     Warns:
         NoEffectWarning: no layer matched; the module is returned unchanged.
@@ -224,15 +235,25 @@ def quantize_(
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}.")
     _include_embeddings(mode, embeddings)  # validates it
     if mode == "int8_static":
-        from lightning_lowmem.functional.quantization.static import quantize_static
+        from lightning_lowmem.functional.quantization.static import StaticQuantizationError, quantize_static
 
         if calibration_data is None:
             raise ValueError("mode='int8_static' needs `calibration_data` (an iterable of input batches).")
         check_patterns(module, skip_modules, "skip_modules")
+        if fallback is not None:
+            if fallback not in MODES or fallback == "int8_static":
+                in_place = [m for m in MODES if m != "int8_static"]
+                raise ValueError(f"`fallback`={fallback!r} must be an in-place mode, one of {in_place}.")
         batches = list(calibration_data)
-        report = quantize_static(
-            module, example_inputs or batches[0], batches, filter_fn=filter_fn, skip_modules=skip_modules
-        )
+        try:
+            report = quantize_static(
+                module, example_inputs or batches[0], batches, filter_fn=filter_fn, skip_modules=skip_modules
+            )
+        except StaticQuantizationError as error:
+            if fallback is None:
+                raise
+            warnings.warn(f"{error} Falling back to mode={fallback!r} (`fallback`).", LowMemWarning, stacklevel=2)
+            return quantize_(module, fallback, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size)
         warn_if_mostly_float(module, report, stacklevel=3)
         return report
     device = next((p.device.type for p in module.parameters()), "cpu")
@@ -247,7 +268,7 @@ def quantize_(
     warn_mha_left_float(module, f"quantize_(mode={mode!r})", stacklevel=2)
     if not names:
         warnings.warn(
-            f"quantize_(mode={mode!r}) found no quantizable nn.Linear / Conv1D / nn.Embedding layer in "
+            f"quantize_(mode={mode!r}) found no quantizable nn.Linear / Conv1D / nn.Embedding / nn.Conv2d layer in "
             f"{type(module).__name__} (after filter_fn / skip_modules): nothing was quantized.",
             NoEffectWarning,
             stacklevel=2,
@@ -278,7 +299,8 @@ def _quantize_layers(
     ``Conv1D`` layers are first replaced by exact ``nn.Linear`` layers; each tied group is quantized once
     with :func:`embedding_config` (a format both a lookup and a linear layer read) and the quantized
     weight is shared by its members again; other Linear layers get :func:`torchao_config`, Embedding
-    tables :func:`embedding_config`. Returns ``(Conv1D names converted, tied groups quantized)``.
+    tables :func:`embedding_config`, ``nn.Conv2d`` layers int8 per output channel
+    (:func:`~lightning_lowmem.functional.quantization.conv.quantize_conv2d_`). Returns ``(Conv1D names converted, tied groups quantized)``.
     """
     chosen = set(names)
     conv1d = [name for name in names if is_conv1d(module.get_submodule(name))]
@@ -292,7 +314,10 @@ def _quantize_layers(
         for name in group[1:]:
             module.get_submodule(name).weight = leader.weight
     embeddings = [n for n in names if n not in in_groups and isinstance(module.get_submodule(n), nn.Embedding)]
-    linears = [n for n in names if n not in in_groups and n not in embeddings]
+    convs = [n for n in names if n not in in_groups and isinstance(module.get_submodule(n), nn.Conv2d)]
+    linears = [n for n in names if n not in in_groups and n not in embeddings and n not in convs]
+    if convs:
+        quantize_conv2d_(module, convs)
     if linears:
         apply_config(module, torchao_config(mode, group_size=group_size), linears)
     if embeddings:
@@ -301,7 +326,7 @@ def _quantize_layers(
 
 
 def dequantize_(module: nn.Module) -> list[str]:
-    """Replace every torchao-quantized ``nn.Linear`` / ``nn.Embedding`` weight by its float
+    """Replace every torchao-quantized ``nn.Linear`` / ``nn.Embedding`` / ``nn.Conv2d`` weight by its float
     dequantization, in place. Layers that shared a quantized weight share the float one.
 
     Returns:
@@ -310,7 +335,7 @@ def dequantize_(module: nn.Module) -> list[str]:
     restored, floats = [], {}
     for fqn, layer in module.named_modules():
         weight = getattr(layer, "weight", None)
-        if isinstance(layer, (nn.Linear, nn.Embedding)) and weight is not None and type(weight.data) is not torch.Tensor:
+        if isinstance(layer, (nn.Linear, nn.Embedding, nn.Conv2d)) and weight is not None and type(weight.data) is not torch.Tensor:
             if hasattr(weight, "dequantize"):
                 if id(weight) not in floats:
                     floats[id(weight)] = nn.Parameter(weight.dequantize().to(torch.float32), requires_grad=True)

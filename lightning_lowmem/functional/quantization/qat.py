@@ -61,13 +61,14 @@ def qat_layers(
     skip_modules: Sequence[str] = (),
     group_size: int = GROUP_SIZE,
 ) -> list[str]:
-    """Names of the ``nn.Linear`` / ``Conv1D`` layers :func:`prepare_qat_` would prepare (tied heads included)."""
+    """Names of the ``nn.Linear`` / ``Conv1D`` layers :func:`prepare_qat_` would prepare (tied heads included;
+    torchao 0.18 has no fake-quantized ``nn.Conv2d``: convolutions stay float)."""
     config = QATConfig.of(mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size)
     mode, filter_fn, skip_modules, group_size = config.mode, config.filter_fn, config.skip_modules, config.group_size
     names = quantizable_layers(
         module, mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size, embeddings=True
     )
-    return [name for name in names if not isinstance(module.get_submodule(name), nn.Embedding)]
+    return [name for name in names if not isinstance(module.get_submodule(name), (nn.Embedding, nn.Conv2d))]
 
 
 def prepare_qat_(

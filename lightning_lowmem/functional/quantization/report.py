@@ -104,7 +104,8 @@ def warn_if_mostly_float(module: nn.Module, report: QuantizationReport, stacklev
         f"quantize_(mode={report.mode!r}) converted {len(report.converted)} layers holding only "
         f"{100 * report.converted_share:.0f}% of {type(module).__name__}'s parameter bytes "
         f"({report.size_ratio:.2f}x smaller); float parameters remain in: {listed}. Only nn.Linear, transformers' "
-        "Conv1D and nn.Embedding are quantized; check `skip_modules` / `filter_fn` / `embeddings`.",
+        "Conv1D, nn.Embedding and (int8 modes) nn.Conv2d are quantized; check `skip_modules` / `filter_fn` / "
+        "`embeddings` / `mode`.",
         LowMemWarning,
         stacklevel=stacklevel,
     )
