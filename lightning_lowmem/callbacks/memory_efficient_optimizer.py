@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
@@ -14,8 +14,10 @@ from lightning_lowmem.checkpoints.optimizer_state import FORMAT_VERSION, WRITER,
 from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.optimizers.convert import convert_optimizers
 from lightning_lowmem.functional.optimizers.registry import check_loaded_state
+from lightning_lowmem.functional.optimizers.savings import lean_optimizer_warning
 from lightning_lowmem.functional.optimizers.state import mark_state_dict
 from lightning_lowmem.composition import check_composition
+from lightning_lowmem.warnings import LowMemWarning
 
 
 class MemoryEfficientOptimizer(L.Callback):
@@ -116,6 +118,9 @@ class MemoryEfficientOptimizer(L.Callback):
 
         pl_module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
         self._module = pl_module
+        reason = lean_optimizer_warning(self.optimizer, pl_module.parameters())
+        if reason is not None:  # once per fit: setup runs once
+            rank_zero_warn(f"MemoryEfficientOptimizer: {reason}", category=LowMemWarning)
 
     def _convert(self, configured: Any) -> Any:
         converted = convert_optimizers(configured, self.config, info=lambda m: rank_zero_info(f"MemoryEfficientOptimizer: {m}"))
