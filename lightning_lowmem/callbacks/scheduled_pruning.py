@@ -19,6 +19,7 @@ from lightning_lowmem.functional.pruning.structural import example_row, shrink_t
 from lightning_lowmem.functional.pruning.targets import Target, resolve_targets, rewind_, snapshot
 from lightning_lowmem.functional.pruning.unstructured import PruningReport, prune_
 from lightning_lowmem.composition import check_composition
+from lightning_lowmem.model_io import has_forward_batch
 
 __all__ = ["ScheduledPruning"]
 
@@ -219,12 +220,14 @@ class ScheduledPruning(Callback):
 
     def remove_structurally(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Physically remove the pruned channels and rebind the optimizer (``structural=True``)."""
-        from lightning_lowmem.functional.pruning.structural import prune_structural_, pruned_shapes
+        from lightning_lowmem.functional.pruning.structural import call_forward_batch, prune_structural_, pruned_shapes
 
         ratio = self.structural_ratio if self.structural_ratio is not None else float(self.final_sparsity)
         example = self._example_input if self._example_input is not None else pl_module.example_input_array
+        # a module defining forward_batch(batch) is traced through it, on a one-row batch (example_row)
+        forward_fn = call_forward_batch if self._example_input is not None and has_forward_batch(pl_module) else None
         remove_pruning_(pl_module)
-        report = prune_structural_(pl_module, ratio, example, optimizer=trainer.optimizers)
+        report = prune_structural_(pl_module, ratio, example, optimizer=trainer.optimizers, forward_fn=forward_fn)
         self.structural_done, self.structural_shapes = True, pruned_shapes(pl_module)
         self._targets, self._original = [], {}
         rank_zero_info(f"ScheduledPruning: structural pruning kept {report.param_ratio:.1%} of the parameters")
@@ -285,7 +288,7 @@ class ScheduledPruning(Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.structural and self._example_input is None:  # one row of the model inputs, to trace the graph
-            self._example_input = example_row(batch)
+            self._example_input = example_row(batch, pl_module)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -210,6 +210,9 @@ def estimate_memory(
     fake_mode = _compat.fake_tensor_mode()
     with data_dependent_errors_explained(module, config, steps):
         model = fake_module(module, true_dtype, fake_mode)
+        # small buffers' real values ride beside their fake twins, as the batch's do: a causal mask registered as a
+        # buffer answers nn.Transformer's value check (_detect_is_causal_mask) as in a real step
+        buffers = [(real, fake) for real, fake in zip(module.buffers(), model.buffers()) if real.device.type != "meta"]
         attention = fake_attention(batch, device, attention_kernel)  # reads the real batch's masks
         with sharded, attention as cuda_attention, fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -217,7 +220,8 @@ def estimate_memory(
             apply_model_techniques(model, config)
             sharded.shard(model, precision_.preset)
             batch, real_batch = fake_batch(batch, true_dtype), batch
-            batch_values = BatchValues(real_batch, batch)  # a real step's answers to value questions on the batch
+            # a real step's answers to value questions on the batch (and the model's buffers)
+            batch_values = BatchValues((real_batch, [r for r, _ in buffers]), (batch, [f for _, f in buffers]))
             params = [p for p in model.parameters() if p.requires_grad]
             kwargs = device_optimizer_kwargs(config.optimizer.name, device, optimizer_kwargs)
             opt = build_optimizer(config.optimizer.name, params, kwargs)

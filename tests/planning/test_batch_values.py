@@ -118,3 +118,41 @@ def test_every_hugging_face_family_estimates_with_a_mask_without_one_and_on_meta
     assert all(peak > 0 for peak in peaks)
     # a mask on meta has no values: it is taken as unpadded (planning.attention.batch_is_padded), as a packed batch
     assert peaks[2] == peaks[3]
+
+
+class CausalBufferSeq2Seq(nn.Module):
+    """``nn.Transformer`` with its causal ``tgt_mask`` registered as a buffer: ``_detect_is_causal_mask`` compares
+    the mask's *values* with a fresh causal mask in every forward."""
+
+    def __init__(self, length: int = 12) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 32)
+        self.transformer = nn.Transformer(32, 2, 1, 1, 64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(32, 10)
+        self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(length))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)  # (B, T, C)
+        return self.head(self.transformer(x, x, tgt_mask=self.causal_mask).mean(dim=1))
+
+
+def test_nn_transformer_with_a_causal_mask_buffer_is_estimated_exactly():
+    import warnings
+
+    from lightning_lowmem import TrainingConfig, measure_memory
+    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.planning.estimate import _train_step, default_loss
+
+    generator = torch.Generator().manual_seed(0)
+    batch_ = (torch.randint(0, 50, (4, 12), generator=generator), torch.randint(0, 10, (4,), generator=generator))
+    estimated = estimate_memory(CausalBufferSeq2Seq(), batch_, device="cpu")  # was: EstimationError (values)
+    model, config = CausalBufferSeq2Seq(), TrainingConfig(optimizer="adamw")
+    optimizer = build_optimizer("adamw", list(model.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train_step(model, batch_, default_loss, optimizer, config, None, loop="torch")
+        measured = measure_memory(
+            _train_step, model, batch_, default_loss, optimizer, config, None, loop="torch", module=model
+        )
+    assert estimated.peak_bytes == measured.peak_bytes

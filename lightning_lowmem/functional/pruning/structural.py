@@ -19,11 +19,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem.model_io import output_logits
+from lightning_lowmem.model_io import has_forward_batch, output_logits
 from lightning_lowmem.warnings import NoEffectWarning
 
 __all__ = [
     "StructuralPruningReport",
+    "call_forward_batch",
     "example_row",
     "pruned_shapes",
     "prune_structural_",
@@ -135,6 +136,7 @@ def prune_structural_(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     norm: float = 2,
     importance: Callable[[nn.Module], torch.Tensor] | None = None,
+    forward_fn: Callable[[nn.Module, Any], Any] | None = None,
 ) -> StructuralPruningReport:
     """Remove ``ratio`` of the output channels of each prunable layer, in place.
 
@@ -153,6 +155,9 @@ def prune_structural_(
             except the last layer and attention projections.
         norm: ``p`` of the channel norm. Default: 2.
         importance: ``importance(layer) -> (out_channels,)`` scores overriding the norm. Default: ``None``.
+        forward_fn: ``forward_fn(model, example_inputs)`` runs the model for tracing, e.g. the model's own
+            ``forward_batch`` on a one-row batch (:func:`example_row` gives both for a model defining one).
+            Default: ``None`` (``model(example_inputs)`` / ``model(**example_inputs)``).
 
     Returns:
         A :class:`StructuralPruningReport`.
@@ -186,7 +191,8 @@ def prune_structural_(
         # a Hugging Face ModelOutput also holds the KV cache (tuples without grad_fn): trace the logits only
         conv1d = {type(m) for m in model.modules() if _is_hf_conv1d(m)}
         graph = tp.DependencyGraph().build_dependency(
-            model, example_inputs=_trace_inputs(model, example_inputs), output_transform=output_logits,
+            model, example_inputs=example_inputs if forward_fn else _trace_inputs(model, example_inputs),
+            forward_fn=forward_fn, output_transform=output_logits,
             customized_pruners={kind: _hf_conv1d_pruner(tp) for kind in conv1d},
         )  # fmt: skip
     plans = []
@@ -358,9 +364,41 @@ def shrink_to_state_dict_(module: nn.Module, state_dict: dict[str, Any], prefix:
     return {}
 
 
-def example_row(batch: Any) -> Any:
+def _first_row(value: Any) -> Any:
+    """Every tensor of ``value`` (nested tuples / lists / dicts) cut to its first row, detached."""
+    if isinstance(value, torch.Tensor):
+        return value[:1].detach().clone() if value.dim() else value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: _first_row(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_first_row(v) for v in value)
+    return value
+
+
+def call_forward_batch(model: nn.Module, batch: Any) -> Any:
+    """``model.forward_batch(batch)``: the ``forward_fn`` of :func:`prune_structural_` for a model defining one."""
+    return model.forward_batch(batch)  # type: ignore[operator]
+
+
+def example_row(batch: Any, model: nn.Module | None = None) -> Any:
     """One row of a training batch's model inputs (``batch[0]`` of a tuple; every tensor of a dict batch),
-    detached: the example :func:`prune_structural_` traces the graph with."""
+    detached: the example :func:`prune_structural_` traces the graph with. When ``model`` defines the
+    override point ``forward_batch(batch)`` (:mod:`lightning_lowmem.model_io`), the *whole* batch cut to one
+    row instead, to pass with ``forward_fn=``:func:`call_forward_batch`.
+
+    Example::
+
+        >>> batch = (torch.ones(4, 3), torch.zeros(4, 2))
+        >>> example_row(batch).shape
+        torch.Size([1, 3])
+        >>> class TwoInputs(nn.Module):
+        ...     def forward_batch(self, batch):
+        ...         return self(*batch)
+        >>> [t.shape for t in example_row(batch, TwoInputs())]
+        [torch.Size([1, 3]), torch.Size([1, 2])]
+    """
+    if model is not None and has_forward_batch(model):
+        return _first_row(batch)
     x = batch[0] if isinstance(batch, (tuple, list)) else batch
     if isinstance(x, Mapping):  # Hugging Face dict batch / BatchEncoding: the model is called with keywords
         return {k: v[:1].detach().clone() for k, v in x.items() if isinstance(v, torch.Tensor)}
