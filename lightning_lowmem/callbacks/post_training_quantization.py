@@ -54,6 +54,8 @@ class PostTrainingQuantization(QuantizationCallback):
     the first training batch; latency timing is skipped with a warning instead). The metric search runs
     your own ``validation_step``.
 
+    With ``monitor`` alone, the metric is measured on the validation loader before and after quantizing and the
+    change is reported (the table's *metric* column, :attr:`summary`); every layer is quantized.
     With ``monitor`` and ``tolerance``, the quantized model is evaluated on the validation loader;
     while the drop of ``monitor`` exceeds ``tolerance``, the layers whose quantization alone hurts
     the metric most (measured, one evaluation per layer) are kept in float. If no mix meets the
@@ -85,7 +87,8 @@ class PostTrainingQuantization(QuantizationCallback):
         embeddings: quantize ``nn.Embedding`` tables too (weight-only: int8 per row, int4 values in
             groups for the int4 modes). Default: ``None``: yes, except with ``int8_static`` (which
             leaves them float; ``True`` there raises).
-        monitor: a metric logged in ``validation_step`` (e.g. ``"val_acc"``). Default: ``None``.
+        monitor: a metric logged in ``validation_step`` (e.g. ``"val_acc"``), measured before and after
+            quantizing (without ``tolerance``: reported only). Default: ``None``.
         tolerance: largest allowed drop of ``monitor`` (in its units). Needs ``monitor``. Default: ``None``.
         monitor_mode: ``"max"`` if higher ``monitor`` is better, ``"min"`` otherwise. Default: ``"max"``.
         group_size: group length of the int4 modes. Default: ``GROUP_SIZE`` (32).
@@ -240,6 +243,11 @@ class PostTrainingQuantization(QuantizationCallback):
             device = device_of(pl_module)
             batches = (move_data_to_device(item, device) for item in loader)
             calls = self._static.calibrate(pl_module, batches, self.calibration_batches)
+        if self.monitor is not None and self.tolerance is None:  # report the change, keep every layer quantized
+            if loader is None:
+                raise ValueError(f"`monitor`={self.monitor!r} needs a validation loader to evaluate on; none is attached.")
+            before["metric"] = self.evaluate(trainer, pl_module, loader, [], calls)
+            measured_after = self.evaluate(trainer, pl_module, loader, candidates, calls)
         result = self._search(trainer, pl_module, loader, candidates, calls)  # None without a tolerance
         if result is not None:
             before["metric"] = result.baseline
@@ -265,6 +273,12 @@ class PostTrainingQuantization(QuantizationCallback):
         after = self.measure(pl_module, batch)
         if result is not None:
             after["metric"] = result.metric
+        elif self.monitor is not None:
+            after["metric"] = measured_after
+            rank_zero_info(
+                f"PostTrainingQuantization: {self.monitor} {before['metric']:.4g} -> {measured_after:.4g} "
+                f"({measured_after - before['metric']:+.4g}; no `tolerance`: every layer quantized, none kept float)"
+            )
         kept = [name for name in candidates if name not in chosen]
         self.summary = {"met": True, "before": before, "after": after, "kept_float": kept, "report": report}
         rank_zero_info(report.summary())
