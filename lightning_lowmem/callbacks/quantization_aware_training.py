@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -18,11 +18,13 @@ from lightning_lowmem.functional.quantization.qat import (
     convert_qat_,
     prepare_qat_,
     qat_base_config,
+    qat_coverage_warning,
     qat_layers,
     set_fake_quant_enabled,
 )
 from lightning_lowmem.functional.quantization.report import QuantizationReport, warn_if_mostly_float
 from lightning_lowmem.composition import check_composition
+from lightning_lowmem.warnings import LowMemWarning
 
 __all__ = ["QuantizationAwareTraining"]
 
@@ -118,6 +120,9 @@ class QuantizationAwareTraining(QuantizationCallback):
         """Swap the chosen layers for fake-quantized ones (same weight Parameters); returns their names."""
         chosen = qat_layers(pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size)
         conv1d = [name for name in chosen if is_conv1d(pl_module.get_submodule(name))]
+        reason = qat_coverage_warning(pl_module, chosen, self.mode)
+        if reason is not None:  # at setup, before training: not only in the report after it
+            rank_zero_warn(f"QuantizationAwareTraining: {reason}", category=LowMemWarning)
         prepared = prepare_qat_(
             pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size
         )

@@ -58,10 +58,11 @@ def predicted_state_bytes(name: str, parameters: Iterable[torch.Tensor]) -> tupl
 
     Example::
 
-        >>> conv_1x1, matrix = torch.zeros(256, 256, 1, 1), torch.zeros(256, 256)
-        >>> predicted_state_bytes("adafactor", [conv_1x1]), predicted_state_bytes("adafactor", [matrix])
+        >>> conv_1x1, matrix = torch.nn.Conv2d(256, 256, 1, bias=False), torch.nn.Linear(256, 256, bias=False)
+        >>> predicted_state_bytes("adafactor", conv_1x1.parameters()), predicted_state_bytes("adafactor", matrix.parameters())
         ((524292, 524288), (2052, 524288))
-        >>> predicted_state_bytes("adamw8bit", [torch.zeros(16, 16, 3, 3)])  # 2304 < 4096 elements: fp32 moments
+        >>> small = torch.nn.Conv2d(16, 16, 3, bias=False)  # 2304 < 4096 elements: fp32 moments
+        >>> predicted_state_bytes("adamw8bit", small.parameters())
         (18436, 18432)
     """
     from lightning_lowmem.functional.optimizers.registry import state_layout
@@ -90,7 +91,7 @@ def lean_optimizer_warning(name: str, parameters: Iterable[torch.Tensor]) -> str
 
         >>> convs = [torch.zeros(16, 16, 3, 3, requires_grad=True) for _ in range(4)]
         >>> print(lean_optimizer_warning("adamw8bit", convs))  # doctest: +ELLIPSIS
-        adamw8bit keeps 72.00 KiB of optimizer state here, 1.00x fp32 AdamW's 72.00 KiB: 4 of 4 parameter tensors ...
+        adamw8bit keeps 72.02 KiB of optimizer state here, 1.00x fp32 AdamW's 72.00 KiB: 4 of 4 parameter tensors ...
     """
     from lightning_lowmem.functional.optimizers.registry import state_layout
 

@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from lightning_lowmem.functional.quantization.ptq import quantizable_layers, warn_mha_left_float
-from lightning_lowmem.functional.quantization.report import QuantizationReport, weight_bytes
+from lightning_lowmem.functional.quantization.report import (
+    MIN_CONVERTED_SHARE,
+    QuantizationReport,
+    float_bytes_by_class,
+    weight_bytes,
+)
 from lightning_lowmem.functional.quantization.layers import (
     check_patterns,
     convert_conv1d_,
@@ -35,7 +40,7 @@ from lightning_lowmem.functional.config.qat import QATConfig
 from lightning_lowmem.functional.config.techniques import QuantizationConfig
 from lightning_lowmem.memory.measure import state_bytes
 
-__all__ = ["QAT_MODES", "convert_qat_", "prepare_qat_", "qat_layers", "set_fake_quant_enabled"]
+__all__ = ["QAT_MODES", "convert_qat_", "prepare_qat_", "qat_coverage_warning", "qat_layers", "set_fake_quant_enabled"]
 
 def qat_base_config(mode: str, group_size: int) -> Any:
     """Base config QAT trains for; int8 weight-only QAT goes through torchao's Intx config (QATConfig
@@ -130,6 +135,34 @@ def prepare_qat_(
     if names:
         apply_config(module, TorchaoQATConfig(qat_base_config(mode, group_size), step="prepare"), names)
     return names
+
+
+def qat_coverage_warning(module: nn.Module, names: Sequence[str], mode: str) -> str | None:
+    """Why QAT of the layers ``names`` leaves most of ``module`` float (under half of its parameter bytes
+    covered: a CNN's ``nn.Conv2d`` weights, which torchao 0.18 cannot fake-quantize), or ``None``. Said when
+    QAT is set up, not after training.
+
+    Example::
+
+        >>> print(qat_coverage_warning(nn.Sequential(nn.Conv2d(3, 64, 3)), [], "int8_weight_only"))  # doctest: +ELLIPSIS
+        QAT (mode='int8_weight_only') fake-quantizes 0 layers holding 0% of Sequential's parameter bytes; ...
+    """
+    total = state_bytes(module)["parameters"]
+    covered = weight_bytes(module, names) if names else 0
+    if not total or covered >= MIN_CONVERTED_SHARE * total:
+        return None
+    convs = sum(1 for layer in module.modules() if isinstance(layer, nn.Conv2d))
+    return (
+        f"QAT (mode={mode!r}) fake-quantizes {len(names)} layers holding {100 * covered / total:.0f}% of "
+        f"{type(module).__name__}'s parameter bytes; the float rest is in {float_bytes_by_class(module, names) or 'none'}. "
+        "QAT covers nn.Linear and transformers' Conv1D only (torchao 0.18 has no fake-quantized convolution)"
+        + (
+            f": the {convs} nn.Conv2d layers train in float. Quantize them after training with "
+            "PostTrainingQuantization('int8_weight_only') (int8 per output channel)."
+            if convs
+            else "."
+        )
+    )
 
 
 def set_fake_quant_enabled(module: nn.Module, enabled: bool) -> int:

@@ -19,6 +19,7 @@ __all__ = [
     "MIN_CONVERTED_SHARE",
     "QuantizationReport",
     "comparison_table",
+    "float_bytes_by_class",
     "logged_metrics",
     "tolerance_failure_message",
     "warn_if_mostly_float",
@@ -91,15 +92,7 @@ def warn_if_mostly_float(module: nn.Module, report: QuantizationReport, stacklev
     quantized, naming the layer classes that hold the float rest."""
     if not report.converted or report.converted_share >= MIN_CONVERTED_SHARE:
         return
-    by_class: dict[str, int] = {}
-    seen: set[int] = set()
-    for layer in module.modules():
-        for tensor in layer.parameters(recurse=False):
-            if id(tensor) not in seen and type(tensor.data) in (torch.Tensor, nn.Parameter):
-                seen.add(id(tensor))
-                by_class[type(layer).__name__] = by_class.get(type(layer).__name__, 0) + tensor.numel() * tensor.element_size()
-    biggest = sorted(by_class.items(), key=lambda item: -item[1])[:4]
-    listed = ", ".join(f"{name} {format_bytes(size)}" for name, size in biggest)
+    listed = float_bytes_by_class(module)
     warnings.warn(
         f"quantize_(mode={report.mode!r}) converted {len(report.converted)} layers holding only "
         f"{100 * report.converted_share:.0f}% of {type(module).__name__}'s parameter bytes "
@@ -109,6 +102,23 @@ def warn_if_mostly_float(module: nn.Module, report: QuantizationReport, stacklev
         LowMemWarning,
         stacklevel=stacklevel,
     )
+
+
+def float_bytes_by_class(module: nn.Module, skip: Sequence[str] = ()) -> str:
+    """The four layer classes holding the most float parameter bytes of ``module`` (layers ``skip`` left out),
+    e.g. ``"Conv2d 72.00 KiB, BatchNorm2d 1.12 KiB"``."""
+    skipped = {id(module.get_submodule(name)) for name in skip}
+    by_class: dict[str, int] = {}
+    seen: set[int] = set()
+    for layer in module.modules():
+        if id(layer) in skipped:
+            continue
+        for tensor in layer.parameters(recurse=False):
+            if id(tensor) not in seen and type(tensor.data) in (torch.Tensor, nn.Parameter):
+                seen.add(id(tensor))
+                by_class[type(layer).__name__] = by_class.get(type(layer).__name__, 0) + tensor.numel() * tensor.element_size()
+    biggest = sorted(by_class.items(), key=lambda item: -item[1])[:4]
+    return ", ".join(f"{name} {format_bytes(size)}" for name, size in biggest)
 
 
 def comparison_table(mode: str, before: dict[str, Any], after: dict[str, Any] | None, kept: Sequence[str]) -> str:
