@@ -1,9 +1,11 @@
 """Models users bring beyond HF text: the planner's answer on a tiny Hugging Face ResNet at a budget only
 ``bf16-true`` fits (predicted vs measured peak), the same on a flat ``nn.Sequential`` CNN where checkpointing
-``"auto"`` has no block to wrap (those candidates skipped and listed, not "nothing fits"), and checkpointing
-``"auto"``'s activation bytes on the ResNet and an ``nn.Transformer``, and LoRA against full fine-tuning on both
+``"auto"`` has no block to wrap (those candidates skipped and listed, not "nothing fits"), checkpointing
+``"auto"``'s activation bytes on the ResNet and an ``nn.Transformer``, LoRA against full fine-tuning on both
 (LoRA on the ResNet's convolutions, on the Transformer's ``nn.MultiheadAttention`` projections and linear layers):
-trainable parameters, predicted and measured peaks (memory core, CPU).
+trainable parameters, predicted and measured peaks (memory core, CPU); int8 conv nets trained on digits (size
+ratio, accuracy change, inference peaks) and each lean optimizer's state and step peak per model family
+(:mod:`benchmarks._vision_rows`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks._vision_rows import markdown, optimizer_rows, quantization_rows
 from benchmarks.common import mib, smoke
 from lightning_lowmem.functional.checkpointing import checkpoint_, resolve_policy
 from lightning_lowmem.functional.optimizers.registry import build_optimizer
@@ -166,6 +169,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         model = build()
         lora += [_lora_row(label, model, data, None), _lora_row(label, model, data, {"r": 8, "target": target})]
     rows = [resnet_row, cnn_row]
+    quantization, optimizers = quantization_rows(small), optimizer_rows(small)
     targets = [
         {
             "target": "HF ResNet at a budget only bf16-true fits: the plan is bf16-true, within 5% of the measured peak",
@@ -191,6 +195,8 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             }
             for full, adapted in zip(lora[::2], lora[1::2], strict=True)
         ),
+        _int8_target(quantization),
+        _optimizer_target(optimizers),
     ]
     notes = (
         "CPU, memory core (exact tensor bytes). Budget = midway between the full estimates of bf16-true + adamw and "
@@ -204,7 +210,42 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             f"state {r['optimizer state MiB']} MiB, peak {r['measured MiB']} MiB (predicted {r['predicted MiB']})"
             for r in lora
         )
+        + "\n\n**int8 conv nets** (trained on digits upsampled to 3 x 16 x 16, test accuracy on 360 held-out images; "
+        "size = parameter + buffer bytes; inference peak = a no_grad forward of 64 images):\n\n"
+        + markdown(quantization)
+        + "\n\n**Lean optimizers per model family** (one training step, batch 32 x 3 x 16 x 16; state after it; "
+        "'warns': MemoryEfficientOptimizer warns, the lean state being > 0.5x AdamW's):\n\n"
+        + markdown(optimizers)
     )
     # measured on CPU whatever `device` is: the memory core's tensor bytes, which a CUDA run would only round
     return {"title": "Vision / torch-native models: planner and checkpointing 'auto' (cpu)", "rows": rows,
-            "targets": targets, "notes": notes, "checkpointing": checkpointing, "lora": lora}  # fmt: skip
+            "targets": targets, "notes": notes, "checkpointing": checkpointing, "lora": lora,
+            "quantization": quantization, "optimizers": optimizers}  # fmt: skip
+
+
+def _int8_target(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    done = [row for row in rows if row.get("size ratio") not in (None, "-")]
+    ratios = [row["size ratio"] for row in done]
+    changes = [row["acc change (points)"] for row in done]
+    measured = (
+        f"{len(done)} of {len(rows)} quantized; size ratio {min(ratios, default=0):.2f}-{max(ratios, default=0):.2f}x; "
+        f"accuracy change {min(changes, default=0):+.1f} to {max(changes, default=0):+.1f} points"
+    )
+    return {
+        "target": "int8 conv nets (weight-only and static) ship >= 3.5x smaller, test accuracy within 1 point",
+        "measured": measured,
+        "met": len(done) == len(rows) and min(ratios) >= 3.5 and max(abs(c) for c in changes) <= 1.0,
+    }
+
+
+def _optimizer_target(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    lean = [row for row in rows if row["optimizer"] in ("adamw8bit", "adafactor")]
+    right = [row for row in lean if (row["warns"] == "yes") == (row["state vs AdamW"] > 0.5)]
+    warned = ", ".join(
+        f"{row['family']} / {row['optimizer']} ({row['state vs AdamW']}x)" for row in lean if row["warns"] == "yes"
+    )
+    return {
+        "target": "MemoryEfficientOptimizer warns exactly where 8-bit AdamW / Adafactor keep > 0.5x AdamW's state",
+        "measured": f"{len(right)} of {len(lean)} rows right; warned: {warned or 'none'}",
+        "met": len(right) == len(lean),
+    }
