@@ -25,12 +25,20 @@ from lightning_lowmem.memory import measure_memory, state_bytes
 OPTIMIZERS = ["adamw", "adamw8bit", "adafactor", "adamw_in_backward"]
 
 
-def hf_resnet(layer_type: str = "basic", sizes: tuple[int, int] = (16, 32), depths: tuple[int, int] = (2, 2)) -> nn.Module:
+def hf_resnet(
+    layer_type: str = "basic", sizes: tuple[int, int] = (16, 32), depths: tuple[int, int] = (2, 2)
+) -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(0)
-    config = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=list(sizes), depths=list(depths),
-                          layer_type=layer_type, num_labels=10)  # fmt: skip
+    config = ResNetConfig(
+        num_channels=3,
+        embedding_size=16,
+        hidden_sizes=list(sizes),
+        depths=list(depths),
+        layer_type=layer_type,
+        num_labels=10,
+    )
     return ResNetForImageClassification(config)
 
 
@@ -53,17 +61,31 @@ def torchvision_style_resnet(width: int = 32) -> nn.Module:
     """A stride-2 stem (as ResNet-18's), then two shared-ReLU blocks and a head."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, 2, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-        SharedReluBlock(width), SharedReluBlock(width), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10),
-    )  # fmt: skip
+        nn.Conv2d(3, width, 3, 2, 1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        SharedReluBlock(width),
+        SharedReluBlock(width),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, 10),
+    )
 
 
 def vit() -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(0)
-    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, intermediate_size=128, num_labels=10)  # fmt: skip
+    config = ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_labels=10,
+    )
     return ViTForImageClassification(config)
 
 
@@ -79,7 +101,9 @@ class MHAClassifier(nn.Module):
         self.head = nn.Linear(width, 10)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        patches = images.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # (B, 16, 48)
+        patches = (
+            images.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)
+        )  # (B, 16, 48)
         return self.head(self.encoder(self.patches(patches)).mean(dim=1))
 
 
@@ -154,17 +178,19 @@ def quantization_rows(small: bool) -> list[dict[str, Any]]:
             quantized = report.module
             quantized_bytes = state_bytes(quantized)["parameters"]
             quantized_accuracy = accuracy(quantized, data)
-            rows.append({
-                **row,
-                "int8 KiB": round(quantized_bytes / 1024, 1),
-                "size ratio": round(float_bytes / quantized_bytes, 2),
-                "layers": len(report.converted),
-                "float acc %": round(100 * float_accuracy, 1),
-                "int8 acc %": round(100 * quantized_accuracy, 1),
-                "acc change (points)": round(100 * (quantized_accuracy - float_accuracy), 1),
-                "inference peak float MiB": mib(float_peak),
-                "inference peak int8 MiB": mib(inference_peak(quantized, images)),
-            })  # fmt: skip
+            rows.append(
+                {
+                    **row,
+                    "int8 KiB": round(quantized_bytes / 1024, 1),
+                    "size ratio": round(float_bytes / quantized_bytes, 2),
+                    "layers": len(report.converted),
+                    "float acc %": round(100 * float_accuracy, 1),
+                    "int8 acc %": round(100 * quantized_accuracy, 1),
+                    "acc change (points)": round(100 * (quantized_accuracy - float_accuracy), 1),
+                    "inference peak float MiB": mib(float_peak),
+                    "inference peak int8 MiB": mib(inference_peak(quantized, images)),
+                }
+            )
     return rows
 
 
@@ -180,7 +206,10 @@ def optimizer_rows(small: bool) -> list[dict[str, Any]]:
         ("nn.TransformerEncoder (width 64)", MHAClassifier),
     ]
     generator = torch.Generator().manual_seed(0)
-    batch = (torch.randn(8 if small else 32, 3, 16, 16, generator=generator), torch.randint(0, 10, (8 if small else 32,), generator=generator))
+    batch = (
+        torch.randn(8 if small else 32, 3, 16, 16, generator=generator),
+        torch.randint(0, 10, (8 if small else 32,), generator=generator),
+    )
     rows = []
     for family, make in families:
         baseline: dict[str, int] = {}
@@ -201,16 +230,18 @@ def optimizer_rows(small: bool) -> list[dict[str, Any]]:
                 peak = measure_memory(step, module=model, optimizer=optimizer).peak_bytes
             state = state_bytes(model, [optimizer])["optimizer_state"]
             baseline = baseline or {"state": state, "peak": peak}
-            rows.append({
-                "family": family,
-                "optimizer": name,
-                "params MiB": mib(state_bytes(model)["parameters"]),
-                "state MiB": mib(state),
-                "state vs AdamW": round(state / baseline["state"], 3),
-                "step peak MiB": mib(peak),
-                "peak vs AdamW %": round(100 * (peak / baseline["peak"] - 1), 1),
-                "warns": "yes" if lean_optimizer_warning(name, model.parameters()) else "no",
-            })  # fmt: skip
+            rows.append(
+                {
+                    "family": family,
+                    "optimizer": name,
+                    "params MiB": mib(state_bytes(model)["parameters"]),
+                    "state MiB": mib(state),
+                    "state vs AdamW": round(state / baseline["state"], 3),
+                    "step peak MiB": mib(peak),
+                    "peak vs AdamW %": round(100 * (peak / baseline["peak"] - 1), 1),
+                    "warns": "yes" if lean_optimizer_warning(name, model.parameters()) else "no",
+                }
+            )
     return rows
 
 

@@ -12,6 +12,7 @@ from lightning_lowmem.callbacks.post_training_quantization import PostTrainingQu
 from lightning_lowmem.memory.measure import state_bytes
 from tests.vision_zoo import image_batch, staged_cnn
 
+
 class CNNModule(L.LightningModule):
     """``staged_cnn``; ``val_err`` = MSE to the float model's own logits (0 before quantizing)."""
 
@@ -40,6 +41,7 @@ class CNNModule(L.LightningModule):
 
     def val_dataloader(self):
         return DataLoader(self.data, batch_size=8)
+
 
 def test_cnn_ships_3_5x_smaller_and_monitor_without_tolerance_reports_the_change(tiny_trainer_kwargs, tmp_path):
     module = CNNModule()

@@ -55,7 +55,9 @@ def conv_int8_weight(weight: torch.Tensor) -> torch.Tensor:
     from torchao.quantization import IntxUnpackedToInt8Tensor
 
     if weight.dim() != 4:
-        raise ValueError(f"`weight` must be a 4-D Conv2d weight (C_out, C_in / groups, kH, kW), got shape {tuple(weight.shape)}.")
+        raise ValueError(
+            f"`weight` must be a 4-D Conv2d weight (C_out, C_in / groups, kH, kW), got shape {tuple(weight.shape)}."
+        )
     return IntxUnpackedToInt8Tensor.from_hp(weight.detach(), (1, *weight.shape[1:]), torch.int8)
 
 

@@ -36,8 +36,13 @@ from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.warnings import NoEffectWarning
 
 __all__ = [
-    "ModelCall", "StaticInt8Module", "StaticQuantizationError", "cpu_has_vnni", "quantize_static", "split_reused_modules_"
-]  # fmt: skip
+    "ModelCall",
+    "StaticInt8Module",
+    "StaticQuantizationError",
+    "cpu_has_vnni",
+    "quantize_static",
+    "split_reused_modules_",
+]
 
 #: what to use instead when pt2e cannot take a model: in place, no export, Conv2d weights included
 _INSTEAD = (

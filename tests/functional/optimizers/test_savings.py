@@ -28,7 +28,10 @@ def one_step(model: nn.Module, name: str, batch: tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
-@pytest.mark.parametrize(("make", "batch"), [(hf_resnet, image_batch), (staged_cnn, image_batch), (lambda: mha_classifier(width=64), token_batch)])
+@pytest.mark.parametrize(
+    ("make", "batch"),
+    [(hf_resnet, image_batch), (staged_cnn, image_batch), (lambda: mha_classifier(width=64), token_batch)],
+)
 def test_predicted_state_is_the_allocated_state(make, batch, name):
     pytest.importorskip("torchao")
     model = make()
@@ -64,9 +67,15 @@ class Classifier(L.LightningModule):
 def fit(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], name: str, tmp_path) -> list[str]:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*batch), batch_size=4)
     trainer = L.Trainer(
-        max_steps=1, callbacks=[MemoryEfficientOptimizer(name, lr=1e-3)], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path,
-    )  # fmt: skip
+        max_steps=1,
+        callbacks=[MemoryEfficientOptimizer(name, lr=1e-3)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(Classifier(model), data)

@@ -50,9 +50,16 @@ class SharedReluBlock(nn.Module):
 def torchvision_style_resnet(width: int = 16) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
-        SharedReluBlock(width), SharedReluBlock(width), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10),
-    )  # fmt: skip
+        nn.Conv2d(3, width, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+        SharedReluBlock(width),
+        SharedReluBlock(width),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, 10),
+    )
 
 
 class CausalSeq2Seq(nn.Module):
@@ -133,7 +140,9 @@ def test_int8_static_export_failure_is_clear_and_falls_back():
     from tests.vision_zoo import token_batch
 
     tokens, _ = token_batch()
-    with pytest.raises(StaticQuantizationError, match=r"could not export CausalSeq2Seq .*tgt_is_causal=True.*int8_weight_only"):
+    with pytest.raises(
+        StaticQuantizationError, match=r"could not export CausalSeq2Seq .*tgt_is_causal=True.*int8_weight_only"
+    ):
         quantize_(CausalSeq2Seq(), "int8_static", calibration_data=[(tokens,)])
     model = CausalSeq2Seq()
     with pytest.warns(LowMemWarning, match="Falling back to mode='int8_weight_only'"):
