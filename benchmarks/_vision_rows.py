@@ -194,6 +194,14 @@ def quantization_rows(small: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    loss = nn.functional.cross_entropy(_logits(model, batch[0]), batch[1])
+    loss.backward()
+    if type(optimizer).__name__ != "OptimizerInBackward":  # in backward: the step ran inside backward
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def optimizer_rows(small: bool) -> list[dict[str, Any]]:
     """Per model family and lean optimizer: measured state and train-step peak, vs fp32 AdamW, and whether
     ``MemoryEfficientOptimizer`` warns."""
@@ -217,17 +225,12 @@ def optimizer_rows(small: bool) -> list[dict[str, Any]]:
             model = make()
             optimizer = build_optimizer(name, model.parameters(), lr=1e-3)
 
-            def step() -> None:
-                loss = nn.functional.cross_entropy(_logits(model, batch[0]), batch[1])
-                loss.backward()
-                if not name.endswith("_in_backward"):  # in backward: the step ran inside backward
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                step()  # creates the state
-                peak = measure_memory(step, module=model, optimizer=optimizer).peak_bytes
+                _train_step(model, optimizer, batch)  # creates the state
+                peak = measure_memory(
+                    _train_step, model, optimizer, batch, module=model, optimizer=optimizer
+                ).peak_bytes
             state = state_bytes(model, [optimizer])["optimizer_state"]
             baseline = baseline or {"state": state, "peak": peak}
             rows.append(

@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_lowmem.callbacks.post_training_quantization import PostTrainingQuantization, load_quantized_checkpoint
+from lightning_lowmem.callbacks.post_training_quantization import (
+    PostTrainingQuantization,
+    load_quantized_checkpoint,
+)
 from lightning_lowmem.memory.measure import state_bytes
 from tests.vision_zoo import image_batch, staged_cnn
 

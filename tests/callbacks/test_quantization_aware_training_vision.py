@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_lowmem.callbacks.quantization_aware_training import QuantizationAwareTraining
+from lightning_lowmem.callbacks.quantization_aware_training import (
+    QuantizationAwareTraining,
+)
 from lightning_lowmem.functional.quantization.qat import qat_coverage_warning
 from lightning_lowmem.warnings import LowMemWarning
 from tests.vision_zoo import hf_vit, image_batch, staged_cnn

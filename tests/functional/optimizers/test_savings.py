@@ -13,10 +13,19 @@ from torch import nn
 
 from lightning_lowmem import MemoryEfficientOptimizer
 from lightning_lowmem.functional.optimizers.registry import build_optimizer
-from lightning_lowmem.functional.optimizers.savings import lean_optimizer_warning, predicted_state_bytes
+from lightning_lowmem.functional.optimizers.savings import (
+    lean_optimizer_warning,
+    predicted_state_bytes,
+)
 from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.warnings import LowMemWarning
-from tests.vision_zoo import hf_resnet, image_batch, mha_classifier, staged_cnn, token_batch
+from tests.vision_zoo import (
+    hf_resnet,
+    image_batch,
+    mha_classifier,
+    staged_cnn,
+    token_batch,
+)
 
 
 def one_step(model: nn.Module, name: str, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.optim.Optimizer:
