@@ -245,7 +245,9 @@ class PostTrainingQuantization(QuantizationCallback):
             calls = self._static.calibrate(pl_module, batches, self.calibration_batches)
         if self.monitor is not None and self.tolerance is None:  # report the change, keep every layer quantized
             if loader is None:
-                raise ValueError(f"`monitor`={self.monitor!r} needs a validation loader to evaluate on; none is attached.")
+                raise ValueError(
+                    f"`monitor`={self.monitor!r} needs a validation loader to evaluate on; none is attached."
+                )
             before["metric"] = self.evaluate(trainer, pl_module, loader, [], calls)
             measured_after = self.evaluate(trainer, pl_module, loader, candidates, calls)
         result = self._search(trainer, pl_module, loader, candidates, calls)  # None without a tolerance

@@ -212,7 +212,11 @@ def estimate_memory(
         model = fake_module(module, true_dtype, fake_mode)
         # small buffers' real values ride beside their fake twins, as the batch's do: a causal mask registered as a
         # buffer answers nn.Transformer's value check (_detect_is_causal_mask) as in a real step
-        buffers = [(real, fake) for real, fake in zip(module.buffers(), model.buffers()) if real.device.type != "meta"]
+        buffers = [
+            (real, fake)
+            for real, fake in zip(module.buffers(), model.buffers(), strict=True)
+            if real.device.type != "meta"
+        ]
         attention = fake_attention(batch, device, attention_kernel)  # reads the real batch's masks
         with sharded, attention as cuda_attention, fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")

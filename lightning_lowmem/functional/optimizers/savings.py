@@ -59,8 +59,10 @@ def predicted_state_bytes(name: str, parameters: Iterable[torch.Tensor]) -> tupl
     Example::
 
         >>> conv_1x1, matrix = torch.nn.Conv2d(256, 256, 1, bias=False), torch.nn.Linear(256, 256, bias=False)
-        >>> predicted_state_bytes("adafactor", conv_1x1.parameters()), predicted_state_bytes("adafactor", matrix.parameters())
-        ((524292, 524288), (2052, 524288))
+        >>> predicted_state_bytes("adafactor", conv_1x1.parameters())  # 2 x 256 x 256 floats, and the step
+        (524292, 524288)
+        >>> predicted_state_bytes("adafactor", matrix.parameters())  # 256 + 256 floats
+        (2052, 524288)
         >>> small = torch.nn.Conv2d(16, 16, 3, bias=False)  # 2304 < 4096 elements: fp32 moments
         >>> predicted_state_bytes("adamw8bit", small.parameters())
         (18436, 18432)

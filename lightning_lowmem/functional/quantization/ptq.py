@@ -300,7 +300,8 @@ def _quantize_layers(
     with :func:`embedding_config` (a format both a lookup and a linear layer read) and the quantized
     weight is shared by its members again; other Linear layers get :func:`torchao_config`, Embedding
     tables :func:`embedding_config`, ``nn.Conv2d`` layers int8 per output channel
-    (:func:`~lightning_lowmem.functional.quantization.conv.quantize_conv2d_`). Returns ``(Conv1D names converted, tied groups quantized)``.
+    (:func:`~lightning_lowmem.functional.quantization.conv.quantize_conv2d_`). Returns ``(Conv1D names
+    converted, tied groups quantized)``.
     """
     chosen = set(names)
     conv1d = [name for name in names if is_conv1d(module.get_submodule(name))]
@@ -335,7 +336,8 @@ def dequantize_(module: nn.Module) -> list[str]:
     restored, floats = [], {}
     for fqn, layer in module.named_modules():
         weight = getattr(layer, "weight", None)
-        if isinstance(layer, (nn.Linear, nn.Embedding, nn.Conv2d)) and weight is not None and type(weight.data) is not torch.Tensor:
+        quantizable = isinstance(layer, (nn.Linear, nn.Embedding, nn.Conv2d)) and weight is not None
+        if quantizable and type(weight.data) is not torch.Tensor:
             if hasattr(weight, "dequantize"):
                 if id(weight) not in floats:
                     floats[id(weight)] = nn.Parameter(weight.dequantize().to(torch.float32), requires_grad=True)

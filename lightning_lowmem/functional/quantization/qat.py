@@ -144,7 +144,8 @@ def qat_coverage_warning(module: nn.Module, names: Sequence[str], mode: str) -> 
 
     Example::
 
-        >>> print(qat_coverage_warning(nn.Sequential(nn.Conv2d(3, 64, 3)), [], "int8_weight_only"))  # doctest: +ELLIPSIS
+        >>> convnet = nn.Sequential(nn.Conv2d(3, 64, 3))
+        >>> print(qat_coverage_warning(convnet, [], "int8_weight_only"))  # doctest: +ELLIPSIS
         QAT (mode='int8_weight_only') fake-quantizes 0 layers holding 0% of Sequential's parameter bytes; ...
     """
     total = state_bytes(module)["parameters"]
@@ -152,9 +153,10 @@ def qat_coverage_warning(module: nn.Module, names: Sequence[str], mode: str) -> 
     if not total or covered >= MIN_CONVERTED_SHARE * total:
         return None
     convs = sum(1 for layer in module.modules() if isinstance(layer, nn.Conv2d))
+    rest = float_bytes_by_class(module, names) or "none"
     return (
         f"QAT (mode={mode!r}) fake-quantizes {len(names)} layers holding {100 * covered / total:.0f}% of "
-        f"{type(module).__name__}'s parameter bytes; the float rest is in {float_bytes_by_class(module, names) or 'none'}. "
+        f"{type(module).__name__}'s parameter bytes; the float rest is in {rest}. "
         "QAT covers nn.Linear and transformers' Conv1D only (torchao 0.18 has no fake-quantized convolution)"
         + (
             f": the {convs} nn.Conv2d layers train in float. Quantize them after training with "
