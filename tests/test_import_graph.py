@@ -193,19 +193,6 @@ def test_private_torch_and_lightning_only_through_compat(tmp_path):
     assert uses == []
 
 
-# Underscore names still imported from another module, in files other work is rewriting (issue #27): each is
-# to be made public in its module or moved; the list only shrinks.
-_KNOWN_PRIVATE_IMPORTS = {
-    "lightning_lowmem.callbacks.post_training_quantization: lightning_lowmem.functional.quantization.ptq._unsupported_reason",
-    "lightning_lowmem.functional.quantization.arguments: lightning_lowmem.functional.quantization.modes._include_embeddings",
-    "lightning_lowmem.functional.quantization.ptq: lightning_lowmem.functional.quantization.modes._include_embeddings",
-    "lightning_lowmem.functional.quantization.ptq: lightning_lowmem.functional.quantization.modes._needs_group",
-    "lightning_lowmem.functional.quantization.ptq: lightning_lowmem.functional.quantization.modes._unsupported_reason",
-    "lightning_lowmem.functional.quantization.qat: lightning_lowmem.functional.quantization.modes._unsupported_reason",
-    "lightning_lowmem.planning.plan: lightning_lowmem.planning.priors._PRECISION_RANK",
-}
-
-
 def test_no_module_imports_another_modules_underscore_names():
     """A name another module needs is public in its module (a private *module*, ``memory/_tracker.py``, may
     hold public names: the underscore on the module says "not for users")."""
@@ -216,5 +203,4 @@ def test_no_module_imports_another_modules_underscore_names():
                 for alias in node.names:
                     if _is_private(alias.name) and f"{node.module}.{alias.name}" not in MODULES:
                         found.add(f"{name}: {node.module}.{alias.name}")
-    assert sorted(found - _KNOWN_PRIVATE_IMPORTS) == []
-    assert sorted(_KNOWN_PRIVATE_IMPORTS - found) == []  # one made public: take it off the list
+    assert sorted(found) == []

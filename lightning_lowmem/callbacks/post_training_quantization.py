@@ -21,7 +21,7 @@ from lightning_lowmem.functional.quantization.calibration import StaticChild, de
 from lightning_lowmem.functional.quantization.layers import check_patterns, tied_groups
 from lightning_lowmem.functional.quantization.ptq import (
     QuantizationReport,
-    _unsupported_reason,
+    unsupported_reason,
     quantizable_layers,
     quantize_,
     temporarily_quantized,
@@ -161,7 +161,7 @@ class PostTrainingQuantization(QuantizationCallback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         check_composition(trainer, stage)  # every pair of switches composes, or none is applied
         device = trainer.strategy.root_device.type
-        reason = _unsupported_reason(self.mode, device)
+        reason = unsupported_reason(self.mode, device)
         if reason is not None:  # now, not after the whole fit
             raise ValueError(f"`mode`={self.mode!r} cannot run on this Trainer's device {device!r}: {reason}")
         if self.module_name is not None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_lowmem.functional.config import TrainingConfig
 from lightning_lowmem.functional.config.techniques import SHARDINGS, ShardingConfig
-from lightning_lowmem.planning.priors import _PRECISION_RANK
+from lightning_lowmem.planning.priors import PRECISION_RANK
 
 __all__ = ["AXES", "Axis", "AxisContext", "axis", "leanness", "model_side_key"]
 
@@ -106,7 +106,7 @@ AXES: tuple[Axis, ...] = (
         "model",
         "{precision, bf16-mixed, bf16-true}",
         lambda c: list(dict.fromkeys([c.precision, "bf16-mixed", "bf16-true"])),
-        lambda t: (_PRECISION_RANK.get(t.precision_preset or "32-true", 0),),
+        lambda t: (PRECISION_RANK.get(t.precision_preset or "32-true", 0),),
         lean_rank=1,
     ),
     Axis(

@@ -41,7 +41,7 @@ DEFAULT_LR: dict[str, float] = {"adam": 1e-3, "adafactor": 1e-2, "sgd": 1e-2}
 AdamW 1e-3, Adafactor 1e-2 -- a step relative to each weight's RMS --, SGD 1e-2). Within a family
 (``adamw`` -> ``adamw8bit``) the configured learning rate is kept."""
 
-_PRECISION_RANK = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 1, "bf16-true": 2, "16-true": 2}
+PRECISION_RANK = {"32-true": 0, "bf16-mixed": 1, "16-mixed": 1, "bf16-true": 2, "16-true": 2}
 
 
 def expected_slowdown(config: TrainingConfig, batch_size: int | None = None) -> float:
@@ -49,7 +49,7 @@ def expected_slowdown(config: TrainingConfig, batch_size: int | None = None) -> 
     precision = config.precision_preset or "32-true"
     factor = SLOWDOWN.get(f"precision:{precision}", 1.0)
     # precision changes numerics: a tiny tie-breaker so full precision wins when both fit
-    factor *= 1.0 + 0.001 * _PRECISION_RANK.get(precision, 0)
+    factor *= 1.0 + 0.001 * PRECISION_RANK.get(precision, 0)
     if config.activation_checkpointing is not None:
         factor *= SLOWDOWN["checkpointing"]
     if config.activation_compression:

@@ -177,7 +177,7 @@ class PlanSearch:
         values = {**self.axis_values, **(overrides or {})}
         configs = []
         for combination in itertools.product(*(values[row.argument] for row in AXES)):
-            settings = {row.field: value for row, value in zip(AXES, combination)}
+            settings = {row.field: value for row, value in zip(AXES, combination, strict=True)}
             if settings["lora"] is not None and not settings["lora"]:
                 settings["lora"] = None  # {} means no LoRA
             config = TrainingConfig(**settings)

@@ -3,6 +3,7 @@ the fit's peak, the model comes back as it was (after fit and when fit raises), 
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import lightning as L
@@ -147,5 +148,5 @@ def test_two_fsdp_ranks_train_as_one_unchunked_process(tmp_path, tiny_trainer_kw
     assert sharded.keys() == reference.state_dict().keys()
     for name, value in reference.state_dict().items():
         # the reduction order differs between world sizes (and with the threads a process runs): equal up to rounding
-        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-5, msg=lambda message: f"{name}: {message}")
+        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-5, msg=functools.partial("{}: {}".format, name))
     assert not torch.equal(sharded["model.transformer.h.0.mlp.c_fc.weight"], start)  # it trained

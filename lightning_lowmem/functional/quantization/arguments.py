@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_lowmem.functional.config.constants import GROUP_SIZE
 from lightning_lowmem.functional.config.techniques import QuantizationConfig
-from lightning_lowmem.functional.quantization.modes import _include_embeddings
+from lightning_lowmem.functional.quantization.modes import include_embeddings
 
 __all__ = ["check_ptq_arguments", "check_submodule"]
 
@@ -72,7 +72,7 @@ def check_ptq_arguments(
         raise ValueError(f"`monitor_mode`={monitor_mode!r} must be 'max' or 'min'.")
     if isinstance(skip_modules, str):
         raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
-    _include_embeddings(mode, embeddings)  # validates it
+    include_embeddings(mode, embeddings)  # validates it
     return config
 
 

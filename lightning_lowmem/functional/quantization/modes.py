@@ -28,7 +28,7 @@ __all__ = [
 MODES = QUANTIZATION_MODES  # the mode names and what each is (functional/config/constants.py)
 
 
-def _unsupported_reason(mode: str, device: str) -> str | None:
+def unsupported_reason(mode: str, device: str) -> str | None:
     """Why ``mode`` cannot run on ``device`` with the installed torchao, or ``None`` if it can."""
     if mode == "int4_weight_only" and device != "cuda":
         return (
@@ -60,7 +60,7 @@ def available_modes(device: str = "cpu") -> list[str]:
         >>> "int8_dynamic" in available_modes("cpu"), "int4_weight_only" in available_modes("cpu")
         (True, False)
     """
-    return [mode for mode in MODES if _unsupported_reason(mode, device) is None]
+    return [mode for mode in MODES if unsupported_reason(mode, device) is None]
 
 
 def _require_torchao() -> None:
@@ -114,12 +114,12 @@ def embedding_config(mode: str, *, group_size: int = GROUP_SIZE) -> Any:
     import torchao.quantization as tq
     from torchao.quantization.granularity import PerAxis, PerGroup
 
-    if _needs_group(mode):
+    if needs_group(mode):
         return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
     return tq.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
 
 
-def _include_embeddings(mode: str, embeddings: bool | None) -> bool:
+def include_embeddings(mode: str, embeddings: bool | None) -> bool:
     """Resolve ``embeddings`` (``None``: every in-place mode yes, ``int8_static`` no)."""
     if embeddings is not None and not isinstance(embeddings, bool):
         raise TypeError(f"`embeddings` must be True, False or None (the mode's default), got {embeddings!r}.")
@@ -133,7 +133,7 @@ def _include_embeddings(mode: str, embeddings: bool | None) -> bool:
     return embeddings is None or embeddings
 
 
-def _needs_group(mode: str) -> bool:
+def needs_group(mode: str) -> bool:
     return mode in ("int4_weight_only", "intx4_weight_only")
 
 

@@ -57,9 +57,9 @@ from lightning_lowmem.functional.quantization.layers import (
 )
 from lightning_lowmem.functional.quantization.modes import (  # re-exported: part of this module's API
     MODES,
-    _include_embeddings,
-    _needs_group,
-    _unsupported_reason,
+    include_embeddings,
+    needs_group,
+    unsupported_reason,
     apply_config,
     available_modes,
     drop_zero_point,
@@ -109,7 +109,7 @@ def _eligible(layer: nn.Module, mode: str, with_embeddings: bool, group_size: in
     weight = getattr(layer, "weight", None)
     if not isinstance(weight, torch.Tensor) or type(weight.data) not in (torch.Tensor, nn.Parameter):
         return False  # none, or already quantized (a torchao tensor subclass)
-    return weight.is_floating_point() and not (_needs_group(mode) and width % group_size != 0)
+    return weight.is_floating_point() and not (needs_group(mode) and width % group_size != 0)
 
 
 def warn_mha_left_float(module: nn.Module, what: str, stacklevel: int = 2) -> list[str]:
@@ -151,7 +151,7 @@ def quantizable_layers(
     mode, group_size = config.mode_name("quantizable_layers"), config.group_size
     if isinstance(skip_modules, str):
         raise TypeError(f"`skip_modules` must be a list of module names, got the string {skip_modules!r}.")
-    with_embeddings = _include_embeddings(mode, embeddings)
+    with_embeddings = include_embeddings(mode, embeddings)
     unreachable = mha_out_projections(module)  # read as tensors by F.multi_head_attention_forward: stay float
     names = [
         fqn
@@ -233,7 +233,7 @@ def quantize_(
     mode, group_size = config.mode_name("quantize_"), config.group_size
     if not isinstance(module, nn.Module):
         raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}.")
-    _include_embeddings(mode, embeddings)  # validates it
+    include_embeddings(mode, embeddings)  # validates it
     if mode == "int8_static":
         from lightning_lowmem.functional.quantization.static import StaticQuantizationError, quantize_static
 
@@ -257,7 +257,7 @@ def quantize_(
         warn_if_mostly_float(module, report, stacklevel=3)
         return report
     device = next((p.device.type for p in module.parameters()), "cpu")
-    reason = _unsupported_reason(mode, device)
+    reason = unsupported_reason(mode, device)
     if reason is not None:
         raise ValueError(f"`mode`={mode!r} cannot run on device {device!r}: {reason}")
     check_patterns(module, skip_modules, "skip_modules", quantizable_layers(module, mode, group_size=group_size))

@@ -31,7 +31,7 @@ from lightning_lowmem.functional.quantization.layers import (
     tied_groups,
 )
 from lightning_lowmem.functional.quantization.modes import (
-    _unsupported_reason,
+    unsupported_reason,
     apply_config,
     embedding_config,
 )
@@ -118,7 +118,7 @@ def prepare_qat_(
     config = QATConfig.of(mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=group_size)
     mode, filter_fn, skip_modules, group_size = config.mode, config.filter_fn, config.skip_modules, config.group_size
     device = next((p.device.type for p in module.parameters()), "cpu")
-    reason = _unsupported_reason(mode, device)
+    reason = unsupported_reason(mode, device)
     if reason is not None:
         raise ValueError(f"`mode`={mode!r} cannot run on device {device!r}: {reason}")
     from torchao.quantization.qat import QATConfig as TorchaoQATConfig
