@@ -92,8 +92,13 @@ def to_markdown(result: dict[str, Any]) -> str:
 def _nvidia_driver() -> str:
     """The NVIDIA driver version (``nvidia-smi``), or ``"unknown"``."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         return out.strip().splitlines()[0] or "unknown"
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown"
@@ -147,7 +152,12 @@ def cpu_twin(name: str) -> dict[str, Any] | None:
 
 
 def write_combined(out_dir: Path) -> Path:
-    parts = ["# Benchmark results", "", "Written by `python -m benchmarks` (see `benchmarks/__main__.py`). Do not edit by hand.", ""]
+    parts = [
+        "# Benchmark results",
+        "",
+        "Written by `python -m benchmarks` (see `benchmarks/__main__.py`). Do not edit by hand.",
+        "",
+    ]
     for path in sorted(out_dir.glob("*.json")):
         parts.append(to_markdown(json.loads(path.read_text())))
     combined = out_dir / "README.md"
@@ -161,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help=f"benchmarks to run, from {discover()}")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="smaller settings (what the GPU check runs)")
-    parser.add_argument("--smoke", action="store_true", help="tiny settings: checks the code paths run (implies --quick)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny settings: checks the code paths run (implies --quick)"
+    )
     parser.add_argument("--out", default=str(RESULTS), help="output folder")
     args = parser.parse_args(argv)
     names = args.only or discover()

@@ -71,20 +71,39 @@ class _FirstStepTimer(L.Callback):
             self.seconds = time.perf_counter() - self._start
 
 
-def _fit(model: L.LightningModule, batch_size: int, steps: int, callbacks: list[Any], device: str = "cpu",
-         **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
-    monitor, timer, first = MemoryMonitor(deep_every_n_steps=1, summary=False), StepTimer(skip_first=2), _FirstStepTimer()
+def _fit(
+    model: L.LightningModule,
+    batch_size: int,
+    steps: int,
+    callbacks: list[Any],
+    device: str = "cpu",
+    **trainer_kwargs: Any,
+) -> dict[str, Any]:
+    monitor, timer, first = (
+        MemoryMonitor(deep_every_n_steps=1, summary=False),
+        StepTimer(skip_first=2),
+        _FirstStepTimer(),
+    )
     data = CharLMDataModule(block_size=model.hparams.block_size, batch_size=batch_size, max_chars=400_000)
     torch.manual_seed(0)
-    trainer = quiet_trainer(max_steps=steps, limit_val_batches=0, callbacks=[monitor, timer, first, *callbacks],
-                            accelerator=device, **trainer_kwargs)  # fmt: skip
+    trainer = quiet_trainer(
+        max_steps=steps,
+        limit_val_batches=0,
+        callbacks=[monitor, timer, first, *callbacks],
+        accelerator=device,
+        **trainer_kwargs,
+    )
     with _deterministic_attention(device):
         trainer.fit(model, data)
     model.cpu()  # the next run starts from an empty device
     peaks = [int(row["peak"]) for row in monitor.history if "peak" in row]
     per_step = trainer_kwargs.get("accumulate_grad_batches", 1)  # StepTimer times batches, not optimizer steps
-    return {"peak_MiB": mib(max(peaks)), "step_ms": round(1000 * per_step * timer.median_s, 1),
-            "first_step_ms": round(1000 * first.seconds, 1), "optimizer_steps": trainer.global_step}
+    return {
+        "peak_MiB": mib(max(peaks)),
+        "step_ms": round(1000 * per_step * timer.median_s, 1),
+        "first_step_ms": round(1000 * first.seconds, 1),
+        "optimizer_steps": trainer.global_step,
+    }
 
 
 def _deterministic_attention(device: str) -> Any:
@@ -163,23 +182,41 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     accumulate.pop("first_step_ms")  # its first batch is one micro-batch: not comparable
     diff, diff_plain = _max_diff(limited, accumulate_model), _max_diff(plain_model, accumulate_model)
     rows = [
-        {"setup": "plain, whole batches of 32 (anchor)", **plain, "micro_batch": BATCH,
-         "weights_vs_accumulate": float(f"{diff_plain:.3g}")},
-        {"setup": f"AutoMicrobatch, OOM injected above {LIMIT} rows", **auto,
-         "micro_batch": callback.micro_batch_size, "weights_vs_accumulate": float(f"{diff:.3g}")},
-        {"setup": "Lightning accumulate_grad_batches=4 on batches of 8 (by hand)", **accumulate, "micro_batch": BATCH // 4,
-         "weights_vs_accumulate": 0.0},
-    ]  # fmt: skip
+        {
+            "setup": "plain, whole batches of 32 (anchor)",
+            **plain,
+            "micro_batch": BATCH,
+            "weights_vs_accumulate": float(f"{diff_plain:.3g}"),
+        },
+        {
+            "setup": f"AutoMicrobatch, OOM injected above {LIMIT} rows",
+            **auto,
+            "micro_batch": callback.micro_batch_size,
+            "weights_vs_accumulate": float(f"{diff:.3g}"),
+        },
+        {
+            "setup": "Lightning accumulate_grad_batches=4 on batches of 8 (by hand)",
+            **accumulate,
+            "micro_batch": BATCH // 4,
+            "weights_vs_accumulate": 0.0,
+        },
+    ]
     for row in rows:
         row["peak_vs_plain"] = round(row["peak_MiB"] / plain["peak_MiB"], 3)
         row["step_vs_plain"] = round(row["step_ms"] / plain["step_ms"], 2)
     step_vs_manual = auto["step_ms"] / accumulate["step_ms"]
     targets = [
-        {"target": f"training on batch {BATCH} completes with an OOM injected above {LIMIT}",
-         "measured": f"micro-batch {callback.micro_batch_size}, {steps} optimizer steps", "met": callback.micro_batch_size == LIMIT},
-        {"target": "final weights equal an accumulate-by-4 run's without OOM (fp tolerance 1e-6)",
-         "measured": f"max |diff| {diff:.2e}", "met": diff <= 1e-6},
-    ]  # fmt: skip
+        {
+            "target": f"training on batch {BATCH} completes with an OOM injected above {LIMIT}",
+            "measured": f"micro-batch {callback.micro_batch_size}, {steps} optimizer steps",
+            "met": callback.micro_batch_size == LIMIT,
+        },
+        {
+            "target": "final weights equal an accumulate-by-4 run's without OOM (fp tolerance 1e-6)",
+            "measured": f"max |diff| {diff:.2e}",
+            "met": diff <= 1e-6,
+        },
+    ]
     notes = (
         f"CharLM {base.hparams.n_layer}x{n_embd}, fp32 AdamW (lr {base.hparams.lr}), batch {BATCH}x{BLOCK}, {steps} optimizer "
         "steps from the same weights on the same batches, through Trainer.fit; peak = MemoryMonitor deep breakdown "
@@ -188,8 +225,12 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         f"retry at 8). AutoMicrobatch's steady step costs {step_vs_manual:.2f}x the hand-written accumulate-by-4 run "
         "(same micro-batches; its loss returned to Lightning is detached, so Lightning's own backward is free)."
     )
-    return {"title": "AutoMicrobatch on charlm (injected out-of-memory error, Lightning)", "rows": rows,
-            "targets": targets, "notes": notes}  # fmt: skip
+    return {
+        "title": "AutoMicrobatch on charlm (injected out-of-memory error, Lightning)",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }
 
 
 def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -212,26 +253,46 @@ def _run_cuda(quick: bool) -> dict[str, Any]:
     diff, diff_plain = _max_diff(auto_model, accumulate_model), _max_diff(plain_model, accumulate_model)
     reserved = {size: mib(value) for size, value in cap["reserved"].items()}
     rows = [
-        {"setup": f"plain, whole batches of {BATCH} (anchor)", **plain, "micro_batch": BATCH,
-         "weights_vs_accumulate": float(f"{diff_plain:.3g}")},
-        {"setup": f"AutoMicrobatch, process capped at {mib(cap['cap'])} MiB (real CUDA OOM)", **auto,
-         "micro_batch": callback.micro_batch_size, "weights_vs_accumulate": float(f"{diff:.3g}")},
-        {"setup": f"Lightning accumulate_grad_batches={BATCH // micro} on batches of {micro} (by hand)", **accumulate,
-         "micro_batch": micro, "weights_vs_accumulate": 0.0},
-    ]  # fmt: skip
+        {
+            "setup": f"plain, whole batches of {BATCH} (anchor)",
+            **plain,
+            "micro_batch": BATCH,
+            "weights_vs_accumulate": float(f"{diff_plain:.3g}"),
+        },
+        {
+            "setup": f"AutoMicrobatch, process capped at {mib(cap['cap'])} MiB (real CUDA OOM)",
+            **auto,
+            "micro_batch": callback.micro_batch_size,
+            "weights_vs_accumulate": float(f"{diff:.3g}"),
+        },
+        {
+            "setup": f"Lightning accumulate_grad_batches={BATCH // micro} on batches of {micro} (by hand)",
+            **accumulate,
+            "micro_batch": micro,
+            "weights_vs_accumulate": 0.0,
+        },
+    ]
     for row in rows:
         row["peak_vs_plain"] = round(row["peak_MiB"] / plain["peak_MiB"], 3)
         row["step_vs_plain"] = round(row["step_ms"] / plain["step_ms"], 2)
-    completed = callback.micro_batch_size is not None and callback.micro_batch_size < BATCH and auto["optimizer_steps"] == steps
+    completed = (
+        callback.micro_batch_size is not None and callback.micro_batch_size < BATCH and auto["optimizer_steps"] == steps
+    )
     targets = [
-        {"target": f"training on batch {BATCH} completes after a real CUDA out-of-memory error (memory fraction cap)",
-         "measured": f"cap {mib(cap['cap'])} MiB ({100 * cap['fraction']:.2f}% of the GPU); micro-batch "
-                     f"{callback.micro_batch_size}, {auto['optimizer_steps']} of {steps} optimizer steps",
-         "met": completed, "twin": f"training on batch {BATCH} completes with an OOM injected above {LIMIT}"},
-        {"target": f"final weights equal an accumulate-by-{BATCH // micro} run's without OOM (fp tolerance 1e-6)",
-         "measured": f"max |diff| {diff:.2e}", "met": diff <= 1e-6,
-         "twin": "final weights equal an accumulate-by-4 run's without OOM (fp tolerance 1e-6)"},
-    ]  # fmt: skip
+        {
+            "target": f"training on batch {BATCH} completes after a real CUDA out-of-memory error (memory fraction cap)",
+            "measured": f"cap {mib(cap['cap'])} MiB ({100 * cap['fraction']:.2f}% of the GPU); micro-batch "
+            f"{callback.micro_batch_size}, {auto['optimizer_steps']} of {steps} optimizer steps",
+            "met": completed,
+            "twin": f"training on batch {BATCH} completes with an OOM injected above {LIMIT}",
+        },
+        {
+            "target": f"final weights equal an accumulate-by-{BATCH // micro} run's without OOM (fp tolerance 1e-6)",
+            "measured": f"max |diff| {diff:.2e}",
+            "met": diff <= 1e-6,
+            "twin": "final weights equal an accumulate-by-4 run's without OOM (fp tolerance 1e-6)",
+        },
+    ]
     notes = (
         f"CharLM {CUDA_MODEL['n_layer']}x{CUDA_MODEL['n_embd']} (block {CUDA_MODEL['block_size']}), fp32 AdamW, batch "
         f"{BATCH}x{CUDA_MODEL['block_size']}, {steps} optimizer steps from the same weights on the same batches, through "
@@ -241,5 +302,9 @@ def _run_cuda(quick: bool) -> dict[str, Any]:
         "memory for real. peak = MemoryMonitor's deep breakdown (memory core), max over steps; step_ms = median wall "
         "time per optimizer step after 2 warm-up steps; first_step_ms includes the OOM(s) and retries."
     )
-    return {"title": "AutoMicrobatch on charlm (real CUDA out-of-memory error, Lightning)", "rows": rows,
-            "targets": targets, "notes": notes}  # fmt: skip
+    return {
+        "title": "AutoMicrobatch on charlm (real CUDA out-of-memory error, Lightning)",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }

@@ -36,8 +36,11 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as directory:
         for sparsity in (0.0, 0.9):
             checkpoint = {"state_dict": _charlm_state(sparsity), "epoch": 0, "global_step": 0}
-            plugins = {"TorchCheckpointIO": TorchCheckpointIO(), "zstd": CompressedCheckpointIO("zstd"),
-                       "lz4": CompressedCheckpointIO("lz4")}  # fmt: skip
+            plugins = {
+                "TorchCheckpointIO": TorchCheckpointIO(),
+                "zstd": CompressedCheckpointIO("zstd"),
+                "lz4": CompressedCheckpointIO("lz4"),
+            }
             # one file name for all (torch.save writes the name into the file): sizes compare byte for byte
             paths = {name: Path(directory) / f"{name}-{sparsity}" / "last.ckpt" for name in plugins}
             for file in paths.values():
@@ -57,25 +60,47 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             for name in plugins:
                 size = paths[name].stat().st_size
                 save_ratio, load_ratio = best[name][0] / plain_save, best[name][1] / plain_load
-                rows.append({"checkpoint": label, "io": name, "MiB": round(size / 2**20, 3),
-                             "x smaller": round(plain_bytes / size, 2), "save s": round(best[name][0], 4),
-                             "load s": round(best[name][1], 4), "save x torch": round(save_ratio, 2),
-                             "load x torch": round(load_ratio, 2)})  # fmt: skip
+                rows.append(
+                    {
+                        "checkpoint": label,
+                        "io": name,
+                        "MiB": round(size / 2**20, 3),
+                        "x smaller": round(plain_bytes / size, 2),
+                        "save s": round(best[name][0], 4),
+                        "load s": round(best[name][1], 4),
+                        "save x torch": round(save_ratio, 2),
+                        "load x torch": round(load_ratio, 2),
+                    }
+                )
                 if name == "TorchCheckpointIO":
                     continue
                 if sparsity == 0.0:
                     targets += [
-                        {"target": f"dense charlm, {name}: save <= 1.5x TorchCheckpointIO", "measured": f"{save_ratio:.2f}x",
-                         "met": save_ratio <= 1.5},
-                        {"target": f"dense charlm, {name}: load <= 1.5x TorchCheckpointIO", "measured": f"{load_ratio:.2f}x",
-                         "met": load_ratio <= 1.5},
-                        {"target": f"dense charlm, {name}: file never larger than TorchCheckpointIO's",
-                         "measured": f"{size} vs {plain_bytes} bytes", "met": size <= plain_bytes},
-                    ]  # fmt: skip
+                        {
+                            "target": f"dense charlm, {name}: save <= 1.5x TorchCheckpointIO",
+                            "measured": f"{save_ratio:.2f}x",
+                            "met": save_ratio <= 1.5,
+                        },
+                        {
+                            "target": f"dense charlm, {name}: load <= 1.5x TorchCheckpointIO",
+                            "measured": f"{load_ratio:.2f}x",
+                            "met": load_ratio <= 1.5,
+                        },
+                        {
+                            "target": f"dense charlm, {name}: file never larger than TorchCheckpointIO's",
+                            "measured": f"{size} vs {plain_bytes} bytes",
+                            "met": size <= plain_bytes,
+                        },
+                    ]
                 elif name == "zstd":
                     ratio = plain_bytes / size
-                    targets.append({"target": "90%-sparse charlm checkpoint >= 5x smaller than torch.save (zstd)",
-                                    "measured": f"{ratio:.2f}x", "met": ratio >= 5})  # fmt: skip
+                    targets.append(
+                        {
+                            "target": "90%-sparse charlm checkpoint >= 5x smaller than torch.save (zstd)",
+                            "measured": f"{ratio:.2f}x",
+                            "met": ratio >= 5,
+                        }
+                    )
     torch.set_num_threads(threads)
     return {
         "title": "Checkpoint size and save/load time (CompressedCheckpointIO vs TorchCheckpointIO)",

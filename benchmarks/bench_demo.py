@@ -50,20 +50,26 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         for mode in modes:
             measured = _run_demo(mode == "quick", Path(tmp) / mode)
             command = "lowmem demo --quick" if mode == "quick" else "lowmem demo (make demo, install excluded)"
-            rows.append({
-                "run": command,
-                "wall (s)": round(measured["wall_s"], 1),
-                "cpu (s)": round(measured["cpu_s"], 1),
-                "load avg at start": round(measured["load"], 2),
-            })
+            rows.append(
+                {
+                    "run": command,
+                    "wall (s)": round(measured["wall_s"], 1),
+                    "cpu (s)": round(measured["cpu_s"], 1),
+                    "load avg at start": round(measured["load"], 2),
+                }
+            )
             target = TARGETS[mode]
-            targets.append({
-                "target": f"`{command}` <= {target:.0f} s on 2 idle cores",
-                "measured": f"{measured['wall_s']:.0f} s (load average {measured['load']:.1f} at start)",
-                "met": measured["wall_s"] <= target,
-            })
+            targets.append(
+                {
+                    "target": f"`{command}` <= {target:.0f} s on 2 idle cores",
+                    "measured": f"{measured['wall_s']:.0f} s (load average {measured['load']:.1f} at start)",
+                    "met": measured["wall_s"] <= target,
+                }
+            )
             settings = measured["result"]["settings"]
-            bf16 = ("bf16 rows short (memory only): " if settings["bf16_short"] else "bf16 rows full length: ") + settings["bf16_reason"]
+            bf16 = (
+                "bf16 rows short (memory only): " if settings["bf16_short"] else "bf16 rows full length: "
+            ) + settings["bf16_reason"]
             if mode == "full" or quick:
                 per_run = [
                     {"run": f"  {run['workload']} · {run['name']}", "wall (s)": run["seconds"], "steps": run["steps"]}
@@ -76,5 +82,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     )
     if device != "cpu":
         notes += " The demo always trains on CPU; `--device` does not apply."
-    return {"title": "lowmem demo wall time (make demo, lowmem demo --quick)", "rows": rows + per_run,
-            "targets": targets, "notes": notes}
+    return {
+        "title": "lowmem demo wall time (make demo, lowmem demo --quick)",
+        "rows": rows + per_run,
+        "targets": targets,
+        "notes": notes,
+    }

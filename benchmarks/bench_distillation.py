@@ -42,7 +42,9 @@ def _test_accuracy(model: torch.nn.Module, datamodule: DigitsDataModule) -> floa
 
 def _fit(module: Any, datamodule: DigitsDataModule, steps: int, device: str) -> float:
     started = time.perf_counter()
-    trainer = quiet_trainer(accelerator=device, max_steps=steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = quiet_trainer(
+        accelerator=device, max_steps=steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0
+    )
     trainer.fit(module, datamodule)
     return time.perf_counter() - started
 
@@ -110,19 +112,42 @@ def _hf_rows(device: str, quick: bool) -> tuple[list[dict[str, Any]], dict[str, 
     teacher = HFLanguageModel("gpt2", config=HF_TEACHER, lr=HF_TEACHER_LR)
     seconds = _fit(teacher, data, teacher_steps, device)
     teacher_model = teacher.model.cpu().eval()
-    rows = [{"run": "HF GPT-2 teacher 3x96", "val_loss": round(_hf_val_loss(teacher_model, val), 4),
-             "params": _count(teacher_model), "steps": teacher_steps, "fit_s": round(seconds, 1)}]
+    rows = [
+        {
+            "run": "HF GPT-2 teacher 3x96",
+            "val_loss": round(_hf_val_loss(teacher_model, val), 4),
+            "params": _count(teacher_model),
+            "steps": teacher_steps,
+            "fit_s": round(seconds, 1),
+        }
+    ]
     alone = HFLanguageModel("gpt2", config=HF_STUDENT, lr=HF_STUDENT_LR, weight_decay=1e-4)
     alone.model.load_state_dict(student().state_dict())
     torch.manual_seed(0)  # the same data order and dropout draws in both student runs
     seconds = _fit(alone, data, student_steps, device)
-    rows.append({"run": "HF GPT-2 student 2x48 alone", "val_loss": round(_hf_val_loss(alone.model.cpu(), val), 4),
-                 "params": _count(alone.model), "steps": student_steps, "fit_s": round(seconds, 1)})
-    module = DistillationModule(student(), teacher_model, lr=HF_STUDENT_LR, **HF_KD)  # AdamW, weight decay 1e-4 as alone
+    rows.append(
+        {
+            "run": "HF GPT-2 student 2x48 alone",
+            "val_loss": round(_hf_val_loss(alone.model.cpu(), val), 4),
+            "params": _count(alone.model),
+            "steps": student_steps,
+            "fit_s": round(seconds, 1),
+        }
+    )
+    module = DistillationModule(
+        student(), teacher_model, lr=HF_STUDENT_LR, **HF_KD
+    )  # AdamW, weight decay 1e-4 as alone
     torch.manual_seed(0)
     seconds = _fit(module, data, student_steps, device)
-    rows.append({"run": "HF GPT-2 student 2x48 + token-level KD", "val_loss": round(_hf_val_loss(module.student.cpu(), val), 4),
-                 "params": _count(module.student), "steps": student_steps, "fit_s": round(seconds, 1)})
+    rows.append(
+        {
+            "run": "HF GPT-2 student 2x48 + token-level KD",
+            "val_loss": round(_hf_val_loss(module.student.cpu(), val), 4),
+            "params": _count(module.student),
+            "steps": student_steps,
+            "fit_s": round(seconds, 1),
+        }
+    )
     return rows, {"teacher": rows[0]["val_loss"], "alone": rows[1]["val_loss"], "kd": rows[2]["val_loss"]}
 
 
@@ -135,10 +160,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     result["rows"] += hf_rows
-    result["targets"].append({
-        "target": "HF GPT-2: token-level KD student has a lower val loss than the same student alone",
-        "measured": f"{hf['kd']:.4f} vs {hf['alone']:.4f} (teacher {hf['teacher']:.4f})", "met": hf["kd"] < hf["alone"],
-    })
+    result["targets"].append(
+        {
+            "target": "HF GPT-2: token-level KD student has a lower val loss than the same student alone",
+            "measured": f"{hf['kd']:.4f} vs {hf['alone']:.4f} (teacher {hf['teacher']:.4f})",
+            "met": hf["kd"] < hf["alone"],
+        }
+    )
     result["notes"] += (
         f" HF GPT-2 rows: randomly initialised transformers GPT2LMHeadModels over the byte vocabulary, teacher "
         f"{HF_TEACHER['n_layer']}x{HF_TEACHER['n_embd']}, student {HF_STUDENT['n_layer']}x{HF_STUDENT['n_embd']}, "
@@ -167,20 +195,29 @@ def _run(device: str, quick: bool) -> dict[str, Any]:
 
     for seed in seeds:
         teacher = _train_teacher(seed, datamodule, teacher_steps, device)
-        record("teacher 2x512", _test_accuracy(teacher, datamodule), params=_count(teacher),
-               teacher_param_bytes="", steps=teacher_steps)
+        record(
+            "teacher 2x512",
+            _test_accuracy(teacher, datamodule),
+            params=_count(teacher),
+            teacher_param_bytes="",
+            steps=teacher_steps,
+        )
 
         torch.manual_seed(seed)
         alone = DigitsClassifier(hidden=STUDENT_HIDDEN, depth=2, lr=3e-3)
         alone.model.load_state_dict(_student(seed).state_dict())
         _fit(alone, datamodule, student_steps, device)
-        record("student 2x240 alone", _test_accuracy(alone.cpu(), datamodule), params=_count(alone), steps=student_steps)
+        record(
+            "student 2x240 alone", _test_accuracy(alone.cpu(), datamodule), params=_count(alone), steps=student_steps
+        )
 
         variants = {
             "student + KD (fp32 teacher)": dict(teacher_precision="32"),
             "student + KD (bf16 teacher)": dict(teacher_precision="bf16"),
             "student + KD (int8 teacher)": dict(teacher_precision="int8"),
-            "student + KD (cached teacher, top-5)": dict(teacher_cache=str(workdir / f"cache_{seed}.npy"), cache_top_k=5),
+            "student + KD (cached teacher, top-5)": dict(
+                teacher_cache=str(workdir / f"cache_{seed}.npy"), cache_top_k=5
+            ),
         }
         for name, options in variants.items():
             source = DigitsClassifier(hidden=TEACHER_HIDDEN, depth=2)
@@ -190,16 +227,24 @@ def _run(device: str, quick: bool) -> dict[str, Any]:
             teacher_bytes = state_bytes(module.teacher)["parameters"] if module.teacher is not None else 0
             seconds = _fit(module, datamodule, student_steps, device)
             module.cpu()
-            record(name, _test_accuracy(module.student, datamodule), params=_count(module.student),
-                   teacher_param_bytes=format_bytes(teacher_bytes) if "cached" not in name else "0 (on disk)",
-                   steps=student_steps, fit_s=round(seconds, 1))
+            record(
+                name,
+                _test_accuracy(module.student, datamodule),
+                params=_count(module.student),
+                teacher_param_bytes=format_bytes(teacher_bytes) if "cached" not in name else "0 (on disk)",
+                steps=student_steps,
+                fit_s=round(seconds, 1),
+            )
             if seed == seeds[0] and name in ("student + KD (fp32 teacher)", "student + KD (cached teacher, top-5)"):
                 extra[name]["step_peak"] = _step_peak(module, datamodule)
 
     rows = []
     for name, accuracies in results.items():
-        row = {"run": name, "test_acc_mean": round(statistics.mean(accuracies), 4),
-               "test_acc_per_seed": " / ".join(f"{a:.4f}" for a in accuracies)}
+        row = {
+            "run": name,
+            "test_acc_mean": round(statistics.mean(accuracies), 4),
+            "test_acc_per_seed": " / ".join(f"{a:.4f}" for a in accuracies),
+        }
         facts = dict(extra[name])
         if "step_peak" in facts:
             facts["step_peak"] = format_bytes(facts["step_peak"])
@@ -211,11 +256,21 @@ def _run(device: str, quick: bool) -> dict[str, Any]:
     kd_acc = statistics.mean(results["student + KD (fp32 teacher)"])
     ratio = extra["student + KD (fp32 teacher)"]["params"] / extra["teacher 2x512"]["params"]
     targets = [
-        {"target": "student has ~1/4 of the teacher's parameters", "measured": f"{ratio:.3f}x", "met": 0.2 <= ratio <= 0.3},
-        {"target": "KD student >= 98% of teacher accuracy (mean of 3 seeds)",
-         "measured": f"{kd_acc:.4f} / {teacher_acc:.4f} = {kd_acc / teacher_acc:.1%}", "met": kd_acc >= 0.98 * teacher_acc},
-        {"target": "KD student beats the same student alone (same steps, seeds)",
-         "measured": f"{kd_acc:.4f} vs {alone_acc:.4f}", "met": kd_acc > alone_acc},
+        {
+            "target": "student has ~1/4 of the teacher's parameters",
+            "measured": f"{ratio:.3f}x",
+            "met": 0.2 <= ratio <= 0.3,
+        },
+        {
+            "target": "KD student >= 98% of teacher accuracy (mean of 3 seeds)",
+            "measured": f"{kd_acc:.4f} / {teacher_acc:.4f} = {kd_acc / teacher_acc:.1%}",
+            "met": kd_acc >= 0.98 * teacher_acc,
+        },
+        {
+            "target": "KD student beats the same student alone (same steps, seeds)",
+            "measured": f"{kd_acc:.4f} vs {alone_acc:.4f}",
+            "met": kd_acc > alone_acc,
+        },
     ]
     return {
         "title": "Knowledge distillation on digits (DistillationModule)",

@@ -27,7 +27,13 @@ from benchmarks.common import CudaPeak, clear_cuda_workspaces, mib, smoke
 from lightning_lowmem.demo import CharLM, DigitsClassifier
 from lightning_lowmem.functional.optimizers.registry import available_optimizers, build_optimizer
 from lightning_lowmem.memory import measure_memory, state_bytes
-from lightning_lowmem.planning.estimate import TrainingConfig, _apply_model_techniques, _train_step, default_loss, estimate_memory
+from lightning_lowmem.planning.estimate import (
+    TrainingConfig,
+    _apply_model_techniques,
+    _train_step,
+    default_loss,
+    estimate_memory,
+)
 
 LOOP = "lightning"
 """The measured step runs in Lightning's order (zero_grad between training_step and backward: the previous
@@ -58,10 +64,32 @@ MOONSHOT_BATCH = 4
 SMOKE_MOONSHOT = dict(n_layer=2, n_head=2, n_embd=64, block_size=32)
 
 PLAN_7B = [
-    sys.executable, "-m", "lightning_lowmem.cli", "estimate", "--budget", "24GiB", "--fine-tune", "--json",
-    "--model", "lightning_lowmem.demo.CharLM", "--model.n_layer", "32", "--model.n_embd", "4096",
-    "--model.n_head", "32", "--model.block_size", "512", "--data", "lightning_lowmem.demo.CharLMDataModule",
-    "--data.block_size", "512", "--data.batch_size", "4", "--data.max_chars", "100000",
+    sys.executable,
+    "-m",
+    "lightning_lowmem.cli",
+    "estimate",
+    "--budget",
+    "24GiB",
+    "--fine-tune",
+    "--json",
+    "--model",
+    "lightning_lowmem.demo.CharLM",
+    "--model.n_layer",
+    "32",
+    "--model.n_embd",
+    "4096",
+    "--model.n_head",
+    "32",
+    "--model.block_size",
+    "512",
+    "--data",
+    "lightning_lowmem.demo.CharLMDataModule",
+    "--data.block_size",
+    "512",
+    "--data.batch_size",
+    "4",
+    "--data.max_chars",
+    "100000",
 ]
 
 
@@ -69,7 +97,9 @@ def _scale(shape: tuple[str, str, str]) -> dict[str, Any]:
     """SCALE_SCRIPT's figures: in a fresh process (its max RSS is the estimate's), or in a smoke run in this one
     (the same code; a fresh interpreter's imports would be a fifth of the dry run's time)."""
     if not smoke():
-        out = subprocess.run([sys.executable, "-c", SCALE_SCRIPT, *shape], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", SCALE_SCRIPT, *shape], capture_output=True, text=True, check=True
+        ).stdout
         return json.loads(out.strip().splitlines()[-1])
     stdout, argv = io.StringIO(), sys.argv
     try:
@@ -91,10 +121,22 @@ def _plan_7b() -> dict[str, Any]:
 # workload sizes: CPU (the memory core measures exactly, small is enough), CUDA (large enough that fixed
 # allocator overheads do not decide the error), smoke (the dry run: code paths only)
 SIZES: dict[str, dict[str, Any]] = {
-    "cpu": {"charlm": dict(n_layer=4, n_head=4, n_embd=128, block_size=64), "gpt2": dict(n_layer=2, n_embd=64, n_head=4), "seq": 64},
-    "cuda": {"charlm": dict(n_layer=8, n_head=8, n_embd=512, block_size=256), "gpt2": dict(n_layer=6, n_embd=512, n_head=8), "seq": 256},
-    "smoke": {"charlm": dict(n_layer=1, n_head=2, n_embd=32, block_size=16), "gpt2": dict(n_layer=1, n_embd=32, n_head=2), "seq": 16},
-}  # fmt: skip
+    "cpu": {
+        "charlm": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
+        "gpt2": dict(n_layer=2, n_embd=64, n_head=4),
+        "seq": 64,
+    },
+    "cuda": {
+        "charlm": dict(n_layer=8, n_head=8, n_embd=512, block_size=256),
+        "gpt2": dict(n_layer=6, n_embd=512, n_head=8),
+        "seq": 256,
+    },
+    "smoke": {
+        "charlm": dict(n_layer=1, n_head=2, n_embd=32, block_size=16),
+        "gpt2": dict(n_layer=1, n_embd=32, n_head=2),
+        "seq": 16,
+    },
+}
 
 
 def _size(device: str) -> dict[str, Any]:
@@ -135,8 +177,18 @@ def _measure(name: str, batch_size: int, config: TrainingConfig, device: str, si
     optimizer = build_optimizer(config.optimizer.name, [p for p in model.parameters() if p.requires_grad])
     if device != "cuda":
         _train_step(model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP)
-        report = measure_memory(_train_step, model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP, module=model,
-                                device=device)
+        report = measure_memory(
+            _train_step,
+            model,
+            batch,
+            default_loss,
+            optimizer,
+            config,
+            autocast_dtype,
+            loop=LOOP,
+            module=model,
+            device=device,
+        )
         return {"peak": report.peak_bytes}
     # _train_step's autocast is CPU autocast (the estimator's stand-in): on CUDA autocast the CUDA ops
     autocast = torch.autocast("cuda", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
@@ -177,7 +229,11 @@ def _configs(device: str, quick: bool) -> list[tuple[str, int, TrainingConfig]]:
                 ("charlm", 16, TrainingConfig(precision="bf16-mixed")),
                 ("charlm", 32, TrainingConfig(micro_batch_size=8)),
                 ("charlm", 16, TrainingConfig(optimizer="adafactor")),
-                ("gpt2", 8, TrainingConfig(precision="bf16-true", activation_compression="int8", optimizer="adamw8bit")),
+                (
+                    "gpt2",
+                    8,
+                    TrainingConfig(precision="bf16-true", activation_compression="int8", optimizer="adamw8bit"),
+                ),
             ]
         return configs
     configs = [
@@ -192,11 +248,17 @@ def _configs(device: str, quick: bool) -> list[tuple[str, int, TrainingConfig]]:
     try:
         import lightning_lowmem.functional.checkpointing  # noqa: F401
 
-        configs += [("charlm", 16, TrainingConfig(activation_checkpointing="auto")), ("charlm", 32, TrainingConfig(precision="bf16-true", activation_checkpointing="auto"))]
+        configs += [
+            ("charlm", 16, TrainingConfig(activation_checkpointing="auto")),
+            ("charlm", 32, TrainingConfig(precision="bf16-true", activation_checkpointing="auto")),
+        ]
     except ImportError:
         pass
     if "adafactor" in available_optimizers():
-        configs += [("charlm", 16, TrainingConfig(optimizer="adafactor")), ("digits", 64, TrainingConfig(optimizer="adafactor"))]
+        configs += [
+            ("charlm", 16, TrainingConfig(optimizer="adafactor")),
+            ("digits", 64, TrainingConfig(optimizer="adafactor")),
+        ]
     if smoke():  # the dry run also runs the CUDA set's workloads and techniques, on CPU
         return [configs[0], ("gpt2", 2, TrainingConfig()), ("charlm", 2, TrainingConfig(activation_compression="int8"))]
     return configs[:3] if quick else configs
@@ -248,8 +310,13 @@ def _moonshot(device: str) -> dict[str, Any]:
     meta_x = torch.empty(batch_size, shape["block_size"], dtype=torch.long, device="meta")
     estimate = estimate_memory(meta_model, (meta_x, meta_x), device=device, config=config)
     predicted = estimate.peak_bytes + estimate.overheads.get("cublas_workspace", 0)
-    result: dict[str, Any] = {"params": params, "predicted": predicted, "config": config.describe(), "shape": shape,
-                              "batch": batch_size}  # fmt: skip
+    result: dict[str, Any] = {
+        "params": params,
+        "predicted": predicted,
+        "config": config.describe(),
+        "shape": shape,
+        "batch": batch_size,
+    }
     if device != "cuda":
         return result  # nothing to compare with on CPU: the prediction alone (the dry run checks it runs)
     _cuda_release()
@@ -300,20 +367,26 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     )
     if "measured" in moonshot:
         error = moonshot["predicted"] / moonshot["measured"] - 1
-        rows.append({
-            "workload": f"moonshot: CharGPT {moonshot['shape']['n_layer']}x{moonshot['shape']['n_embd']} "
-                        f"({moonshot['params'] / 1e9:.2f}B params)",
-            "batch": f"{moonshot['batch']}x{moonshot['shape']['block_size']}", "config": moonshot["config"],
-            "estimated MiB": mib(moonshot["predicted"]), "measured MiB": mib(moonshot["measured"]),
-            "error %": round(100 * error, 2),
-        })  # fmt: skip
-        targets.append({
-            "target": "moonshot: a >= 1B-parameter decoder step, estimated before it runs, within 10% of the measured peak",
-            "measured": f"{moonshot['params'] / 1e9:.2f}B params, {moonshot['config']}: estimated "
-                        f"{moonshot['predicted'] / 2**30:.2f} GiB, measured {moonshot['measured'] / 2**30:.2f} GiB "
-                        f"({100 * error:+.2f}%)",
-            "met": moonshot["params"] >= 1e9 and abs(error) <= 0.10,
-        })  # fmt: skip
+        rows.append(
+            {
+                "workload": f"moonshot: CharGPT {moonshot['shape']['n_layer']}x{moonshot['shape']['n_embd']} "
+                f"({moonshot['params'] / 1e9:.2f}B params)",
+                "batch": f"{moonshot['batch']}x{moonshot['shape']['block_size']}",
+                "config": moonshot["config"],
+                "estimated MiB": mib(moonshot["predicted"]),
+                "measured MiB": mib(moonshot["measured"]),
+                "error %": round(100 * error, 2),
+            }
+        )
+        targets.append(
+            {
+                "target": "moonshot: a >= 1B-parameter decoder step, estimated before it runs, within 10% of the measured peak",
+                "measured": f"{moonshot['params'] / 1e9:.2f}B params, {moonshot['config']}: estimated "
+                f"{moonshot['predicted'] / 2**30:.2f} GiB, measured {moonshot['measured'] / 2**30:.2f} GiB "
+                f"({100 * error:+.2f}%)",
+                "met": moonshot["params"] >= 1e9 and abs(error) <= 0.10,
+            }
+        )
         notes += (
             f" Moonshot: CharGPT {moonshot['shape']}, batch {moonshot['batch']}, estimated on meta / fake tensors "
             "first (no allocation), then built on the GPU and stepped twice; the second step is measured."
@@ -325,12 +398,14 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             "beyond the model, its optimizer state and the batch (cuBLAS workspaces of the forward and autograd threads)."
         )
     if plan:
-        targets.append({
-            "target": "`lowmem estimate` finds a plan fitting 24 GiB for fine-tuning a 7B-shaped decoder",
-            "measured": f"chosen [{plan['chosen']['label']}] predicted {plan['chosen']['predicted_peak_bytes'] / 2**30:.2f} GiB; "
-            f"full fine-tune [{plan['baseline']['label']}] predicted {plan['baseline']['predicted_peak_bytes'] / 2**30:.2f} GiB",
-            "met": bool(plan["chosen"]["fits"]),
-        })  # fmt: skip
+        targets.append(
+            {
+                "target": "`lowmem estimate` finds a plan fitting 24 GiB for fine-tuning a 7B-shaped decoder",
+                "measured": f"chosen [{plan['chosen']['label']}] predicted {plan['chosen']['predicted_peak_bytes'] / 2**30:.2f} GiB; "
+                f"full fine-tune [{plan['baseline']['label']}] predicted {plan['baseline']['predicted_peak_bytes'] / 2**30:.2f} GiB",
+                "met": bool(plan["chosen"]["fits"]),
+            }
+        )
     if timings is not None:
         targets += timing_targets(timings, plan)
         notes += (

@@ -138,8 +138,9 @@ def _profiled_peak_delta(step: Any) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())  # fmt: skip
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     live = peak = 0
     for event in events:
         live += event.nbytes()
@@ -161,9 +162,16 @@ def _estimate(name: str, ckpt: bool, sharding: str, world_size: int) -> Any:
 
     build, make_batch, loss_fn = _workloads()[name]
     torch.manual_seed(0)
-    return estimate_memory(build(), make_batch(torch.Generator().manual_seed(0)), loss_fn=loss_fn, device="cpu",
-                           optimizer="adamw", activation_checkpointing="auto" if ckpt else None,
-                           world_size=world_size, sharding=sharding)  # fmt: skip
+    return estimate_memory(
+        build(),
+        make_batch(torch.Generator().manual_seed(0)),
+        loss_fn=loss_fn,
+        device="cpu",
+        optimizer="adamw",
+        activation_checkpointing="auto" if ckpt else None,
+        world_size=world_size,
+        sharding=sharding,
+    )
 
 
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
@@ -190,34 +198,67 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
                     worst_profiled = max(worst_profiled, abs(estimate / profiled - 1))
                 error = estimate / figures[key]["peak_bytes"] - 1
                 worst = max(worst, abs(error))
-                rows.append({
-                    "workload": name, "checkpointing": "auto" if ckpt else "-", "sharding": sharding,
-                    "world_size": world_size, "rank": rank,
-                    "estimated_mib": mib(estimate), "measured_mib": mib(figures[key]["peak_bytes"]),
-                    "error": f"{error:+.1%}",
-                    "profiler_mib": mib(profiled) if profiled else "-",
-                    "error_vs_profiler": f"{estimate / profiled - 1:+.1%}" if profiled else "-",
-                    "measured_params_grads_state_mib": "/".join(
-                        f"{mib(figures[key]['breakdown'][c]):.1f}" for c in ("parameters", "gradients", "optimizer_state")),
-                    "step_time_vs_ddp": round(figures[key]["step_seconds"] / ddp_time, 2),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "workload": name,
+                        "checkpointing": "auto" if ckpt else "-",
+                        "sharding": sharding,
+                        "world_size": world_size,
+                        "rank": rank,
+                        "estimated_mib": mib(estimate),
+                        "measured_mib": mib(figures[key]["peak_bytes"]),
+                        "error": f"{error:+.1%}",
+                        "profiler_mib": mib(profiled) if profiled else "-",
+                        "error_vs_profiler": f"{estimate / profiled - 1:+.1%}" if profiled else "-",
+                        "measured_params_grads_state_mib": "/".join(
+                            f"{mib(figures[key]['breakdown'][c]):.1f}"
+                            for c in ("parameters", "gradients", "optimizer_state")
+                        ),
+                        "step_time_vs_ddp": round(figures[key]["step_seconds"] / ddp_time, 2),
+                    }
+                )
     fsdp_ratios = [r["step_time_vs_ddp"] for r in rows if r["sharding"] == "fsdp" and r["world_size"] > 1]
     largest = max(world_sizes)
     saving = {
-        w: next(r["measured_mib"] for r in rows if r["workload"] == w and r["sharding"] == "fsdp" and r["world_size"] == largest
-                and r["checkpointing"] == "-") / next(r["measured_mib"] for r in rows if r["workload"] == w
-                and r["sharding"] == "ddp" and r["world_size"] == largest and r["checkpointing"] == "-")
+        w: next(
+            r["measured_mib"]
+            for r in rows
+            if r["workload"] == w
+            and r["sharding"] == "fsdp"
+            and r["world_size"] == largest
+            and r["checkpointing"] == "-"
+        )
+        / next(
+            r["measured_mib"]
+            for r in rows
+            if r["workload"] == w
+            and r["sharding"] == "ddp"
+            and r["world_size"] == largest
+            and r["checkpointing"] == "-"
+        )
         for w in _workloads()
-    }  # fmt: skip
+    }
     targets = [
-        {"target": f"estimate within +-{TOLERANCE:.0%} of the measured per-rank peak on every row",
-         "measured": f"worst {worst:.1%} over {len(rows)} rows", "met": worst <= TOLERANCE},
-        {"target": f"FSDP rows: estimate within +-{TOLERANCE:.0%} of the profiler's peak (all threads)",
-         "measured": f"worst {worst_profiled:.1%}", "met": worst_profiled <= TOLERANCE},
-        {"target": f"FSDP on {largest} processes: per-rank peak below DDP's",
-         "measured": ", ".join(f"{w}: {v:.2f}x" for w, v in saving.items()), "met": all(v < 1 for v in saving.values())},
-        {"target": "step time FSDP vs DDP (CPU gloo; reported, no target)",
-         "measured": f"{min(fsdp_ratios):.2f}x - {max(fsdp_ratios):.2f}x" if fsdp_ratios else "-", "met": True},
+        {
+            "target": f"estimate within +-{TOLERANCE:.0%} of the measured per-rank peak on every row",
+            "measured": f"worst {worst:.1%} over {len(rows)} rows",
+            "met": worst <= TOLERANCE,
+        },
+        {
+            "target": f"FSDP rows: estimate within +-{TOLERANCE:.0%} of the profiler's peak (all threads)",
+            "measured": f"worst {worst_profiled:.1%}",
+            "met": worst_profiled <= TOLERANCE,
+        },
+        {
+            "target": f"FSDP on {largest} processes: per-rank peak below DDP's",
+            "measured": ", ".join(f"{w}: {v:.2f}x" for w, v in saving.items()),
+            "met": all(v < 1 for v in saving.values()),
+        },
+        {
+            "target": "step time FSDP vs DDP (CPU gloo; reported, no target)",
+            "measured": f"{min(fsdp_ratios):.2f}x - {max(fsdp_ratios):.2f}x" if fsdp_ratios else "-",
+            "met": True,
+        },
     ]
     return {
         "title": f"Per-rank peak: DDP / ZeRO-1 / FSDP on {', '.join(map(str, world_sizes))} CPU processes (gloo), "

@@ -38,9 +38,15 @@ from lightning_lowmem.memory import measure_memory
 
 CONFIGS = {  # the shapes: 4 layers of width 128, vocabulary 512
     "gpt2": dict(vocab_size=512, n_embd=128, n_layer=4, n_head=4),
-    "llama": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2),
-}  # fmt: skip
+    "llama": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+}
 SEQ_LEN, BATCH_SIZE = 128, 8
 
 
@@ -147,59 +153,110 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         def hf_checkpointing(model: torch.nn.Module) -> None:
             model.gradient_checkpointing_enable()
 
-        checkpointing = _run_section(base, [
-            Setup("no checkpointing (use_cache on, as configured)", lambda m: None),
-            Setup("HF gradient_checkpointing_enable()", hf_checkpointing),
-            Setup("lowmem ActivationCheckpointing('auto')", lambda m: {"wrapped": len(checkpoint_(m, "auto").wrapped)}),
-        ], batches, warmup)  # fmt: skip
+        checkpointing = _run_section(
+            base,
+            [
+                Setup("no checkpointing (use_cache on, as configured)", lambda m: None),
+                Setup("HF gradient_checkpointing_enable()", hf_checkpointing),
+                Setup(
+                    "lowmem ActivationCheckpointing('auto')", lambda m: {"wrapped": len(checkpoint_(m, "auto").wrapped)}
+                ),
+            ],
+            batches,
+            warmup,
+        )
         plain, theirs, ours = checkpointing
         for item in checkpointing:
-            rows.append({"model": label, "section": "checkpointing", "setup": item.setup.name,
-                         "peak_mib": mib(item.peak.peak_bytes), "step_ms": round(_median_ms(item), 1),
-                         "final_loss": round(item.losses[-1], 4)})  # fmt: skip
+            rows.append(
+                {
+                    "model": label,
+                    "section": "checkpointing",
+                    "setup": item.setup.name,
+                    "peak_mib": mib(item.peak.peak_bytes),
+                    "step_ms": round(_median_ms(item), 1),
+                    "final_loss": round(item.losses[-1], 4),
+                }
+            )
         ratio = ours.peak.peak_bytes / theirs.peak.peak_bytes
-        targets.append({"target": f"{family}: ActivationCheckpointing peak <= 1.02x gradient_checkpointing_enable()",
-                        "measured": f"{ratio:.3f}x (step time {_median_ms(ours) / _median_ms(theirs):.2f}x)",
-                        "met": ratio <= 1.02})  # fmt: skip
+        targets.append(
+            {
+                "target": f"{family}: ActivationCheckpointing peak <= 1.02x gradient_checkpointing_enable()",
+                "measured": f"{ratio:.3f}x (step time {_median_ms(ours) / _median_ms(theirs):.2f}x)",
+                "met": ratio <= 1.02,
+            }
+        )
 
         lora_targets = _lora_targets(base)
-        lora_setups = [Setup("lowmem LowRankAdapters(r=8)", lambda m: {"layers": len(apply_lora_(m, r=8).wrapped)}, lr=5e-3)]
+        lora_setups = [
+            Setup("lowmem LowRankAdapters(r=8)", lambda m: {"layers": len(apply_lora_(m, r=8).wrapped)}, lr=5e-3)
+        ]
         peft_prepare = _peft(lora_targets)
         if peft_prepare is not None:
             lora_setups.append(Setup("PEFT LoraConfig(r=8, same layers)", peft_prepare, lr=5e-3))
         lora = _run_section(base, lora_setups, batches, warmup)
         for item in lora:
-            rows.append({"model": label, "section": "LoRA", "setup": item.setup.name, "trainable": item.trainable,
-                         "peak_mib": mib(item.peak.peak_bytes), "step_ms": round(_median_ms(item), 1),
-                         "final_loss": round(item.losses[-1], 4)})  # fmt: skip
+            rows.append(
+                {
+                    "model": label,
+                    "section": "LoRA",
+                    "setup": item.setup.name,
+                    "trainable": item.trainable,
+                    "peak_mib": mib(item.peak.peak_bytes),
+                    "step_ms": round(_median_ms(item), 1),
+                    "final_loss": round(item.losses[-1], 4),
+                }
+            )
         if len(lora) == 2:
             ours_lora, peft_lora = lora
-            met = (ours_lora.trainable <= peft_lora.trainable and ours_lora.peak.peak_bytes <= peft_lora.peak.peak_bytes)
-            targets.append({
-                "target": f"{family}: our LoRA vs PEFT: trainable parameters and peak equal or better",
-                "measured": f"trainable {ours_lora.trainable:,} vs {peft_lora.trainable:,}; peak "
-                f"{ours_lora.peak.peak_bytes / peft_lora.peak.peak_bytes:.3f}x; step time "
-                f"{_median_ms(ours_lora) / _median_ms(peft_lora):.2f}x",
-                "met": met,
-            })
+            met = ours_lora.trainable <= peft_lora.trainable and ours_lora.peak.peak_bytes <= peft_lora.peak.peak_bytes
+            targets.append(
+                {
+                    "target": f"{family}: our LoRA vs PEFT: trainable parameters and peak equal or better",
+                    "measured": f"trainable {ours_lora.trainable:,} vs {peft_lora.trainable:,}; peak "
+                    f"{ours_lora.peak.peak_bytes / peft_lora.peak.peak_bytes:.3f}x; step time "
+                    f"{_median_ms(ours_lora) / _median_ms(peft_lora):.2f}x",
+                    "met": met,
+                }
+            )
 
         def full_stack(model: torch.nn.Module) -> None:
             model.to(torch.bfloat16)
             checkpoint_(model, "auto")
 
-        stack = _run_section(base, [
-            Setup("plain fp32 AdamW (anchor)", lambda m: None),
-            Setup("full stack: bf16 + ckpt(auto) + int8 + Adafactor in backward", full_stack,
-                  optimizer="adafactor_in_backward", lr=0.05, compression="int8"),
-        ], batches[-3:] if quick else batches[-4:], 1)  # fmt: skip
+        stack = _run_section(
+            base,
+            [
+                Setup("plain fp32 AdamW (anchor)", lambda m: None),
+                Setup(
+                    "full stack: bf16 + ckpt(auto) + int8 + Adafactor in backward",
+                    full_stack,
+                    optimizer="adafactor_in_backward",
+                    lr=0.05,
+                    compression="int8",
+                ),
+            ],
+            batches[-3:] if quick else batches[-4:],
+            1,
+        )
         anchor, lean = stack
         for item in stack:
-            rows.append({"model": label, "section": "full stack", "setup": item.setup.name,
-                         "peak_mib": mib(item.peak.peak_bytes),
-                         **{f"{k}_mib": mib(v) for k, v in item.peak.breakdown.items()}})  # fmt: skip
+            rows.append(
+                {
+                    "model": label,
+                    "section": "full stack",
+                    "setup": item.setup.name,
+                    "peak_mib": mib(item.peak.peak_bytes),
+                    **{f"{k}_mib": mib(v) for k, v in item.peak.breakdown.items()},
+                }
+            )
         ratio = anchor.peak.peak_bytes / lean.peak.peak_bytes
-        targets.append({"target": f"{family}: full stack peak <= 1/8 of plain fp32 AdamW",
-                        "measured": f"1/{ratio:.2f}", "met": ratio >= 8})
+        targets.append(
+            {
+                "target": f"{family}: full stack peak <= 1/8 of plain fp32 AdamW",
+                "measured": f"1/{ratio:.2f}",
+                "met": ratio >= 8,
+            }
+        )
     return {
         "title": "Hugging Face models: lowmem vs Hugging Face / PEFT (GPT-2, Llama configs, CPU)",
         "rows": rows,

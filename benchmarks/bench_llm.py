@@ -41,11 +41,21 @@ from lightning_lowmem.memory import measure_memory, track_memory
 from lightning_lowmem.planning.estimate import estimate_memory
 
 MODELS = {  # real vocabularies; small bodies, so the head's share is what a 1-8B model has at these lengths
-    "llama (Llama-3 vocab)": ("llama", dict(vocab_size=128_256, hidden_size=128, intermediate_size=256,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            max_position_embeddings=4096, tie_word_embeddings=True)),
+    "llama (Llama-3 vocab)": (
+        "llama",
+        dict(
+            vocab_size=128_256,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+    ),
     "gpt2 (GPT-2 vocab)": ("gpt2", dict(vocab_size=50_257, n_embd=256, n_layer=4, n_head=4, n_positions=1024)),
-}  # fmt: skip
+}
 BATCH, SEQ = 4, 512
 
 
@@ -61,20 +71,38 @@ class Setup:
 
 
 def _setups() -> list[Setup]:
-    stack = dict(precision="bf16-true", activation_checkpointing="auto", activation_compression="int8",
-                 optimizer="adafactor_in_backward")  # fmt: skip
+    stack = dict(
+        precision="bf16-true",
+        activation_checkpointing="auto",
+        activation_compression="int8",
+        optimizer="adafactor_in_backward",
+    )
     return [
         Setup("plain fp32 AdamW (anchor)"),
         Setup("bf16-true AdamW", dtype=torch.bfloat16),
-        Setup("HF alone: gradient_checkpointing_enable + bf16 + 8-bit AdamW",
-              prepare=lambda m: m.gradient_checkpointing_enable(), dtype=torch.bfloat16, optimizer="adamw8bit"),
+        Setup(
+            "HF alone: gradient_checkpointing_enable + bf16 + 8-bit AdamW",
+            prepare=lambda m: m.gradient_checkpointing_enable(),
+            dtype=torch.bfloat16,
+            optimizer="adamw8bit",
+        ),
         Setup("torchtune-style chunked logits (8 chunks, fp32 AdamW)", torchtune_loss=True),
         Setup("lowmem ChunkedCrossEntropy (fp32 AdamW)", TrainingConfig(cross_entropy="chunked")),
-        Setup("lowmem stack without the chunked loss", TrainingConfig(**stack), dtype=torch.bfloat16,
-              optimizer="adafactor_in_backward", lr=0.05),
-        Setup("lowmem full stack + ChunkedCrossEntropy", TrainingConfig(**stack, cross_entropy="chunked"),
-              dtype=torch.bfloat16, optimizer="adafactor_in_backward", lr=0.05),
-    ]  # fmt: skip
+        Setup(
+            "lowmem stack without the chunked loss",
+            TrainingConfig(**stack),
+            dtype=torch.bfloat16,
+            optimizer="adafactor_in_backward",
+            lr=0.05,
+        ),
+        Setup(
+            "lowmem full stack + ChunkedCrossEntropy",
+            TrainingConfig(**stack, cross_entropy="chunked"),
+            dtype=torch.bfloat16,
+            optimizer="adafactor_in_backward",
+            lr=0.05,
+        ),
+    ]
 
 
 def _batches(vocab: int, batch: int, seq: int, count: int, padded: bool = True) -> list[dict[str, torch.Tensor]]:
@@ -95,8 +123,9 @@ def _torchtune_style_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     """torchtune's recipe re-stated for an HF model: the head runs on 8 sequence chunks, each chunk upcast and
     cross-entropied on its own (the chunks' logits are still all kept for backward)."""
     labels = batch["labels"]
-    hidden = getattr(model, model.base_model_prefix)(input_ids=batch["input_ids"],
-                                                    attention_mask=batch["attention_mask"]).last_hidden_state
+    hidden = getattr(model, model.base_model_prefix)(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).last_hidden_state
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
     head = model.get_output_embeddings()
     total = torch.zeros((), dtype=torch.float32)
@@ -124,7 +153,9 @@ class _Run:
 
     def step(self, batch: dict[str, torch.Tensor]) -> None:
         compression = self.setup.config.compression if self.setup.config is not None else None
-        packing = compress_activations(compression.mode, compression.min_bytes) if compression else contextlib.nullcontext()
+        packing = (
+            compress_activations(compression.mode, compression.min_bytes) if compression else contextlib.nullcontext()
+        )
         started = time.thread_time()
         with packing:
             loss = _torchtune_style_loss(self.model, batch) if self.setup.torchtune_loss else self.model(**batch).loss
@@ -148,16 +179,26 @@ def _model_rows(label: str, family: str, overrides: dict[str, Any], batch: int, 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             report = measure_memory(run.step, batches[-1], module=run.model, optimizer=run.optimizer, device="cpu")
-        row: dict[str, Any] = {"model": label, "tokens": f"{batch}x{seq}", "setup": setup.name,
-                               "peak_mib": mib(report.peak_bytes)}  # fmt: skip
+        row: dict[str, Any] = {
+            "model": label,
+            "tokens": f"{batch}x{seq}",
+            "setup": setup.name,
+            "peak_mib": mib(report.peak_bytes),
+        }
         if setup.config is not None:
-            config = setup.config.replace(precision="bf16-true" if setup.dtype == torch.bfloat16 else "32-true",
-                                          optimizer=setup.optimizer)  # fmt: skip
+            config = setup.config.replace(
+                precision="bf16-true" if setup.dtype == torch.bfloat16 else "32-true", optimizer=setup.optimizer
+            )
             estimate = estimate_memory(base, batches[-1], device="cpu", config=config, loop="torch")
             row["estimate_mib"] = mib(estimate.peak_bytes)
             row["estimate_error_pct"] = round(100 * (estimate.peak_bytes / report.peak_bytes - 1), 2)
-        row.update({"other_mib": mib(report.breakdown["other"]), "activations_mib": mib(report.breakdown["activations"]),
-                    "loss_step1": round(run.losses[0], 6)})  # fmt: skip
+        row.update(
+            {
+                "other_mib": mib(report.breakdown["other"]),
+                "activations_mib": mib(report.breakdown["activations"]),
+                "loss_step1": round(run.losses[0], 6),
+            }
+        )
         rows.append(row)
         del run
     return rows
@@ -169,13 +210,22 @@ def _timing_rows(label: str, family: str, overrides: dict[str, Any], batch: int,
     torch.manual_seed(0)
     base = build_hf_model(family, **overrides)
     batches = _batches(overrides["vocab_size"], batch, seq, steps + 1)
-    runs = [_Run(Setup("plain fp32 AdamW (anchor)"), base),
-            _Run(Setup("lowmem ChunkedCrossEntropy (fp32 AdamW)", TrainingConfig(cross_entropy="chunked")), base)]  # fmt: skip
+    runs = [
+        _Run(Setup("plain fp32 AdamW (anchor)"), base),
+        _Run(Setup("lowmem ChunkedCrossEntropy (fp32 AdamW)", TrainingConfig(cross_entropy="chunked")), base),
+    ]
     for index, item in enumerate(batches):
         for run in runs if index % 2 == 0 else reversed(runs):
             run.step(item)
-    return [{"model": label, "tokens": f"{batch}x{seq}", "setup": f"step time: {run.setup.name}",
-             "step_cpu_s": round(statistics.median(run.cpu_s[1:]), 3)} for run in runs]  # fmt: skip
+    return [
+        {
+            "model": label,
+            "tokens": f"{batch}x{seq}",
+            "setup": f"step time: {run.setup.name}",
+            "step_cpu_s": round(statistics.median(run.cpu_s[1:]), 3),
+        }
+        for run in runs
+    ]
 
 
 def _function_rows() -> list[dict[str, Any]]:
@@ -187,8 +237,10 @@ def _function_rows() -> list[dict[str, Any]]:
     targets = torch.randint(vocab, (tokens,))
     inputs_and_grads = 2 * (hidden.numel() + weight.numel()) * 4
     rows = []
-    for name, fn in (("F.cross_entropy(hidden @ weight.T)", lambda: F.cross_entropy(hidden @ weight.T, targets)),
-                     ("linear_cross_entropy (default chunks)", lambda: linear_cross_entropy(hidden, weight, targets))):  # fmt: skip
+    for name, fn in (
+        ("F.cross_entropy(hidden @ weight.T)", lambda: F.cross_entropy(hidden @ weight.T, targets)),
+        ("linear_cross_entropy (default chunks)", lambda: linear_cross_entropy(hidden, weight, targets)),
+    ):
         fn().backward()
         seconds = []
         for _ in range(3):
@@ -200,10 +252,16 @@ def _function_rows() -> list[dict[str, Any]]:
         hidden.grad = weight.grad = None
         with track_memory(device="cpu") as tracking:
             fn().backward()
-        rows.append({"model": f"function: {tokens} tokens x {vocab:,} classes, H={hidden_size}, fp32", "setup": name,
-                     "peak_mib": mib(tracking.report.peak_bytes),
-                     "above_inputs_and_grads_mib": mib(tracking.report.peak_bytes - inputs_and_grads),
-                     "loss": round(float(loss.detach()), 6), "fwd_bwd_cpu_s": round(statistics.median(seconds), 3)})  # fmt: skip
+        rows.append(
+            {
+                "model": f"function: {tokens} tokens x {vocab:,} classes, H={hidden_size}, fp32",
+                "setup": name,
+                "peak_mib": mib(tracking.report.peak_bytes),
+                "above_inputs_and_grads_mib": mib(tracking.report.peak_bytes - inputs_and_grads),
+                "loss": round(float(loss.detach()), 6),
+                "fwd_bwd_cpu_s": round(statistics.median(seconds), 3),
+            }
+        )
         hidden.grad = weight.grad = None
     return rows
 
@@ -217,9 +275,14 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     targets: list[dict[str, Any]] = []
     plain_ce, chunked_ce = rows
     ratio = plain_ce["above_inputs_and_grads_mib"] / chunked_ce["above_inputs_and_grads_mib"]
-    targets.append({"target": "linear_cross_entropy, 2048 x 32,000: peak <= 1/6 of F.cross_entropy on the logits",
-                    "measured": f"1/{ratio:.1f} (above inputs and returned gradients); fwd+bwd time "
-                                f"{chunked_ce['fwd_bwd_cpu_s'] / max(plain_ce['fwd_bwd_cpu_s'], 1e-9):.2f}x", "met": ratio >= 6})  # fmt: skip
+    targets.append(
+        {
+            "target": "linear_cross_entropy, 2048 x 32,000: peak <= 1/6 of F.cross_entropy on the logits",
+            "measured": f"1/{ratio:.1f} (above inputs and returned gradients); fwd+bwd time "
+            f"{chunked_ce['fwd_bwd_cpu_s'] / max(plain_ce['fwd_bwd_cpu_s'], 1e-9):.2f}x",
+            "met": ratio >= 6,
+        }
+    )
     for label, (family, overrides) in MODELS.items():
         if smoke():
             overrides = {**overrides, "vocab_size": 1000}
@@ -230,23 +293,41 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         by_name = {row["setup"]: row for row in model_rows}
         plain, bf16 = by_name["plain fp32 AdamW (anchor)"], by_name["bf16-true AdamW"]
         hf_alone = by_name["HF alone: gradient_checkpointing_enable + bf16 + 8-bit AdamW"]
-        chunked, stack = by_name["lowmem ChunkedCrossEntropy (fp32 AdamW)"], by_name["lowmem full stack + ChunkedCrossEntropy"]
+        chunked, stack = (
+            by_name["lowmem ChunkedCrossEntropy (fp32 AdamW)"],
+            by_name["lowmem full stack + ChunkedCrossEntropy"],
+        )
         goal = 10 if overrides["vocab_size"] > 100_000 else 8
         targets += [
-            {"target": f"{label}: full stack + chunked loss <= 1/{goal} of plain fp32 AdamW",
-             "measured": f"1/{plain['peak_mib'] / stack['peak_mib']:.2f}", "met": plain["peak_mib"] / stack["peak_mib"] >= goal},
-            {"target": f"{label}: full stack + chunked loss <= 1/4 of bf16-true",
-             "measured": f"1/{bf16['peak_mib'] / stack['peak_mib']:.2f}", "met": bf16["peak_mib"] / stack["peak_mib"] >= 4},
-            {"target": f"{label}: full stack + chunked loss <= 0.5x Hugging Face alone",
-             "measured": f"{stack['peak_mib'] / hf_alone['peak_mib']:.3f}x", "met": stack["peak_mib"] <= 0.5 * hf_alone["peak_mib"]},
-            {"target": f"{label}: ChunkedCrossEntropy loss = unchunked (fp32 rel 1e-5), step time <= 1.15x",
-             "measured": f"loss rel {abs(chunked['loss_step1'] / plain['loss_step1'] - 1):.1e}; step time "
-                         f"{chunked_cpu / max(plain_cpu, 1e-9):.2f}x; peak {chunked['peak_mib'] / plain['peak_mib']:.3f}x",
-             "met": abs(chunked["loss_step1"] / plain["loss_step1"] - 1) <= 1e-5 and chunked_cpu <= 1.15 * plain_cpu},
-            {"target": f"{label}: estimates within 1% of the measured peak (lowmem setups)",
-             "measured": ", ".join(f"{row['estimate_error_pct']:+.2f}%" for row in model_rows if "estimate_error_pct" in row),
-             "met": all(abs(row["estimate_error_pct"]) <= 1 for row in model_rows if "estimate_error_pct" in row)},
-        ]  # fmt: skip
+            {
+                "target": f"{label}: full stack + chunked loss <= 1/{goal} of plain fp32 AdamW",
+                "measured": f"1/{plain['peak_mib'] / stack['peak_mib']:.2f}",
+                "met": plain["peak_mib"] / stack["peak_mib"] >= goal,
+            },
+            {
+                "target": f"{label}: full stack + chunked loss <= 1/4 of bf16-true",
+                "measured": f"1/{bf16['peak_mib'] / stack['peak_mib']:.2f}",
+                "met": bf16["peak_mib"] / stack["peak_mib"] >= 4,
+            },
+            {
+                "target": f"{label}: full stack + chunked loss <= 0.5x Hugging Face alone",
+                "measured": f"{stack['peak_mib'] / hf_alone['peak_mib']:.3f}x",
+                "met": stack["peak_mib"] <= 0.5 * hf_alone["peak_mib"],
+            },
+            {
+                "target": f"{label}: ChunkedCrossEntropy loss = unchunked (fp32 rel 1e-5), step time <= 1.15x",
+                "measured": f"loss rel {abs(chunked['loss_step1'] / plain['loss_step1'] - 1):.1e}; step time "
+                f"{chunked_cpu / max(plain_cpu, 1e-9):.2f}x; peak {chunked['peak_mib'] / plain['peak_mib']:.3f}x",
+                "met": abs(chunked["loss_step1"] / plain["loss_step1"] - 1) <= 1e-5 and chunked_cpu <= 1.15 * plain_cpu,
+            },
+            {
+                "target": f"{label}: estimates within 1% of the measured peak (lowmem setups)",
+                "measured": ", ".join(
+                    f"{row['estimate_error_pct']:+.2f}%" for row in model_rows if "estimate_error_pct" in row
+                ),
+                "met": all(abs(row["estimate_error_pct"]) <= 1 for row in model_rows if "estimate_error_pct" in row),
+            },
+        ]
     return {
         "title": "The LLM's own peak: real vocabularies, batch 4 x 512 (Hugging Face Llama / GPT-2 configs, CPU)",
         "rows": rows,

@@ -28,9 +28,13 @@ LENGTHS = (256, 512, 1024, 2048, 4096)
 VARIANTS = {  # label -> (model key in bench_llm.MODELS, config overrides, attention implementation)
     "llama, sdpa": ("llama (Llama-3 vocab)", {}, "sdpa"),
     "llama, eager": ("llama (Llama-3 vocab)", {}, "eager"),
-    "gpt2, sdpa, no dropout": ("gpt2 (GPT-2 vocab)", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}, "sdpa"),
+    "gpt2, sdpa, no dropout": (
+        "gpt2 (GPT-2 vocab)",
+        {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+        "sdpa",
+    ),
     "gpt2, sdpa, dropout 0.1": ("gpt2 (GPT-2 vocab)", {}, "sdpa"),
-}  # fmt: skip
+}
 
 
 def _variant_rows(label: str, key: str, extra: dict[str, Any], attention: str, lengths: tuple[int, ...]) -> list[dict]:
@@ -74,14 +78,16 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         rows += variant
         per_token = [row["kib_per_added_token"] for row in variant if "kib_per_added_token" in row]
         expected_linear = attention == "sdpa" and "dropout 0.1" not in label
-        targets.append({
-            "target": f"{label}: no T x T tensor at the peak: its growth from {lengths[0]} to {lengths[-1]} tokens below "
-                      "one layer's bf16 attention scores at the longest"
-            + ("" if expected_linear else " -- not expected on CPU (scores materialised; see notes)"),
-            "measured": f"+{growth_mib:.1f} MiB vs {scores / 2**20:.0f} MiB; KiB per added token: "
-                        + " / ".join(f"{v:g}" for v in per_token),
-            "met": growth_mib * 2**20 < scores,
-        })  # fmt: skip
+        targets.append(
+            {
+                "target": f"{label}: no T x T tensor at the peak: its growth from {lengths[0]} to {lengths[-1]} tokens below "
+                "one layer's bf16 attention scores at the longest"
+                + ("" if expected_linear else " -- not expected on CPU (scores materialised; see notes)"),
+                "measured": f"+{growth_mib:.1f} MiB vs {scores / 2**20:.0f} MiB; KiB per added token: "
+                + " / ".join(f"{v:g}" for v in per_token),
+                "met": growth_mib * 2**20 < scores,
+            }
+        )
     return {
         "title": "The lowmem stack's peak vs sequence length (HF Llama-3-vocab / GPT-2, batch 1, CPU)",
         "rows": rows,

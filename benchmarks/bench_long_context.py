@@ -39,10 +39,12 @@ from lightning_lowmem.planning.plan import plan_memory
 BATCH = 2
 LOOP = "lightning"
 WORKLOADS = {
-    "llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-                            num_key_value_heads=8)),
+    "llama": (
+        "llama",
+        dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8),
+    ),
     "gpt2 attn_pdrop=0.1": ("gpt2", dict(n_embd=128, n_layer=2, n_head=8, attn_pdrop=0.1)),
-}  # fmt: skip
+}
 PRECISIONS = {"llama": ("32-true", "bf16-mixed"), "gpt2 attn_pdrop=0.1": ("32-true",)}
 CPU_MEASURED_UP_TO = {"llama": 4096, "gpt2 attn_pdrop=0.1": 2048}  # CPU steps: the math path's T x T costs GiBs
 
@@ -112,13 +114,15 @@ def _row(name: str, length: int, precision: str, device: str) -> dict[str, Any]:
     math = estimate_memory(model, batch, device="cuda", optimizer="adamw", precision=precision, attention_kernel="math")
     workspace = estimate.overheads["cublas_workspace"]
     row: dict[str, Any] = {
-        "workload": name, "tokens": f"{BATCH}x{length}", "precision": precision,
+        "workload": name,
+        "tokens": f"{BATCH}x{length}",
+        "precision": precision,
         "kernel": ",".join(sorted(estimate.meta["attention_kernels"])),
         "estimate cuda MiB": mib(estimate.peak_bytes + workspace),
         "math path MiB": mib(math.peak_bytes + workspace),
         "formula MiB": mib(formula_bytes(model, name, length, precision)),
         "formula, no 5as/h MiB": mib(formula_bytes(model, name, length, precision, attention_scores=False)),
-    }  # fmt: skip
+    }
     if device == "cuda":
         measured = _cuda_measured(name, length, precision)
         row["measured MiB"] = mib(measured)
@@ -126,8 +130,13 @@ def _row(name: str, length: int, precision: str, device: str) -> dict[str, Any]:
     elif precision == "32-true" and length <= CPU_MEASURED_UP_TO[name]:
         cpu = estimate_memory(model, batch, device="cpu", optimizer="adamw").peak_bytes
         measured = _cpu_measured(name, length)
-        row.update({"cpu estimate MiB": mib(cpu), "cpu measured MiB": mib(measured),
-                    "error %": round(100 * (cpu / measured - 1), 2)})  # fmt: skip
+        row.update(
+            {
+                "cpu estimate MiB": mib(cpu),
+                "cpu measured MiB": mib(measured),
+                "error %": round(100 * (cpu / measured - 1), 2),
+            }
+        )
     return row
 
 
@@ -184,8 +193,12 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "no optimizer temporaries, fp32 scaled x2 from the paper's 16-bit bytes); their 5as/h term is the "
         "(B, H, T, T) softmax / dropout the math path keeps and fused kernels do not."
     )
-    return {"title": "Long-context estimates (device='cuda' kernels) beside closed-form formulas", "rows": rows,
-            "targets": targets, "notes": notes}  # fmt: skip
+    return {
+        "title": "Long-context estimates (device='cuda' kernels) beside closed-form formulas",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }
 
 
 def _linear(peaks: list[float], lengths: list[int]) -> bool:

@@ -73,9 +73,13 @@ def _step_memory(model: CharLM, lora: dict[str, Any] | None, device: str) -> dic
     breakdown = report.breakdown
     during_step = report.phases["optimizer"]["breakdown"]  # gradients and optimizer state both alive
     adapters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and lora is not None)
-    return {"peak": report.peak_bytes - breakdown["parameters"] + params, "params": params,
-            "state": params + during_step["gradients"] + during_step["optimizer_state"], "base": params - adapters,
-            "activations": report.breakdown["activations"]}  # fmt: skip
+    return {
+        "peak": report.peak_bytes - breakdown["parameters"] + params,
+        "params": params,
+        "state": params + during_step["gradients"] + during_step["optimizer_state"],
+        "base": params - adapters,
+        "activations": report.breakdown["activations"],
+    }
 
 
 def _finetune(base: Path, lr: float, lora: dict[str, Any] | None, steps: int, device: str) -> dict[str, Any]:
@@ -85,7 +89,9 @@ def _finetune(base: Path, lr: float, lora: dict[str, Any] | None, steps: int, de
     data = CharLMDataModule(block_size=_model()["block_size"], batch_size=16, **FINETUNE_DATA)
     timer = StepTimer(skip_first=5)
     callbacks = [timer] + ([LowRankAdapters(**lora)] if lora is not None else [])
-    trainer = quiet_trainer(max_steps=steps, accelerator=device, callbacks=callbacks, limit_val_batches=2 if smoke() else 20)
+    trainer = quiet_trainer(
+        max_steps=steps, accelerator=device, callbacks=callbacks, limit_val_batches=2 if smoke() else 20
+    )
     model.to(device)  # LowRankAdapters quantizes a QLoRA base in setup(), before Lightning moves the model
     trainer.fit(model, data)
     val_loss = float(trainer.validate(model, data, verbose=False)[0]["val_loss"])
@@ -111,43 +117,63 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         pretrained = CharLM(**_model())
         pretrained.load_state_dict(torch.load(base, weights_only=True))
         data = CharLMDataModule(block_size=_model()["block_size"], batch_size=16, **FINETUNE_DATA)
-        before = quiet_trainer(accelerator=device, limit_val_batches=2 if smoke() else 20).validate(pretrained, data, verbose=False)
+        before = quiet_trainer(accelerator=device, limit_val_batches=2 if smoke() else 20).validate(
+            pretrained, data, verbose=False
+        )
         rows = [{"method": "pretrained, no fine-tuning", "asyncio val loss": round(before[0]["val_loss"], 4)}]
         results = {}
         for name, (lr, lora) in METHODS.items():
-            results[name] = {**_finetune(base, lr, lora, finetune_steps, device), **_step_memory(pretrained, lora, device)}
+            results[name] = {
+                **_finetune(base, lr, lora, finetune_steps, device),
+                **_step_memory(pretrained, lora, device),
+            }
     full = results["full fine-tuning"]
     for name, res in results.items():
-        rows.append({
-            "method": name,
-            "lr": METHODS[name][0],
-            "asyncio val loss": round(res["val_loss"], 4),
-            "trainable params": res["trainable"],
-            "peak step memory (MiB)": mib(res["peak"]),
-            "model state: params+grads+optim (MiB)": mib(res["state"]),
-            "state vs full": round(res["state"] / full["state"], 3),
-            "parameter bytes vs full": round(res["params"] / full["params"], 3),
-            "frozen base bytes vs full params": round(res["base"] / full["params"], 3),
-            "step time (ms)": round(1000 * res["step_s"], 1),
-        })  # fmt: skip
+        rows.append(
+            {
+                "method": name,
+                "lr": METHODS[name][0],
+                "asyncio val loss": round(res["val_loss"], 4),
+                "trainable params": res["trainable"],
+                "peak step memory (MiB)": mib(res["peak"]),
+                "model state: params+grads+optim (MiB)": mib(res["state"]),
+                "state vs full": round(res["state"] / full["state"], 3),
+                "parameter bytes vs full": round(res["params"] / full["params"], 3),
+                "frozen base bytes vs full params": round(res["base"] / full["params"], 3),
+                "step time (ms)": round(1000 * res["step_s"], 1),
+            }
+        )
     lora, qlora, frozen = results["LoRA r=8"], results["QLoRA r=8, int8 base"], results[QLORA_FROZEN]
     base_4x256 = _qlora_base_ratio_4x256()
     loss_gap = lora["val_loss"] / full["val_loss"] - 1
     targets = [
-        {"target": "LoRA val loss within 5% of full fine-tuning (same steps)",
-         "measured": f"{lora['val_loss']:.4f} vs {full['val_loss']:.4f} ({100 * loss_gap:+.1f}%)", "met": loss_gap <= 0.05},
-        {"target": "LoRA model state (params + grads + optimizer) <= 0.4x full",
-         "measured": f"{lora['state'] / full['state']:.3f}x", "met": lora["state"] <= 0.4 * full["state"]},
-        {"target": "QLoRA int8 base <= 0.3x full parameter bytes (charlm 4x128, benchmarked model)",
-         "measured": f"{qlora['base'] / full['params']:.3f}x ({qlora['params'] / full['params']:.3f}x with fp32 adapters)",
-         "met": qlora["base"] <= 0.3 * full["params"]},
-        {"target": "QLoRA int8 base <= 0.3x full parameter bytes (charlm 4x256)",
-         "measured": f"{base_4x256:.3f}x", "met": base_4x256 <= 0.3},
-        {"target": "QLoRA int8 base <= 0.3x full parameter bytes (charlm 4x128, quantize_frozen=True)",
-         "measured": f"{frozen['base'] / full['params']:.3f}x ({frozen['params'] / full['params']:.3f}x with fp32 adapters); "
-                     f"val loss {frozen['val_loss']:.4f}",
-         "met": frozen["base"] <= 0.3 * full["params"]},
-    ]  # fmt: skip
+        {
+            "target": "LoRA val loss within 5% of full fine-tuning (same steps)",
+            "measured": f"{lora['val_loss']:.4f} vs {full['val_loss']:.4f} ({100 * loss_gap:+.1f}%)",
+            "met": loss_gap <= 0.05,
+        },
+        {
+            "target": "LoRA model state (params + grads + optimizer) <= 0.4x full",
+            "measured": f"{lora['state'] / full['state']:.3f}x",
+            "met": lora["state"] <= 0.4 * full["state"],
+        },
+        {
+            "target": "QLoRA int8 base <= 0.3x full parameter bytes (charlm 4x128, benchmarked model)",
+            "measured": f"{qlora['base'] / full['params']:.3f}x ({qlora['params'] / full['params']:.3f}x with fp32 adapters)",
+            "met": qlora["base"] <= 0.3 * full["params"],
+        },
+        {
+            "target": "QLoRA int8 base <= 0.3x full parameter bytes (charlm 4x256)",
+            "measured": f"{base_4x256:.3f}x",
+            "met": base_4x256 <= 0.3,
+        },
+        {
+            "target": "QLoRA int8 base <= 0.3x full parameter bytes (charlm 4x128, quantize_frozen=True)",
+            "measured": f"{frozen['base'] / full['params']:.3f}x ({frozen['params'] / full['params']:.3f}x with fp32 adapters); "
+            f"val loss {frozen['val_loss']:.4f}",
+            "met": frozen["base"] <= 0.3 * full["params"],
+        },
+    ]
     notes = (
         f"charlm {_model()['n_layer']}x{_model()['n_embd']} pretrained {pretrain_steps} steps on stdlib files outside "
         f"asyncio/ ({PRETRAIN_DATA['max_chars']:,} bytes), then fine-tuned {finetune_steps} steps (batch 16x64) on "
@@ -165,4 +191,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
 
         int4_rows, int4_targets, int4_notes = qlora_int4(device, quick)
         rows, targets, notes = rows + int4_rows, targets + int4_targets, notes + int4_notes
-    return {"title": "LoRA / QLoRA vs full fine-tuning (charlm, stdlib -> asyncio)", "rows": rows, "targets": targets, "notes": notes}
+    return {
+        "title": "LoRA / QLoRA vs full fine-tuning (charlm, stdlib -> asyncio)",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }

@@ -54,7 +54,9 @@ def _offload(device: str, quick: bool) -> dict[str, Any]:
         return out
 
     reference, offloaded = grads(False), grads(True)
-    grad_diff = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(reference, offloaded, strict=True))
+    grad_diff = max(
+        ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(reference, offloaded, strict=True)
+    )
     del reference, offloaded
     peaks, stats = {}, CompressionStats()
     for offload in (False, True):
@@ -63,7 +65,9 @@ def _offload(device: str, quick: bool) -> dict[str, Any]:
                 backward(offload, stats if offload else None)
             peaks[offload] = peak.peak_above_baseline
         else:
-            peaks[offload] = measure_memory(backward, offload, stats if offload else None, module=model, device=device).peak_bytes
+            peaks[offload] = measure_memory(
+                backward, offload, stats if offload else None, module=model, device=device
+            ).peak_bytes
         model.zero_grad(set_to_none=True)
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(2 if smoke() else 10 if quick else 30):  # interleaved: drifts hit both alike
@@ -89,7 +93,10 @@ def _breakdown(device: str) -> dict[str, Any]:
 
     step()
     report = measure_memory(step, module=model, optimizer=optimizer, device=device)
-    row = {"measurement": f"charlm {layers}x128, batch {batch_size}x64, fp32 AdamW: peak (MiB)", "value": mib(report.peak_bytes)}
+    row = {
+        "measurement": f"charlm {layers}x128, batch {batch_size}x64, fp32 AdamW: peak (MiB)",
+        "value": mib(report.peak_bytes),
+    }
     rows = [row] + [{"measurement": f"  {c} at peak (MiB)", "value": mib(report.breakdown[c])} for c in CATEGORIES]
     return {"rows": rows, "report": report}
 
@@ -98,7 +105,9 @@ def _step_time(monitor: MemoryMonitor | None, steps: int, device: str) -> float:
     torch.manual_seed(0)
     timer = StepTimer(skip_first=5)
     callbacks = [timer] + ([monitor] if monitor else [])
-    trainer = quiet_trainer(max_steps=steps, callbacks=callbacks, limit_val_batches=0, accelerator=device, log_every_n_steps=1)
+    trainer = quiet_trainer(
+        max_steps=steps, callbacks=callbacks, limit_val_batches=0, accelerator=device, log_every_n_steps=1
+    )
     layers = 1 if smoke() else 4
     trainer.fit(CharLM(n_layer=layers, n_embd=128, block_size=64), CharLMDataModule(batch_size=16, max_chars=300_000))
     return timer.median_s
@@ -110,26 +119,41 @@ def _offload_rows(offload: dict[str, Any], device: str) -> tuple[list[dict[str, 
     saved = peak[False] - peak[True]
     cost = median[True] / median[False] - 1
     rows = [
-        {"measurement": f"activation offload ({label}): device peak of forward+backward, kept (MiB)", "value": mib(peak[False])},
+        {
+            "measurement": f"activation offload ({label}): device peak of forward+backward, kept (MiB)",
+            "value": mib(peak[False]),
+        },
         {"measurement": "  with ActivationCompression('cpu') (MiB)", "value": mib(peak[True])},
         {"measurement": "  device bytes saved (MiB)", "value": mib(saved)},
-        {"measurement": "  activation bytes sent to pinned host memory per step (MiB)", "value": mib(offload["offloaded"])},
-        {"measurement": "  step time (forward+backward) kept / offloaded (ms)",
-         "value": f"{1000 * median[False]:.2f} / {1000 * median[True]:.2f}"},
+        {
+            "measurement": "  activation bytes sent to pinned host memory per step (MiB)",
+            "value": mib(offload["offloaded"]),
+        },
+        {
+            "measurement": "  step time (forward+backward) kept / offloaded (ms)",
+            "value": f"{1000 * median[False]:.2f} / {1000 * median[True]:.2f}",
+        },
         {"measurement": "  step-time cost of the offload (%)", "value": round(100 * cost, 1)},
-        {"measurement": "  largest gradient difference, offloaded vs kept (relative to the tensor's max)",
-         "value": float(f"{offload['grad_diff']:.3g}")},
-    ]  # fmt: skip
+        {
+            "measurement": "  largest gradient difference, offloaded vs kept (relative to the tensor's max)",
+            "value": float(f"{offload['grad_diff']:.3g}"),
+        },
+    ]
     if device != "cuda":  # on a CPU device the mode keeps every tensor: nothing to save, nothing to claim
         return rows, []
     targets = [
-        {"target": "ActivationCompression('cpu') on CUDA: device peak cut by >= half the bytes it offloads",
-         "measured": f"{mib(saved)} MiB saved of {mib(offload['offloaded'])} MiB offloaded "
-                     f"(peak {mib(peak[False])} -> {mib(peak[True])} MiB), step time {100 * cost:+.1f}%",
-         "met": saved >= 0.5 * offload["offloaded"] > 0},
-        {"target": "ActivationCompression('cpu') on CUDA is exact: gradients equal the kept run's (rel. 1e-5)",
-         "measured": f"max relative difference {offload['grad_diff']:.2e}", "met": offload["grad_diff"] <= 1e-5},
-    ]  # fmt: skip
+        {
+            "target": "ActivationCompression('cpu') on CUDA: device peak cut by >= half the bytes it offloads",
+            "measured": f"{mib(saved)} MiB saved of {mib(offload['offloaded'])} MiB offloaded "
+            f"(peak {mib(peak[False])} -> {mib(peak[True])} MiB), step time {100 * cost:+.1f}%",
+            "met": saved >= 0.5 * offload["offloaded"] > 0,
+        },
+        {
+            "target": "ActivationCompression('cpu') on CUDA is exact: gradients equal the kept run's (rel. 1e-5)",
+            "measured": f"max relative difference {offload['grad_diff']:.2e}",
+            "met": offload["grad_diff"] <= 1e-5,
+        },
+    ]
     return rows, targets
 
 

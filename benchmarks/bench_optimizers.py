@@ -136,12 +136,17 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     in_backward = by_name["adamw_in_backward"]
     largest = in_backward["_largest_param_bytes"]
     targets = [
-        {"target": "AdamW 8-bit optimizer state <= 0.3x fp32 AdamW state", "measured": f"{eight_bit:.3f}x",
-         "met": eight_bit <= 0.3},
-        {"target": "AdamW in backward: gradient bytes <= the largest parameter's bytes",
-         "measured": f"{in_backward['_gradient_bytes']:,} B max alive vs largest parameter {largest:,} B "
-                     f"(plain AdamW: {anchor['_gradient_bytes']:,} B)",
-         "met": in_backward["_gradient_bytes"] <= largest},
+        {
+            "target": "AdamW 8-bit optimizer state <= 0.3x fp32 AdamW state",
+            "measured": f"{eight_bit:.3f}x",
+            "met": eight_bit <= 0.3,
+        },
+        {
+            "target": "AdamW in backward: gradient bytes <= the largest parameter's bytes",
+            "measured": f"{in_backward['_gradient_bytes']:,} B max alive vs largest parameter {largest:,} B "
+            f"(plain AdamW: {anchor['_gradient_bytes']:,} B)",
+            "met": in_backward["_gradient_bytes"] <= largest,
+        },
     ]
     for row in rows:
         for key in [k for k in row if k.startswith("_")]:
@@ -162,5 +167,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         + (", so their step times are not representative." if device == "cpu" else ".")
         + " `loss` is the last warm-up step's training loss (a sanity check, not a comparison)."
     )
-    return {"title": "Optimizer memory on charlm (state bytes, optimizer-in-backward gradients)", "rows": rows,
-            "targets": targets, "notes": notes}
+    return {
+        "title": "Optimizer memory on charlm (state bytes, optimizer-in-backward gradients)",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }

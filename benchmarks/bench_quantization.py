@@ -33,9 +33,16 @@ def _trainer(callbacks: list[Any] = (), **kwargs: Any) -> Any:
     import lightning as L
 
     return L.Trainer(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=list(callbacks), **kwargs,
-    )  # fmt: skip
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
 
 
 def _latencies(candidates: dict[str, Callable[..., Any]], inputs: tuple[Any, ...], repeats: int) -> dict[str, float]:
@@ -61,7 +68,10 @@ def _variants(model: nn.Module, calibration: list[tuple[Any, ...]]) -> tuple[dic
     variants: dict[str, tuple[nn.Module, int]] = {"float32": (model, float_bytes)}
     anchor = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
     # packed fbgemm weights are opaque to state_bytes: scale the float bytes by the checkpoint-size ratio
-    variants["torch.ao quantize_dynamic (anchor)"] = (anchor, round(float_bytes * _saved_bytes(anchor) / _saved_bytes(model)))
+    variants["torch.ao quantize_dynamic (anchor)"] = (
+        anchor,
+        round(float_bytes * _saved_bytes(anchor) / _saved_bytes(model)),
+    )
     for mode in ("int8_dynamic", "int8_weight_only", "intx4_weight_only"):
         report = quantize_(copy.deepcopy(model), mode)
         variants[mode] = (report.module, report.bytes_after)
@@ -70,7 +80,9 @@ def _variants(model: nn.Module, calibration: list[tuple[Any, ...]]) -> tuple[dic
     variants["float32 compiled"] = (compile_inference(copy.deepcopy(model)), float_bytes)
     dynamic = quantize_(copy.deepcopy(model), "int8_dynamic")
     variants["int8_dynamic compiled"] = (compile_inference(dynamic.module), dynamic.bytes_after)
-    static_copy = quantize_(copy.deepcopy(model), "int8_static", calibration_data=calibration, example_inputs=calibration[0])
+    static_copy = quantize_(
+        copy.deepcopy(model), "int8_static", calibration_data=calibration, example_inputs=calibration[0]
+    )
     variants["int8_static compiled"] = (compile_inference(static_copy.module), static_copy.bytes_after)
     return variants, float_bytes
 
@@ -99,14 +111,19 @@ def _rows(
     rows = []
     for name, (_, size) in variants.items():
         reference = "float32 compiled" if name.endswith("compiled") else "float32"
-        rows.append({
-            "workload": workload, "mode": name, "size_ratio": float_bytes / size,
-            "latency_ms": 1e3 * latency[name],
-            "speedup": latency[reference] / latency[name],
-            "speedup_b1": latency_1[reference] / latency_1[name],
-            "speedup_vs_eager_fp32": latency["float32"] / latency[name],
-            "metric": metrics[name], "delta": delta(metrics[name], metrics["float32"]),
-        })  # fmt: skip
+        rows.append(
+            {
+                "workload": workload,
+                "mode": name,
+                "size_ratio": float_bytes / size,
+                "latency_ms": 1e3 * latency[name],
+                "speedup": latency[reference] / latency[name],
+                "speedup_b1": latency_1[reference] / latency_1[name],
+                "speedup_vs_eager_fp32": latency["float32"] / latency[name],
+                "metric": metrics[name],
+                "delta": delta(metrics[name], metrics["float32"]),
+            }
+        )
     return rows
 
 
@@ -134,9 +151,15 @@ def _digits(quick: bool) -> list[dict[str, Any]]:
     variants, float_bytes = _variants(model, calibration)
     batch = test[0][0][:batch_size]
     rows = _rows(
-        f"digits MLP h{hidden}, batch {len(batch)}", variants, float_bytes, (batch,), (batch[:1],), accuracy,
-        lambda value, base: 100 * (value - base), repeats=20,
-    )  # fmt: skip
+        f"digits MLP h{hidden}, batch {len(batch)}",
+        variants,
+        float_bytes,
+        (batch,),
+        (batch[:1],),
+        accuracy,
+        lambda value, base: 100 * (value - base),
+        repeats=20,
+    )
     rows[0]["linear_only_ratio"] = _linear_only_ratio(model)
     return rows
 
@@ -149,7 +172,11 @@ def _charlm_setup(quick: bool) -> dict[str, Any]:
 
     from lightning_lowmem.demo.charlm import CharLM, CharLMDataModule
 
-    config = dict(n_layer=1, n_embd=64, steps=60, qat_steps=30) if quick else dict(n_layer=2, n_embd=128, steps=300, qat_steps=100)
+    config = (
+        dict(n_layer=1, n_embd=64, steps=60, qat_steps=30)
+        if quick
+        else dict(n_layer=2, n_embd=128, steps=300, qat_steps=100)
+    )
     L.seed_everything(0, verbose=False)
     data = CharLMDataModule(block_size=64, batch_size=32, max_chars=400_000 if quick else 1_000_000)
     data.setup()
@@ -174,9 +201,15 @@ def _charlm(setup: dict[str, Any]) -> list[dict[str, Any]]:
     calibration = [(x,) for x, _ in val[:8]]
     variants, float_bytes = _variants(model, calibration)
     rows = _rows(
-        f"charlm GPT {setup['n_layer']}x{setup['n_embd']}, batch 32x64", variants, float_bytes, (val[0][0],),
-        (val[0][0][:1],), lambda net: _val_loss(net, val), _relative_increase, repeats=3,
-    )  # fmt: skip
+        f"charlm GPT {setup['n_layer']}x{setup['n_embd']}, batch 32x64",
+        variants,
+        float_bytes,
+        (val[0][0],),
+        (val[0][0][:1],),
+        lambda net: _val_loss(net, val),
+        _relative_increase,
+        repeats=3,
+    )
     rows[0]["linear_only_ratio"] = _linear_only_ratio(model)
     return rows
 
@@ -209,7 +242,9 @@ def _qat_vs_ptq(setup: dict[str, Any], group_size: int) -> dict[str, float]:
 
 HF_CONFIGS = {
     "gpt2": dict(n_embd=128, n_layer=2, n_head=4),
-    "llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "llama": dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
     "bert": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4),
     "t5": dict(d_model=128, d_ff=256, d_kv=32, num_layers=2, num_heads=4),
 }
@@ -257,15 +292,22 @@ def _hf(quick: bool) -> list[dict[str, Any]]:
             logits, loss = _hf_outputs(quantized, batches)
             random_init = copy.deepcopy(untrained)
             quantize_(random_init, mode)
-            rows.append({
-                "workload": f"HF {family} {config_label(config)}, +{steps} steps", "mode": mode,
-                "size_ratio": report.size_ratio, "file_ratio": _saved_bytes(module) / _saved_bytes(quantized),
-                "output_change_pct": _relative_change(logits, reference),
-                "delta": _relative_increase(loss, reference_loss),
-                "output_change_random_init_pct": _relative_change(_hf_outputs(random_init, batches)[0], untrained_reference),
-                "layers": len(report.converted), "conv1d": len(report.conv1d),
-                "tied": " = ".join(name.rsplit(".", 1)[-1] for group in report.tied for name in group) or "-",
-            })  # fmt: skip
+            rows.append(
+                {
+                    "workload": f"HF {family} {config_label(config)}, +{steps} steps",
+                    "mode": mode,
+                    "size_ratio": report.size_ratio,
+                    "file_ratio": _saved_bytes(module) / _saved_bytes(quantized),
+                    "output_change_pct": _relative_change(logits, reference),
+                    "delta": _relative_increase(loss, reference_loss),
+                    "output_change_random_init_pct": _relative_change(
+                        _hf_outputs(random_init, batches)[0], untrained_reference
+                    ),
+                    "layers": len(report.converted),
+                    "conv1d": len(report.conv1d),
+                    "tied": " = ".join(name.rsplit(".", 1)[-1] for group in report.tied for name in group) or "-",
+                }
+            )
     return rows
 
 
@@ -280,13 +322,19 @@ def _hf_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for family in HF_TARGET_FAMILIES:
         row = next(r for r in rows if r["workload"].startswith(f"HF {family} ") and r["mode"] == "int8_dynamic")
         targets += [
-            {"target": f"HF {family}: whole-model int8 >= 3.5x smaller (int8_dynamic, embeddings and tied head included)",
-             "measured": f"{row['size_ratio']:.3f}x (file {row['file_ratio']:.2f}x; {row['layers']} layers, "
-                         f"{row['conv1d']} Conv1D, tied: {row['tied']})", "met": row["size_ratio"] >= 3.5},
-            {"target": f"HF {family}: int8 output change <= 1% relative (logits, trained weights)",
-             "measured": f"{row['output_change_pct']:.3f}% (loss {row['delta']:+.4f}%; untrained random weights: "
-                         f"{row['output_change_random_init_pct']:.2f}%)", "met": row["output_change_pct"] <= 1.0},
-        ]  # fmt: skip
+            {
+                "target": f"HF {family}: whole-model int8 >= 3.5x smaller (int8_dynamic, embeddings and tied head included)",
+                "measured": f"{row['size_ratio']:.3f}x (file {row['file_ratio']:.2f}x; {row['layers']} layers, "
+                f"{row['conv1d']} Conv1D, tied: {row['tied']})",
+                "met": row["size_ratio"] >= 3.5,
+            },
+            {
+                "target": f"HF {family}: int8 output change <= 1% relative (logits, trained weights)",
+                "measured": f"{row['output_change_pct']:.3f}% (loss {row['delta']:+.4f}%; untrained random weights: "
+                f"{row['output_change_random_init_pct']:.2f}%)",
+                "met": row["output_change_pct"] <= 1.0,
+            },
+        ]
     return targets
 
 
@@ -310,38 +358,57 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         torch.set_num_threads(threads)
     for size, losses in qat.items():
         for arm in ("ptq", "qat"):
-            rows.append({
-                "workload": f"charlm, +{setup['qat_steps']} steps from the float model", "mode": f"{arm.upper()} intx4 g{size}",
-                "metric": losses[arm], "delta": _relative_increase(losses[arm], losses["float"]),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "workload": f"charlm, +{setup['qat_steps']} steps from the float model",
+                    "mode": f"{arm.upper()} intx4 g{size}",
+                    "metric": losses[arm],
+                    "delta": _relative_increase(losses[arm], losses["float"]),
+                }
+            )
     by = {(row["workload"].split()[0], row["mode"]): row for row in rows}
     linear_only = {workload: by[(workload, "float32")].pop("linear_only_ratio") for workload in ("digits", "charlm")}
     targets = []
     for workload, unit, limit in (("digits", "pts", -1.0), ("charlm", "% loss", 1.0)):
         size = by[(workload, "int8_dynamic")]["size_ratio"]
-        best = max(("int8_dynamic", "int8_weight_only", "int8_static", "int8_dynamic compiled", "int8_static compiled"),
-                   key=lambda mode: by[(workload, mode)]["speedup"])  # fmt: skip
+        best = max(
+            ("int8_dynamic", "int8_weight_only", "int8_static", "int8_dynamic compiled", "int8_static compiled"),
+            key=lambda mode: by[(workload, mode)]["speedup"],
+        )
         deltas = {mode: by[(workload, mode)]["delta"] for mode in ("int8_dynamic", best)}
         met_delta = all((d >= limit) if workload == "digits" else (d <= limit) for d in deltas.values())
         targets += [
-            {"target": f"{workload}: int8 >= 3.8x smaller (int8_dynamic, whole model)",
-             "measured": f"{size:.3f}x (nn.Linear only: {linear_only[workload]:.3f}x)", "met": size >= 3.8},
-            {"target": f"{workload}: int8 >= 1.5x faster on CPU than float32 run the same way (best int8 path)",
-             "measured": f"{best}: {by[(workload, best)]['speedup']:.2f}x (batch 1: {by[(workload, best)]['speedup_b1']:.2f}x)",
-             "met": by[(workload, best)]["speedup"] >= 1.5},
-            {"target": f"{workload}: int8 metric drop <= {'1 point' if workload == 'digits' else '1% relative val loss'}",
-             "measured": ", ".join(f"{mode} {d:+.2f} {unit}" for mode, d in deltas.items()), "met": met_delta},
-        ]  # fmt: skip
+            {
+                "target": f"{workload}: int8 >= 3.8x smaller (int8_dynamic, whole model)",
+                "measured": f"{size:.3f}x (nn.Linear only: {linear_only[workload]:.3f}x)",
+                "met": size >= 3.8,
+            },
+            {
+                "target": f"{workload}: int8 >= 1.5x faster on CPU than float32 run the same way (best int8 path)",
+                "measured": f"{best}: {by[(workload, best)]['speedup']:.2f}x (batch 1: {by[(workload, best)]['speedup_b1']:.2f}x)",
+                "met": by[(workload, best)]["speedup"] >= 1.5,
+            },
+            {
+                "target": f"{workload}: int8 metric drop <= {'1 point' if workload == 'digits' else '1% relative val loss'}",
+                "measured": ", ".join(f"{mode} {d:+.2f} {unit}" for mode, d in deltas.items()),
+                "met": met_delta,
+            },
+        ]
     for size, losses in qat.items():
         ptq_drop, qat_drop = (_relative_increase(losses[a], losses["float"]) for a in ("ptq", "qat"))
-        targets.append({
-            "target": f"charlm: QAT intx4 (group {size}) ends with a lower val loss than PTQ intx4 (same format, same steps)",
-            "measured": f"PTQ {ptq_drop:+.2f}% vs QAT {qat_drop:+.2f}% (vs the float arm)", "met": qat_drop < ptq_drop,
-        })  # fmt: skip
+        targets.append(
+            {
+                "target": f"charlm: QAT intx4 (group {size}) ends with a lower val loss than PTQ intx4 (same format, same steps)",
+                "measured": f"PTQ {ptq_drop:+.2f}% vs QAT {qat_drop:+.2f}% (vs the float arm)",
+                "met": qat_drop < ptq_drop,
+            }
+        )
     from lightning_lowmem.functional.quantization.static import cpu_has_vnni
 
     vnni = cpu_has_vnni()
-    ptq_costs = " / ".join(f"{_relative_increase(losses['ptq'], losses['float']):+.2f}% (g{size})" for size, losses in qat.items())
+    ptq_costs = " / ".join(
+        f"{_relative_increase(losses['ptq'], losses['float']):+.2f}% (g{size})" for size, losses in qat.items()
+    )
     notes = (
         "speedup = float32 latency / mode latency at the listed batch, eager modes against eager float32 and compiled "
         "modes against compiled float32 (`compile_inference`: torch.compile with Inductor freezing, so the pt2e graph "
@@ -384,4 +451,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict:
         "Static int8 on a CPU without VNNI (this one: AVX2 only) quantizes activations to 7 bits (reduce_range), "
         "which keeps the compiled oneDNN kernels equal to the reference graph (8-bit activations saturate there)."
     )
-    return {"title": "Quantization (digits, charlm and Hugging Face models, CPU)", "rows": rows, "targets": targets, "notes": notes}
+    return {
+        "title": "Quantization (digits, charlm and Hugging Face models, CPU)",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }

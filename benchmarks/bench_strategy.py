@@ -46,10 +46,15 @@ class _Save(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.figures:
             return
-        grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                 for p in pl_module.parameters() if p.grad is not None}
-        self.figures = {"parameter_bytes": state_bytes(pl_module)["parameters"],
-                        "gradient_and_bucket_bytes": sum({**grads, **self.buckets}.values())}
+        grads = {
+            p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+            for p in pl_module.parameters()
+            if p.grad is not None
+        }
+        self.figures = {
+            "parameter_bytes": state_bytes(pl_module)["parameters"],
+            "gradient_and_bucket_bytes": sum({**grads, **self.buckets}.values()),
+        }
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.buckets: dict[int, int] = {}  # DDP bucket storages: data pointer -> bytes
@@ -78,21 +83,27 @@ def _budget_rows(steps: int) -> list[dict[str, Any]]:
         trainer = quiet_trainer(strategy=strategy, max_steps=steps, limit_val_batches=0, callbacks=[tracker])
         trainer.fit(CharLM(**MODEL), _data())
         plan = strategy.plan
-        rows.append({
-            "run": "plain" if budget is None else f"memory_budget={budget}",
-            "config": plan.config.describe() if plan else "32-true + adamw",
-            "predicted_peak_mib": mib(plan.predicted_peak_bytes) if plan else None,
-            "measured_peak_mib": mib(tracker.peak_bytes),
-        })
+        rows.append(
+            {
+                "run": "plain" if budget is None else f"memory_budget={budget}",
+                "config": plan.config.describe() if plan else "32-true + adamw",
+                "predicted_peak_mib": mib(plan.predicted_peak_bytes) if plan else None,
+                "measured_peak_mib": mib(tracker.peak_bytes),
+            }
+        )
     return rows
 
 
 def _ddp_figures(directory: Path, devices: int, steps: int, **strategy_kwargs: Any) -> list[dict[str, int]]:
     set_seed(0)
-    strategy = LowMemoryDDPStrategy(start_method="spawn", **strategy_kwargs) if devices > 1 else LowMemoryDDPStrategy(
-        **strategy_kwargs)
-    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=0,
-                            callbacks=[_Save(str(directory))])
+    strategy = (
+        LowMemoryDDPStrategy(start_method="spawn", **strategy_kwargs)
+        if devices > 1
+        else LowMemoryDDPStrategy(**strategy_kwargs)
+    )
+    trainer = quiet_trainer(
+        devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=0, callbacks=[_Save(str(directory))]
+    )
     trainer.fit(CharLM(**MODEL), _data(16 // devices))
     return [torch.load(directory / f"rank{rank}.pt") for rank in range(devices)]
 
@@ -113,31 +124,54 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         copy = _ddp_figures(root / "copy", 1, steps, gradient_as_bucket_view=False)[0]
     params = view["parameter_bytes"]
     rows += [
-        {"run": "lowmem_ddp, 1 process", "config": "gradient_as_bucket_view=True",
-         "gradient_and_bucket_mib": mib(view["gradient_and_bucket_bytes"]), "parameter_mib": mib(params)},
-        {"run": "lowmem_ddp, 1 process", "config": "gradient_as_bucket_view=False",
-         "gradient_and_bucket_mib": mib(copy["gradient_and_bucket_bytes"]), "parameter_mib": mib(params)},
-        {"run": "lowmem_ddp, 1 process", "config": "AdamW (unsharded)",
-         "optimizer_state_mib": mib(unsharded["optimizer_state_bytes"])},
+        {
+            "run": "lowmem_ddp, 1 process",
+            "config": "gradient_as_bucket_view=True",
+            "gradient_and_bucket_mib": mib(view["gradient_and_bucket_bytes"]),
+            "parameter_mib": mib(params),
+        },
+        {
+            "run": "lowmem_ddp, 1 process",
+            "config": "gradient_as_bucket_view=False",
+            "gradient_and_bucket_mib": mib(copy["gradient_and_bucket_bytes"]),
+            "parameter_mib": mib(params),
+        },
+        {
+            "run": "lowmem_ddp, 1 process",
+            "config": "AdamW (unsharded)",
+            "optimizer_state_mib": mib(unsharded["optimizer_state_bytes"]),
+        },
     ] + [
-        {"run": f"lowmem_ddp, 2 processes, rank {rank}", "config": "zero_optimizer=True",
-         "optimizer_state_mib": mib(figures["optimizer_state_bytes"])}
+        {
+            "run": f"lowmem_ddp, 2 processes, rank {rank}",
+            "config": "zero_optimizer=True",
+            "optimizer_state_mib": mib(figures["optimizer_state_bytes"]),
+        }
         for rank, figures in enumerate(zero)
     ]
     budget_bytes = 4 * 2**20
     largest_shard = max(f["optimizer_state_bytes"] for f in zero) / unsharded["optimizer_state_bytes"]
     targets = [
-        {"target": f"memory_budget={BUDGET}: measured training peak <= budget",
-         "measured": f"{rows[1]['measured_peak_mib']} MiB with [{rows[1]['config']}] (plain: {rows[0]['measured_peak_mib']} MiB)",
-         "met": rows[1]["measured_peak_mib"] <= mib(budget_bytes)},
-        {"target": f"memory_budget={MICRO_BUDGET} (no whole-batch mix fits): micro-batches (AutoMicrobatch), peak <= budget",
-         "measured": f"{rows[2]['measured_peak_mib']} MiB with [{rows[2]['config']}]",
-         "met": rows[2]["measured_peak_mib"] <= mib(2.5 * 2**20) and "mb " in rows[2]["config"]},
-        {"target": "ZeRO-1 on 2 processes: each rank holds <= 55% of the unsharded optimizer state",
-         "measured": f"largest shard {largest_shard:.1%}", "met": largest_shard <= 0.55},
-        {"target": "gradient_as_bucket_view: gradients + DDP buckets = 1x parameter bytes (not 2x)",
-         "measured": f"{view['gradient_and_bucket_bytes'] / params:.2f}x (off: {copy['gradient_and_bucket_bytes'] / params:.2f}x)",
-         "met": view["gradient_and_bucket_bytes"] == params},
+        {
+            "target": f"memory_budget={BUDGET}: measured training peak <= budget",
+            "measured": f"{rows[1]['measured_peak_mib']} MiB with [{rows[1]['config']}] (plain: {rows[0]['measured_peak_mib']} MiB)",
+            "met": rows[1]["measured_peak_mib"] <= mib(budget_bytes),
+        },
+        {
+            "target": f"memory_budget={MICRO_BUDGET} (no whole-batch mix fits): micro-batches (AutoMicrobatch), peak <= budget",
+            "measured": f"{rows[2]['measured_peak_mib']} MiB with [{rows[2]['config']}]",
+            "met": rows[2]["measured_peak_mib"] <= mib(2.5 * 2**20) and "mb " in rows[2]["config"],
+        },
+        {
+            "target": "ZeRO-1 on 2 processes: each rank holds <= 55% of the unsharded optimizer state",
+            "measured": f"largest shard {largest_shard:.1%}",
+            "met": largest_shard <= 0.55,
+        },
+        {
+            "target": "gradient_as_bucket_view: gradients + DDP buckets = 1x parameter bytes (not 2x)",
+            "measured": f"{view['gradient_and_bucket_bytes'] / params:.2f}x (off: {copy['gradient_and_bucket_bytes'] / params:.2f}x)",
+            "met": view["gradient_and_bucket_bytes"] == params,
+        },
     ]
     return {
         "title": f"LowMemoryStrategy on charlm ({MODEL['n_layer']} x {MODEL['n_embd']}, batch 16 x 32), {steps} steps, CPU",

@@ -63,7 +63,12 @@ FULL_STACK = "full stack: bf16-true + ckpt(Block) + int8 + Adafactor in backward
 SR_STACK = "full stack, stochastic rounding: bf16-true + ckpt(Block) + int8 + Adafactor (SR) in backward"
 ADAMW_STACK = "AdamW stack: bf16-true + ckpt(Block) + int8 + AdamW in backward"
 FOUR_BIT_STACK = "4-bit stack: bf16-true + nested ckpt(Block, attn) + int8 + AdamW4bit in backward"
-STACKS = (("full stack", FULL_STACK), ("SR stack", SR_STACK), ("AdamW stack", ADAMW_STACK), ("4-bit stack", FOUR_BIT_STACK))
+STACKS = (
+    ("full stack", FULL_STACK),
+    ("SR stack", SR_STACK),
+    ("AdamW stack", ADAMW_STACK),
+    ("4-bit stack", FOUR_BIT_STACK),
+)
 SETUPS = [
     Setup("plain fp32 AdamW (anchor)"),
     Setup("bf16-true AdamW", BF16),
@@ -73,12 +78,18 @@ SETUPS = [
     Setup("bf16-true + checkpointing(Block)", BF16, "Block"),
     Setup("bf16-true + AdamW in backward", BF16, optimizer="adamw_in_backward"),
     Setup("bf16-true + Adafactor in backward", BF16, optimizer="adafactor_in_backward", lr=ADAFACTOR_LR),
-    Setup("bf16-true + Adafactor (stochastic rounding) in backward", BF16,
-          optimizer="adafactor_bf16_sr_in_backward", lr=ADAFACTOR_LR),
+    Setup(
+        "bf16-true + Adafactor (stochastic rounding) in backward",
+        BF16,
+        optimizer="adafactor_bf16_sr_in_backward",
+        lr=ADAFACTOR_LR,
+    ),
     Setup(FULL_STACK, BF16, "Block", compression="int8", optimizer="adafactor_in_backward", lr=ADAFACTOR_LR),
     Setup(SR_STACK, BF16, "Block", compression="int8", optimizer="adafactor_bf16_sr_in_backward", lr=ADAFACTOR_LR),
     Setup(ADAMW_STACK, BF16, "Block", compression="int8", optimizer="adamw_in_backward"),
-    Setup(FOUR_BIT_STACK, BF16, ["Block", "*.attn"], nested=True, compression="int8", optimizer="adamw4bit_in_backward"),
+    Setup(
+        FOUR_BIT_STACK, BF16, ["Block", "*.attn"], nested=True, compression="int8", optimizer="adamw4bit_in_backward"
+    ),
 ]
 
 
@@ -126,7 +137,9 @@ class _Run:
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         stance = torch.compiler.set_stance("force_eager" if self.eager else "default")
-        compression = compress_activations(self.setup.compression) if self.setup.compression else contextlib.nullcontext()
+        compression = (
+            compress_activations(self.setup.compression) if self.setup.compression else contextlib.nullcontext()
+        )
         with stance:
             with compression:
                 loss = self._loss(*batch)
@@ -170,10 +183,16 @@ def _targets(rows: list[dict[str, Any]], prefix: str = "") -> list[dict[str, Any
     if SETUPS[2].name not in by_name:  # the GPU-size table holds the headline setups only
         return [{**t, "target": prefix + t["target"], "twin": t["target"]} for t in _stack_targets(rows, by_name)]
     targets = [
-        {"target": "checkpointing cuts activation bytes >= 3x", "measured": f"{act_cut(SETUPS[2].name):.1f}x",
-         "met": act_cut(SETUPS[2].name) >= 3},
-        {"target": "int8 compression cuts activation bytes >= 2.5x", "measured": f"{act_cut(SETUPS[4].name):.1f}x",
-         "met": act_cut(SETUPS[4].name) >= 2.5},
+        {
+            "target": "checkpointing cuts activation bytes >= 3x",
+            "measured": f"{act_cut(SETUPS[2].name):.1f}x",
+            "met": act_cut(SETUPS[2].name) >= 3,
+        },
+        {
+            "target": "int8 compression cuts activation bytes >= 2.5x",
+            "measured": f"{act_cut(SETUPS[4].name):.1f}x",
+            "met": act_cut(SETUPS[4].name) >= 2.5,
+        },
     ]
     return targets + _stack_targets(rows, by_name)
 
@@ -187,14 +206,26 @@ def _stack_targets(rows: list[dict[str, Any]], by_name: dict[str, dict[str, Any]
         vs_fp32, vs_bf16 = row.get("alloc_vs_fp32", row["peak_vs_fp32"]), row.get("alloc_vs_bf16", row["peak_vs_bf16"])
         source = " (allocator)" if "alloc_vs_fp32" in row else ""
         targets += [
-            {"target": f"{label}: peak <= 1/8 of plain fp32", "measured": f"1/{1 / vs_fp32:.2f}{source}",
-             "met": vs_fp32 <= 1 / 8},
-            {"target": f"{label}: peak <= 1/4 of bf16-true", "measured": f"1/{1 / vs_bf16:.2f}{source}",
-             "met": vs_bf16 <= 1 / 4},
-            {"target": f"{label}: step time <= 1.35x bf16-true", "measured": f"{row['time_vs_bf16']:.2f}x",
-             "met": row["time_vs_bf16"] <= 1.35},
-            {"target": f"{label}: loss at most 3% above plain fp32", "measured": f"{100 * row['loss_vs_fp32']:+.2f}%",
-             "met": row["loss_vs_fp32"] <= 0.03},
+            {
+                "target": f"{label}: peak <= 1/8 of plain fp32",
+                "measured": f"1/{1 / vs_fp32:.2f}{source}",
+                "met": vs_fp32 <= 1 / 8,
+            },
+            {
+                "target": f"{label}: peak <= 1/4 of bf16-true",
+                "measured": f"1/{1 / vs_bf16:.2f}{source}",
+                "met": vs_bf16 <= 1 / 4,
+            },
+            {
+                "target": f"{label}: step time <= 1.35x bf16-true",
+                "measured": f"{row['time_vs_bf16']:.2f}x",
+                "met": row["time_vs_bf16"] <= 1.35,
+            },
+            {
+                "target": f"{label}: loss at most 3% above plain fp32",
+                "measured": f"{100 * row['loss_vs_fp32']:+.2f}%",
+                "met": row["loss_vs_fp32"] <= 0.03,
+            },
         ]
     return targets
 
@@ -281,8 +312,11 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "('adamw_in_backward', 'adafactor_in_backward', 'adafactor_bf16_sr_in_backward', 'adamw4bit_in_backward'), bf16-true = Trainer(precision='bf16-true'); "
         "examples/configs/full_stack.yaml is the full stack. Loss targets count only a higher loss as a miss "
         "(the issue's 'within 3%' guards against the switches hurting training; Adafactor ends lower). "
-        + ("torchao's 4-bit step ran eagerly (torch.compile unavailable here). " if eager
-           else "torchao's 4-bit step is torch.compile'd as torchao does (compilation falls in the warm-up steps). ")
+        + (
+            "torchao's 4-bit step ran eagerly (torch.compile unavailable here). "
+            if eager
+            else "torchao's 4-bit step is torch.compile'd as torchao does (compilation falls in the warm-up steps). "
+        )
         + "CPU runs use 1 thread; time ratios are CPU figures (CPU flash-attention backward dominates a bf16 step), "
         "not GPU predictions; memory ratios do not depend on the device."
     )
@@ -293,8 +327,16 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             "times after torch.cuda.synchronize(), so time_vs_bf16 = wall_vs_bf16; the peak targets use the "
             "allocator's count (alloc_vs_fp32 / alloc_vs_bf16: the setup's state + torch.cuda.max_memory_allocated "
             "above the start of one more step), peak_MiB is the memory core's."
-            + (" Quick run: the 4-bit stack steps torchao's AdamW4bit eagerly (no compilation), so its step "
-               "time is not representative; it is not in the GPU-size table." if quick else "")
+            + (
+                " Quick run: the 4-bit stack steps torchao's AdamW4bit eagerly (no compilation), so its step "
+                "time is not representative; it is not in the GPU-size table."
+                if quick
+                else ""
+            )
         )
-    return {"title": "Training memory switches on charlm (checkpointing, compression, optimizer, stacks)",
-            "rows": rows + gpu_rows, "targets": targets, "notes": notes}
+    return {
+        "title": "Training memory switches on charlm (checkpointing, compression, optimizer, stacks)",
+        "rows": rows + gpu_rows,
+        "targets": targets,
+        "notes": notes,
+    }

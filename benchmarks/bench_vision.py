@@ -21,7 +21,13 @@ from benchmarks.common import mib, smoke
 from lightning_lowmem.functional.checkpointing import checkpoint_, resolve_policy
 from lightning_lowmem.functional.optimizers.registry import build_optimizer
 from lightning_lowmem.memory import measure_memory
-from lightning_lowmem.planning.estimate import TrainingConfig, _apply_model_techniques, _train_step, default_loss, estimate_memory
+from lightning_lowmem.planning.estimate import (
+    TrainingConfig,
+    _apply_model_techniques,
+    _train_step,
+    default_loss,
+    estimate_memory,
+)
 from lightning_lowmem.planning.plan import plan_memory
 
 LOOP = "torch"  # plain modules: torch's order (zero_grad before the forward), as estimate_memory picks for them
@@ -32,20 +38,30 @@ def _resnet(small: bool) -> nn.Module:
 
     torch.manual_seed(0)
     sizes, depths = ([8, 16], [1, 1]) if small else ([16, 32], [2, 2])
-    config = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=sizes, depths=depths, layer_type="basic",
-                          num_labels=10)  # fmt: skip
+    config = ResNetConfig(
+        num_channels=3, embedding_size=16, hidden_sizes=sizes, depths=depths, layer_type="basic", num_labels=10
+    )
     return ResNetForImageClassification(config)
 
 
 def _flat_cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))  # fmt: skip
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
 
 
 def _batch(batch_size: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(batch_size, 3, size, size, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator)
+    return torch.randn(batch_size, 3, size, size, generator=generator), torch.randint(
+        0, 10, (batch_size,), generator=generator
+    )
 
 
 def _measured_peak(model: nn.Module, batch: Any, config: TrainingConfig) -> int:
@@ -58,8 +74,18 @@ def _measured_peak(model: nn.Module, batch: Any, config: TrainingConfig) -> int:
     _apply_model_techniques(model, config)
     optimizer = build_optimizer(config.optimizer.name, [p for p in model.parameters() if p.requires_grad])
     _train_step(model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP)
-    report = measure_memory(_train_step, model, batch, default_loss, optimizer, config, autocast_dtype, loop=LOOP,
-                            module=model, device="cpu")  # fmt: skip
+    report = measure_memory(
+        _train_step,
+        model,
+        batch,
+        default_loss,
+        optimizer,
+        config,
+        autocast_dtype,
+        loop=LOOP,
+        module=model,
+        device="cpu",
+    )
     return report.peak_bytes
 
 
@@ -174,13 +200,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         {
             "target": "HF ResNet at a budget only bf16-true fits: the plan is bf16-true, within 5% of the measured peak",
             "measured": f"chosen {resnet_row['chosen']}: predicted {resnet_row['predicted MiB']} MiB, measured "
-                        f"{resnet_row['measured MiB']} MiB ({resnet_row['error %']:+.2f}%)",
+            f"{resnet_row['measured MiB']} MiB ({resnet_row['error %']:+.2f}%)",
             "met": resnet["chosen"] == "bf16-true" and abs(resnet["error"]) <= 0.05,
         },
         {
             "target": "flat nn.Sequential CNN: candidates that cannot be built are skipped and listed, a plan is found",
             "measured": f"chosen {cnn_row['chosen']} ({cnn_row['error %']:+.2f}% vs measured); skipped "
-                        f"{cnn_row['skipped candidates']}: {'; '.join(cnn['skipped'])}",
+            f"{cnn_row['skipped candidates']}: {'; '.join(cnn['skipped'])}",
             "met": cnn["chosen"] == "bf16-true" and cnn_row["skipped candidates"] > 0,
         },
         *(
@@ -201,9 +227,12 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     notes = (
         "CPU, memory core (exact tensor bytes). Budget = midway between the full estimates of bf16-true + adamw and "
         "bf16-mixed + adamw, after the planner's 10% margin. Checkpointing 'auto' rows: "
-        + "; ".join(f"{r['model']}: {r['auto wraps']} blocks wrapped, activations {r['activations MiB']} -> "
-                    f"{r['with auto MiB']} MiB ({r['activations ratio']}x), peak {r['peak MiB']} -> "
-                    f"{r['peak with auto MiB']} MiB" for r in checkpointing)  # fmt: skip
+        + "; ".join(
+            f"{r['model']}: {r['auto wraps']} blocks wrapped, activations {r['activations MiB']} -> "
+            f"{r['with auto MiB']} MiB ({r['activations ratio']}x), peak {r['peak MiB']} -> "
+            f"{r['peak with auto MiB']} MiB"
+            for r in checkpointing
+        )
         + ". LoRA (fp32 + adamw): "
         + "; ".join(
             f"{r['model']}, {r['method']}: {r['trainable params']:,} trainable of {r['total params']:,}, optimizer "
@@ -214,13 +243,19 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "size = parameter + buffer bytes; inference peak = a no_grad forward of 64 images):\n\n"
         + markdown(quantization)
         + "\n\n**Lean optimizers per model family** (one training step, batch 32 x 3 x 16 x 16; state after it; "
-        "'warns': MemoryEfficientOptimizer warns, the lean state being > 0.5x AdamW's):\n\n"
-        + markdown(optimizers)
+        "'warns': MemoryEfficientOptimizer warns, the lean state being > 0.5x AdamW's):\n\n" + markdown(optimizers)
     )
     # measured on CPU whatever `device` is: the memory core's tensor bytes, which a CUDA run would only round
-    return {"title": "Vision / torch-native models: planner and checkpointing 'auto' (cpu)", "rows": rows,
-            "targets": targets, "notes": notes, "checkpointing": checkpointing, "lora": lora,
-            "quantization": quantization, "optimizers": optimizers}  # fmt: skip
+    return {
+        "title": "Vision / torch-native models: planner and checkpointing 'auto' (cpu)",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+        "checkpointing": checkpointing,
+        "lora": lora,
+        "quantization": quantization,
+        "optimizers": optimizers,
+    }
 
 
 def _int8_target(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -53,7 +53,9 @@ def _train(device: str, steps: int, batch_size: int = 32) -> tuple[CharGPT, list
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    val = [(x.to(device), y.to(device)) for x, y in data.val_dataloader() if len(x) == batch_size][: 2 if smoke() else 4]
+    val = [(x.to(device), y.to(device)) for x, y in data.val_dataloader() if len(x) == batch_size][
+        : 2 if smoke() else 4
+    ]
     return model.eval(), val
 
 
@@ -86,7 +88,10 @@ def quantization_cuda(device: str, quick: bool) -> dict[str, Any]:
     float_bytes = state_bytes(base)["parameters"]
     loss_fp32, logits_fp32 = _evaluate(base, val)
     bf16 = copy.deepcopy(base).to(torch.bfloat16)
-    variants: dict[str, tuple[nn.Module, int]] = {"float32": (base, float_bytes), "bfloat16": (bf16, state_bytes(bf16)["parameters"])}
+    variants: dict[str, tuple[nn.Module, int]] = {
+        "float32": (base, float_bytes),
+        "bfloat16": (bf16, state_bytes(bf16)["parameters"]),
+    }
     for mode in ("int8_weight_only", "int8_dynamic"):
         report = quantize_(copy.deepcopy(base), mode)
         variants[mode] = (report.module, report.bytes_after)
@@ -97,29 +102,54 @@ def quantization_cuda(device: str, quick: bool) -> dict[str, Any]:
     rows = []
     for name, (module, size) in variants.items():
         loss, logits = _evaluate(module, val)
-        rows.append({
-            "workload": f"charlm {base.config.n_layer}x{base.config.n_embd} ({device})", "mode": name,
-            "size_ratio": round(float_bytes / size, 3), "val_loss": round(loss, 4),
-            "delta_%": round(100 * (loss / loss_fp32 - 1), 3),
-            "logits_rel_change": float(f"{((logits - logits_fp32).norm() / logits_fp32.norm()).item():.3g}"),
-            "latency_ms": round(_latency_ms(module, x, device), 3),
-        })  # fmt: skip
+        rows.append(
+            {
+                "workload": f"charlm {base.config.n_layer}x{base.config.n_embd} ({device})",
+                "mode": name,
+                "size_ratio": round(float_bytes / size, 3),
+                "val_loss": round(loss, 4),
+                "delta_%": round(100 * (loss / loss_fp32 - 1), 3),
+                "logits_rel_change": float(f"{((logits - logits_fp32).norm() / logits_fp32.norm()).item():.3g}"),
+                "latency_ms": round(_latency_ms(module, x, device), 3),
+            }
+        )
     for row in cpu_rows("quantization"):  # the CPU twin: charlm rows of the CPU study
-        if str(row.get("workload", "")).startswith("charlm GPT") and row.get("mode") in ("float32", "int8_weight_only", "int8_dynamic", "intx4_weight_only"):
-            rows.append({"workload": f"CPU twin: {row['workload']}", "mode": row["mode"], "size_ratio": round(row["size_ratio"], 3),
-                         "val_loss": round(row["metric"], 4), "delta_%": round(row["delta"], 3)})  # fmt: skip
+        if str(row.get("workload", "")).startswith("charlm GPT") and row.get("mode") in (
+            "float32",
+            "int8_weight_only",
+            "int8_dynamic",
+            "intx4_weight_only",
+        ):
+            rows.append(
+                {
+                    "workload": f"CPU twin: {row['workload']}",
+                    "mode": row["mode"],
+                    "size_ratio": round(row["size_ratio"], 3),
+                    "val_loss": round(row["metric"], 4),
+                    "delta_%": round(row["delta"], 3),
+                }
+            )
     by_mode = {row["mode"]: row for row in rows if not row["workload"].startswith("CPU twin")}
     g32, g128 = by_mode[f"{int4} g32"], by_mode[f"{int4} g128"]
     targets = [
-        {"target": f"charlm: int4 weight-only >= 5x smaller than float32 ({int4}, group 128, whole model)",
-         "measured": f"{g128['size_ratio']:.2f}x (group 32: {g32['size_ratio']:.2f}x; int8_weight_only {by_mode['int8_weight_only']['size_ratio']:.2f}x)",
-         "met": g128["size_ratio"] >= 5},
-        {"target": "charlm: int4 weight-only val loss within 2% of float32 (group 32)",
-         "measured": f"{g32['delta_%']:+.2f}% (group 128 {g128['delta_%']:+.2f}%; logits change {g32['logits_rel_change']:.3g})",
-         "met": g32["delta_%"] <= 2.0},
-        {"target": "charlm: int8 metric drop <= 1% relative val loss", "met": max(by_mode[m]["delta_%"] for m in ("int8_weight_only", "int8_dynamic")) <= 1.0,
-         "measured": ", ".join(f"{m} {by_mode[m]['delta_%']:+.2f} % loss" for m in ("int8_weight_only", "int8_dynamic"))},
-    ]  # fmt: skip
+        {
+            "target": f"charlm: int4 weight-only >= 5x smaller than float32 ({int4}, group 128, whole model)",
+            "measured": f"{g128['size_ratio']:.2f}x (group 32: {g32['size_ratio']:.2f}x; int8_weight_only {by_mode['int8_weight_only']['size_ratio']:.2f}x)",
+            "met": g128["size_ratio"] >= 5,
+        },
+        {
+            "target": "charlm: int4 weight-only val loss within 2% of float32 (group 32)",
+            "measured": f"{g32['delta_%']:+.2f}% (group 128 {g128['delta_%']:+.2f}%; logits change {g32['logits_rel_change']:.3g})",
+            "met": g32["delta_%"] <= 2.0,
+        },
+        {
+            "target": "charlm: int8 metric drop <= 1% relative val loss",
+            "met": max(by_mode[m]["delta_%"] for m in ("int8_weight_only", "int8_dynamic")) <= 1.0,
+            "measured": ", ".join(
+                f"{m} {by_mode[m]['delta_%']:+.2f} % loss" for m in ("int8_weight_only", "int8_dynamic")
+            ),
+        },
+    ]
     notes = (
         f"charlm GPT {base.config.n_layer}x{base.config.n_embd} (block {base.config.block_size}), trained on the "
         f"{device} with AdamW, then each mode applied to a copy with lightning_lowmem.functional.quantization.quantize_ "
@@ -132,8 +162,12 @@ def quantization_cuda(device: str, quick: bool) -> dict[str, Any]:
         "(intx4 = int4 values in int8 bytes, CPU)."
         + ("" if device == "cuda" else " Smoke run on CPU: int4_weight_only replaced by intx4_weight_only.")
     )
-    return {"title": f"Quantization on {device.upper()}: int8 and int4 weight-only (charlm)", "rows": rows,
-            "targets": targets, "notes": notes}  # fmt: skip
+    return {
+        "title": f"Quantization on {device.upper()}: int8 and int4 weight-only (charlm)",
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+    }
 
 
 def qlora_int4(device: str, quick: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
@@ -151,11 +185,17 @@ def qlora_int4(device: str, quick: bool) -> tuple[list[dict[str, Any]], list[dic
     data = CharLMDataModule(block_size=base.config.block_size, batch_size=16, max_chars=400_000, include=["asyncio/*"])
     data.setup("fit")
     # the first batches of one shuffled epoch (islice: the loader's other ~25,000 windows are never read)
-    train = [(x.to(device), y.to(device)) for x, y in itertools.islice(data.train_dataloader(), 2 if smoke() else 30 if quick else 100)]
+    train = [
+        (x.to(device), y.to(device))
+        for x, y in itertools.islice(data.train_dataloader(), 2 if smoke() else 30 if quick else 100)
+    ]
     rows, results = [], {}
-    for label, lora in (("LoRA r=8", {}), ("QLoRA r=8, int8 base", {"quantize_base": "int8"}),
-                        (f"QLoRA r=8, {name} base", {"quantize_base": int4}),
-                        (f"QLoRA r=8, {name} base + frozen rest", {"quantize_base": int4, "quantize_frozen": True})):  # fmt: skip
+    for label, lora in (
+        ("LoRA r=8", {}),
+        ("QLoRA r=8, int8 base", {"quantize_base": "int8"}),
+        (f"QLoRA r=8, {name} base", {"quantize_base": int4}),
+        (f"QLoRA r=8, {name} base + frozen rest", {"quantize_base": int4, "quantize_frozen": True}),
+    ):
         model = copy.deepcopy(base).train()
         try:
             apply_lora_(model, r=8, alpha=16, **lora)
@@ -185,28 +225,49 @@ def qlora_int4(device: str, quick: bool) -> tuple[list[dict[str, Any]], list[dic
                 step(x, y)
             loss_after, _ = _evaluate(model, val)
         except Exception as error:  # noqa: BLE001
-            rows.append({"method": label, "base_vs_full": round(base_bytes / full_bytes, 3),
-                         "error": f"training step failed: {type(error).__name__}: {str(error)[:300]}"})  # fmt: skip
+            rows.append(
+                {
+                    "method": label,
+                    "base_vs_full": round(base_bytes / full_bytes, 3),
+                    "error": f"training step failed: {type(error).__name__}: {str(error)[:300]}",
+                }
+            )
             continue
-        results[label] = {"base": base_bytes / full_bytes, "init": loss_init, "change": (logits_init - logits_fp32).norm() / logits_fp32.norm()}
-        rows.append({
-            "method": label, "base_vs_full": round(base_bytes / full_bytes, 3),
-            "init_delta_%": round(100 * (loss_init / loss_fp32 - 1), 3),
-            "init_logits_rel_change": float(f"{results[label]['change'].item():.3g}"),
-            "step_peak_MiB": mib(step_peak), "val_loss_after": round(loss_after, 4),
-        })  # fmt: skip
+        results[label] = {
+            "base": base_bytes / full_bytes,
+            "init": loss_init,
+            "change": (logits_init - logits_fp32).norm() / logits_fp32.norm(),
+        }
+        rows.append(
+            {
+                "method": label,
+                "base_vs_full": round(base_bytes / full_bytes, 3),
+                "init_delta_%": round(100 * (loss_init / loss_fp32 - 1), 3),
+                "init_logits_rel_change": float(f"{results[label]['change'].item():.3g}"),
+                "step_peak_MiB": mib(step_peak),
+                "val_loss_after": round(loss_after, 4),
+            }
+        )
     rows = [{"workload": f"charlm {base.config.n_layer}x{base.config.n_embd} ({device})", **row} for row in rows]
     key = f"QLoRA r=8, {name} base"
     got = results.get(key)
     targets = [
-        {"target": f"QLoRA {int4} base ({device}): frozen base <= 0.3x full parameter bytes (charlm {base.config.n_layer}x{base.config.n_embd})",
-         "measured": f"{got['base']:.3f}x" if got else "did not run (see the row's error)", "met": bool(got) and got["base"] <= 0.3,
-         "twin": "QLoRA int8 base <= 0.3x full parameter bytes (charlm 4x128, benchmarked model)"},
-        {"target": f"QLoRA {int4} base ({device}): output before training within 2% val loss of float32, and it trains",
-         "measured": (f"{100 * (got['init'] / loss_fp32 - 1):+.2f}% val loss, logits change {got['change']:.3g}" if got
-                      else "did not run (see the row's error)"),
-         "met": bool(got) and got["init"] / loss_fp32 - 1 <= 0.02},
-    ]  # fmt: skip
+        {
+            "target": f"QLoRA {int4} base ({device}): frozen base <= 0.3x full parameter bytes (charlm {base.config.n_layer}x{base.config.n_embd})",
+            "measured": f"{got['base']:.3f}x" if got else "did not run (see the row's error)",
+            "met": bool(got) and got["base"] <= 0.3,
+            "twin": "QLoRA int8 base <= 0.3x full parameter bytes (charlm 4x128, benchmarked model)",
+        },
+        {
+            "target": f"QLoRA {int4} base ({device}): output before training within 2% val loss of float32, and it trains",
+            "measured": (
+                f"{100 * (got['init'] / loss_fp32 - 1):+.2f}% val loss, logits change {got['change']:.3g}"
+                if got
+                else "did not run (see the row's error)"
+            ),
+            "met": bool(got) and got["init"] / loss_fp32 - 1 <= 0.02,
+        },
+    ]
     notes = (
         f" QLoRA {int4} rows: charlm {base.config.n_layer}x{base.config.n_embd} (block {base.config.block_size}) "
         f"trained on the {device}, adapters r=8 on every linear but lm_head, fine-tuned {len(train)} steps (batch 16) on "

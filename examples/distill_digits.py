@@ -26,8 +26,16 @@ from lightning_lowmem.distillation import DistillationModule
 
 def trainer(steps: int, root: Path, **kwargs) -> L.Trainer:
     return L.Trainer(
-        accelerator="auto", devices=1, max_steps=steps, max_epochs=-1, default_root_dir=str(root),
-        enable_progress_bar=False, enable_model_summary=False, logger=False, limit_val_batches=20, **kwargs,
+        accelerator="auto",
+        devices=1,
+        max_steps=steps,
+        max_epochs=-1,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        limit_val_batches=20,
+        **kwargs,
     )
 
 

@@ -37,9 +37,16 @@ METHODS = {  # name -> (learning rate, LowRankAdapters arguments or None for ful
 
 def trainer(out: Path, steps: int, callbacks: list[L.Callback] | None = None) -> L.Trainer:
     return L.Trainer(
-        accelerator="auto", devices=1, max_steps=steps, limit_val_batches=20, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out), callbacks=callbacks,
-    )  # fmt: skip
+        accelerator="auto",
+        devices=1,
+        max_steps=steps,
+        limit_val_batches=20,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+        callbacks=callbacks,
+    )
 
 
 def pretrain(out: Path, steps: int) -> Path:

@@ -60,26 +60,42 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     L.seed_everything(0)
     optimizer = args.optimizer or ("adamw8bit" if torch.cuda.is_available() else "adafactor")
-    config = None if args.pretrained else {"n_layer": 4, "n_embd": 128} if args.family == "gpt2" else {
-        "num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 256}  # fmt: skip
+    config = (
+        None
+        if args.pretrained
+        else {"n_layer": 4, "n_embd": 128}
+        if args.family == "gpt2"
+        else {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 256}
+    )
     model = HFLanguageModel(args.family, pretrained=args.pretrained, config=config)
     data = HFTextDataModule("causal", seq_len=args.seq_len, batch_size=args.batch_size, tokenizer=args.pretrained)
     monitor = MemoryMonitor(summary=False)
     adapters = LowRankAdapters(r=8, alpha=16)
     trainer = L.Trainer(
-        max_steps=args.steps, limit_val_batches=10, val_check_interval=args.steps, logger=False,
-        enable_checkpointing=False, enable_model_summary=False,
-        callbacks=[adapters, ActivationCheckpointing("auto"), ActivationCompression("int8"),
-                   MemoryEfficientOptimizer(optimizer, lr=args.lr), monitor],
-    )  # fmt: skip
+        max_steps=args.steps,
+        limit_val_batches=10,
+        val_check_interval=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[
+            adapters,
+            ActivationCheckpointing("auto"),
+            ActivationCompression("int8"),
+            MemoryEfficientOptimizer(optimizer, lr=args.lr),
+            monitor,
+        ],
+    )
     before = trainer.validate(model, data, verbose=False)[0]["val_loss"]
     trainer.fit(model, data)
     after = trainer.callback_metrics["val_loss"].item()
     report = monitor.last_report
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{type(model.model).__name__}: val_loss {before:.3f} -> {after:.3f} after {args.steps} steps")
-    print(f"training step peak {format_bytes(report.peak_bytes)} "
-          f"(activations {format_bytes(report.breakdown['activations'])}), trainable parameters {trainable:,}")
+    print(
+        f"training step peak {format_bytes(report.peak_bytes)} "
+        f"(activations {format_bytes(report.breakdown['activations'])}), trainable parameters {trainable:,}"
+    )
 
     from lightning_lowmem.functional.lora.adapters import merged_state_dict
     from lightning_lowmem.functional.quantization.ptq import quantize_
@@ -92,10 +108,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     int8_bytes = state_bytes(shipped)["parameters"]
     plain = L.Trainer(limit_val_batches=10, logger=False, enable_checkpointing=False, enable_model_summary=False)
     quantized = plain.validate(shipped, data, verbose=False)[0]["val_loss"]  # no training callbacks: a shipped model
-    print(f"int8: {len(report.converted)} layers, {format_bytes(float_bytes)} -> {format_bytes(int8_bytes)} "
-          f"({float_bytes / int8_bytes:.2f}x smaller), val_loss {quantized:.3f}")
-    return {"val_loss_before": before, "val_loss_after": after, "val_loss_int8": quantized,
-            "size_ratio": float_bytes / int8_bytes, "peak_bytes": float(monitor.last_report.peak_bytes)}  # fmt: skip
+    print(
+        f"int8: {len(report.converted)} layers, {format_bytes(float_bytes)} -> {format_bytes(int8_bytes)} "
+        f"({float_bytes / int8_bytes:.2f}x smaller), val_loss {quantized:.3f}"
+    )
+    return {
+        "val_loss_before": before,
+        "val_loss_after": after,
+        "val_loss_int8": quantized,
+        "size_ratio": float_bytes / int8_bytes,
+        "peak_bytes": float(monitor.last_report.peak_bytes),
+    }
 
 
 if __name__ == "__main__":

@@ -27,8 +27,15 @@ from lightning_lowmem.functional.pruning.structural import pruned_shapes, restor
 def fit(model: L.LightningModule, epochs: int, callback: ScheduledPruning) -> float:
     data = DigitsDataModule(batch_size=64)
     trainer = L.Trainer(
-        accelerator="auto", devices=1, max_epochs=epochs, callbacks=[callback], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        accelerator="auto",
+        devices=1,
+        max_epochs=epochs,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
     )
     trainer.fit(model, data)
     return float(trainer.test(model, data, verbose=False)[0]["test_acc"])
@@ -37,8 +44,15 @@ def fit(model: L.LightningModule, epochs: int, callback: ScheduledPruning) -> fl
 def unstructured(epochs: int, out: Path) -> None:
     steps = epochs * 20  # ~20 batches per epoch
     model = DigitsClassifier(arch="mlp", hidden=256)
-    pruning = ScheduledPruning("l1_unstructured", parameter_names=["weight"], schedule="cubic", target_sparsity=0.9,
-                               start_step=steps // 10, end_step=steps // 2, frequency=5)
+    pruning = ScheduledPruning(
+        "l1_unstructured",
+        parameter_names=["weight"],
+        schedule="cubic",
+        target_sparsity=0.9,
+        start_step=steps // 10,
+        end_step=steps // 2,
+        frequency=5,
+    )
     accuracy = fit(model, epochs, pruning)
     dense_path, sparse_path = out / "dense.pt", out / "sparse.pt"
     torch.save(model.state_dict(), dense_path)
@@ -46,15 +60,26 @@ def unstructured(epochs: int, out: Path) -> None:
     restored = from_sparse_state_dict(torch.load(sparse_path, weights_only=True))
     assert all(torch.equal(restored[k], v) for k, v in model.state_dict().items())
     print(f"sparsity {sparsity(model):.1%}, test accuracy {accuracy:.2%}")
-    print(f"checkpoint: dense {dense_path.stat().st_size / 1024:.0f} KiB, sparse {sparse_path.stat().st_size / 1024:.0f} KiB")
+    print(
+        f"checkpoint: dense {dense_path.stat().st_size / 1024:.0f} KiB, sparse {sparse_path.stat().st_size / 1024:.0f} KiB"
+    )
 
 
 def structural(epochs: int, out: Path) -> None:
     steps = epochs * 20
     model = DigitsClassifier(arch="cnn", hidden=32)
     before = sum(p.numel() for p in model.parameters())
-    pruning = ScheduledPruning("ln_structured", parameter_names=["weight"], use_global_unstructured=False, pruning_norm=2,
-                               schedule="linear", target_sparsity=0.5, start_step=steps // 5, end_step=steps // 2, structural=True)
+    pruning = ScheduledPruning(
+        "ln_structured",
+        parameter_names=["weight"],
+        use_global_unstructured=False,
+        pruning_norm=2,
+        schedule="linear",
+        target_sparsity=0.5,
+        start_step=steps // 5,
+        end_step=steps // 2,
+        structural=True,
+    )
     accuracy = fit(model, epochs, pruning)
     path = out / "pruned_cnn.pt"
     torch.save({"state_dict": model.state_dict(), "shapes": pruned_shapes(model)}, path)
@@ -62,7 +87,9 @@ def structural(epochs: int, out: Path) -> None:
     fresh = restore_shapes_(DigitsClassifier(arch="cnn", hidden=32), saved["shapes"])
     fresh.load_state_dict(saved["state_dict"])
     after = sum(p.numel() for p in fresh.parameters())
-    print(f"parameters {before} -> {after} ({after / before:.0%}), test accuracy {accuracy:.2%}; reloaded from {path.name}")
+    print(
+        f"parameters {before} -> {after} ({after / before:.0%}), test accuracy {accuracy:.2%}; reloaded from {path.name}"
+    )
 
 
 def main() -> None:

@@ -40,8 +40,10 @@ def main() -> None:
     trainer = L.Trainer(max_steps=300, val_check_interval=100, limit_val_batches=20, callbacks=[ptq], **quiet)
     trainer.fit(model, data)
     before, after = ptq.summary["before"], ptq.summary["after"]
-    print(f"int8: {before['bytes'] / after['bytes']:.2f}x smaller, val_loss {before['metric']:.4f} -> "
-          f"{after['metric']:.4f}, kept float: {ptq.summary['kept_float'] or 'none'}")  # fmt: skip
+    print(
+        f"int8: {before['bytes'] / after['bytes']:.2f}x smaller, val_loss {before['metric']:.4f} -> "
+        f"{after['metric']:.4f}, kept float: {ptq.summary['kept_float'] or 'none'}"
+    )
     path = os.path.join(tempfile.mkdtemp(), "charlm_int8.ckpt")
     trainer.save_checkpoint(path)
     tokens = next(iter(data.val_dataloader()))[0][:4]
@@ -55,8 +57,10 @@ def main() -> None:
     rebuilt = load_quantized_checkpoint(CharLM, path, weights_only=True)
     with torch.no_grad():
         same = all(torch.equal(m.eval()(tokens), expected) for m in (fresh, loaded, rebuilt))
-    print(f"reloaded 3 ways: weights {type(loaded.model.lm_head.weight).__name__}, same outputs: {same}, "
-          f"val_loss via ckpt_path {val_loss:.4f}")  # fmt: skip
+    print(
+        f"reloaded 3 ways: weights {type(loaded.model.lm_head.weight).__name__}, same outputs: {same}, "
+        f"val_loss via ckpt_path {val_loss:.4f}"
+    )
 
 
 if __name__ == "__main__":

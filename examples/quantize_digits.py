@@ -31,7 +31,9 @@ def main() -> None:
     model, data = DigitsClassifier(hidden=256), DigitsDataModule()
     # 1. the callback: int8 at fit end, val_acc kept within 1 point (layers fall back to float if needed)
     ptq = PostTrainingQuantization("int8_dynamic", monitor="val_acc", tolerance=0.01)
-    trainer = L.Trainer(max_epochs=5, callbacks=[ptq], logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        max_epochs=5, callbacks=[ptq], logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
     float_model = None
 
     class KeepFloat(L.Callback):
@@ -53,7 +55,9 @@ def main() -> None:
     # 3. speed: compile both (Inductor freezing -> oneDNN int8 kernels for the static graph)
     batch = next(iter(loader))[0]
     calibration = [x for x, _ in loader][:4]
-    fast_int8 = compile_inference(quantize_(copy.deepcopy(float_model), "int8_static", calibration_data=calibration).module, (batch,))
+    fast_int8 = compile_inference(
+        quantize_(copy.deepcopy(float_model), "int8_static", calibration_data=calibration).module, (batch,)
+    )
     fast_float = compile_inference(copy.deepcopy(float_model), (batch,))
     ratio = measure_latency(fast_float, (batch,), repeats=50) / measure_latency(fast_int8, (batch,), repeats=50)
     print(f"compiled int8_static vs compiled float32: {ratio:.2f}x faster at batch {len(batch)}")

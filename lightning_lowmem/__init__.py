@@ -72,7 +72,14 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.checkpoints.file_format import CheckpointCorruptError
     from lightning_lowmem.distillation.module import DistillationModule
     from lightning_lowmem.functional.config import TrainingConfig
-    from lightning_lowmem.memory import MemoryReport, format_bytes, mark_memory, measure_memory, parse_bytes, track_memory
+    from lightning_lowmem.memory import (
+        MemoryReport,
+        format_bytes,
+        mark_memory,
+        measure_memory,
+        parse_bytes,
+        track_memory,
+    )
     from lightning_lowmem.planning.estimate import EstimationError, estimate_memory
     from lightning_lowmem.planning.plan import Plan, plan_memory
     from lightning_lowmem.strategies.fsdp import LowMemoryFSDPStrategy

@@ -469,7 +469,9 @@ def hf_masks_as_unpadded() -> Iterator[None]:
     def unpadded(original: Any) -> Any:
         @functools.wraps(original)
         def decide(padding_mask: Any = None, *args: Any, **kwargs: Any) -> Any:
-            return original(None if padding_mask is not None and is_fake(padding_mask) else padding_mask, *args, **kwargs)
+            return original(
+                None if padding_mask is not None and is_fake(padding_mask) else padding_mask, *args, **kwargs
+            )
 
         return decide
 

@@ -102,7 +102,11 @@ def optional_import(module: str, feature: str, extra: str | None = None, distrib
     try:
         imported = importlib.import_module(module)
     except ImportError as err:
-        install = f"pip install 'lightning-lowmem[{extra}]' (or pip install {distribution})" if extra else f"pip install {distribution}"
+        install = (
+            f"pip install 'lightning-lowmem[{extra}]' (or pip install {distribution})"
+            if extra
+            else f"pip install {distribution}"
+        )
         raise ImportError(f"{feature} needs {distribution}: {install}") from err
     if distribution in TESTED_FLOORS:
         require(distribution, feature)

@@ -62,9 +62,7 @@ DESCRIBE: dict[str, Callable[[Any], Technique]] = {
     "AutoMicrobatch": lambda cb: Technique("AutoMicrobatch", frozenset({"microbatch"})),
     "LowRankAdapters": lambda cb: Technique(f"LowRankAdapters(r={cb.r})", frozenset({"lora"})),
     "ScheduledPruning": _pruning,
-    "PostTrainingQuantization": lambda cb: Technique(
-        f"PostTrainingQuantization({cb.mode!r})", frozenset({"ptq"})
-    ),
+    "PostTrainingQuantization": lambda cb: Technique(f"PostTrainingQuantization({cb.mode!r})", frozenset({"ptq"})),
     "QuantizationAwareTraining": lambda cb: Technique(
         f"QuantizationAwareTraining({cb.mode!r})", frozenset({"qat"} | ({"grouped_qat"} if "4" in cb.mode else set()))
     ),  # the 4-bit modes quantize in groups of `group_size` input channels
@@ -74,65 +72,109 @@ DESCRIBE: dict[str, Callable[[Any], Technique]] = {
 
 _ONCE = "keep one of them"
 RULES: tuple[Rule, ...] = (
-    Rule("in_backward", "accumulation",
-         "{a.label} steps the optimizer inside every backward, so gradients would never be accumulated",
-         "use accumulate_grad_batches=1 (and a larger batch, memory permitting) or an optimizer that steps after "
-         "backward, e.g. {base!r}"),
-    Rule("in_backward", "clipping",
-         "{a.label} steps each parameter inside backward, before Lightning could clip the gradients",
-         "remove gradient_clip_val or use an optimizer that steps after backward, e.g. {base!r}"),
-    Rule("in_backward", "microbatch",
-         "{a.label} steps the optimizer inside every backward, so each micro-batch backward would be an optimizer "
-         "step",
-         "use a plain optimizer, e.g. {base!r}, or drop {b.label}"),
-    Rule("lora", "structural_pruning",
-         "{b.label} removes channels of the layers {a.label} wraps, and the adapters keep their old shapes (the fit "
-         "would fail mid-run)",
-         "prune unstructured (structural=False), or prune in one run and add adapters to the smaller model in the "
-         "next"),
-    Rule("lora", "qat",
-         "{b.label} fake-quantizes the layers {a.label} froze and wrapped, so the loss reaches no trainable weight",
-         "train adapters on a quantized frozen base with LowRankAdapters(quantize_base='int8') (QLoRA), or run "
-         "QuantizationAwareTraining without adapters"),
-    Rule("structural_pruning", "grouped_qat",
-         "{a.label} shrinks layers to widths that {b.label}'s groups of group_size channels need not divide (the "
-         "fit fails when the channels are removed)",
-         "use QuantizationAwareTraining('int8_weight_only') (per channel), or prune structurally in one run and "
-         "train the smaller model with 4-bit QAT in the next"),
-    Rule("chunked_loss", "qat",
-         "{b.label} fake-quantizes the output head too, and {a.label} reads the head's weight as a plain float matrix "
-         "(the fit would stop at its start)",
-         "drop ChunkedCrossEntropy for the QAT run, or run QAT on a model whose loss does not need the chunked head"),
-    Rule("qat", "ptq",
-         "{a.label} converts the model to int8 at the end of fit and {b.label} would quantize it again",
-         "keep QuantizationAwareTraining alone (its fit end gives the quantized model), or drop it and use "
-         "PostTrainingQuantization alone"),
+    Rule(
+        "in_backward",
+        "accumulation",
+        "{a.label} steps the optimizer inside every backward, so gradients would never be accumulated",
+        "use accumulate_grad_batches=1 (and a larger batch, memory permitting) or an optimizer that steps after "
+        "backward, e.g. {base!r}",
+    ),
+    Rule(
+        "in_backward",
+        "clipping",
+        "{a.label} steps each parameter inside backward, before Lightning could clip the gradients",
+        "remove gradient_clip_val or use an optimizer that steps after backward, e.g. {base!r}",
+    ),
+    Rule(
+        "in_backward",
+        "microbatch",
+        "{a.label} steps the optimizer inside every backward, so each micro-batch backward would be an optimizer step",
+        "use a plain optimizer, e.g. {base!r}, or drop {b.label}",
+    ),
+    Rule(
+        "lora",
+        "structural_pruning",
+        "{b.label} removes channels of the layers {a.label} wraps, and the adapters keep their old shapes (the fit "
+        "would fail mid-run)",
+        "prune unstructured (structural=False), or prune in one run and add adapters to the smaller model in the next",
+    ),
+    Rule(
+        "lora",
+        "qat",
+        "{b.label} fake-quantizes the layers {a.label} froze and wrapped, so the loss reaches no trainable weight",
+        "train adapters on a quantized frozen base with LowRankAdapters(quantize_base='int8') (QLoRA), or run "
+        "QuantizationAwareTraining without adapters",
+    ),
+    Rule(
+        "structural_pruning",
+        "grouped_qat",
+        "{a.label} shrinks layers to widths that {b.label}'s groups of group_size channels need not divide (the "
+        "fit fails when the channels are removed)",
+        "use QuantizationAwareTraining('int8_weight_only') (per channel), or prune structurally in one run and "
+        "train the smaller model with 4-bit QAT in the next",
+    ),
+    Rule(
+        "chunked_loss",
+        "qat",
+        "{b.label} fake-quantizes the output head too, and {a.label} reads the head's weight as a plain float matrix "
+        "(the fit would stop at its start)",
+        "drop ChunkedCrossEntropy for the QAT run, or run QAT on a model whose loss does not need the chunked head",
+    ),
+    Rule(
+        "qat",
+        "ptq",
+        "{a.label} converts the model to int8 at the end of fit and {b.label} would quantize it again",
+        "keep QuantizationAwareTraining alone (its fit end gives the quantized model), or drop it and use "
+        "PostTrainingQuantization alone",
+    ),
     Rule("ptq", "ptq", "both quantize the model at the end of fit (the second would find it already int8)", _ONCE),
     Rule("qat", "qat", "both insert fake quantization into the same layers", _ONCE),
-    *(Rule(f"plans_{axis}", axis,
-           f"{{a.label}} plans {what} itself and would silently replace or repeat {{b.label}}'s",
-           f"set {option} on the strategy (the plan keeps what is set) and drop {{b.label}}, or drop memory_budget")
-      for axis, what, option in (
-          ("optimizer", "the optimizer", "optimizer="),
-          ("compression", "activation compression", "activation_compression="),
-          ("checkpointing", "activation checkpointing", "activation_checkpointing="),
-      )),
-    Rule("plans_chunked_loss", "chunked_loss",
-         "{a.label} may plan the chunked cross-entropy itself, and {b.label} would apply it a second time",
-         "drop {b.label} (the plan adds the chunked loss to a Hugging Face causal LM when it needs it), or drop "
-         "memory_budget"),
-    Rule("plans_microbatch", "microbatch",
-         "{a.label} may plan micro-batches (its own loop around training_step) and {b.label} would wrap the same step "
-         "again",
-         "drop {b.label} (the plan splits the batch when it must), or drop memory_budget"),
-    Rule("optimizer", "optimizer",
-         "both replace the optimizer configure_optimizers returns, and only one of them can win",
-         "set the optimizer in one place"),
-    Rule("compression", "compression", "both pack the activations saved for backward, and only one packing applies",
-         "set activation compression in one place"),
-    Rule("checkpointing", "checkpointing", "both wrap blocks with activation checkpointing",
-         "set activation checkpointing in one place"),
-)  # fmt: skip
+    *(
+        Rule(
+            f"plans_{axis}",
+            axis,
+            f"{{a.label}} plans {what} itself and would silently replace or repeat {{b.label}}'s",
+            f"set {option} on the strategy (the plan keeps what is set) and drop {{b.label}}, or drop memory_budget",
+        )
+        for axis, what, option in (
+            ("optimizer", "the optimizer", "optimizer="),
+            ("compression", "activation compression", "activation_compression="),
+            ("checkpointing", "activation checkpointing", "activation_checkpointing="),
+        )
+    ),
+    Rule(
+        "plans_chunked_loss",
+        "chunked_loss",
+        "{a.label} may plan the chunked cross-entropy itself, and {b.label} would apply it a second time",
+        "drop {b.label} (the plan adds the chunked loss to a Hugging Face causal LM when it needs it), or drop "
+        "memory_budget",
+    ),
+    Rule(
+        "plans_microbatch",
+        "microbatch",
+        "{a.label} may plan micro-batches (its own loop around training_step) and {b.label} would wrap the same step "
+        "again",
+        "drop {b.label} (the plan splits the batch when it must), or drop memory_budget",
+    ),
+    Rule(
+        "optimizer",
+        "optimizer",
+        "both replace the optimizer configure_optimizers returns, and only one of them can win",
+        "set the optimizer in one place",
+    ),
+    Rule(
+        "compression",
+        "compression",
+        "both pack the activations saved for backward, and only one packing applies",
+        "set activation compression in one place",
+    ),
+    Rule(
+        "checkpointing",
+        "checkpointing",
+        "both wrap blocks with activation checkpointing",
+        "set activation checkpointing in one place",
+    ),
+)
 
 
 def _callback_technique(callback: Any) -> Technique | None:
@@ -152,15 +194,26 @@ def _strategy_techniques(strategy: Any) -> Iterable[Technique]:
     if config.optimizer is not None:
         found.append(_optimizer(f"{name}(optimizer={config.optimizer.name!r})", config.optimizer.name))
     if config.compression is not None:
-        found.append(Technique(f"{name}(activation_compression={config.compression.mode!r})", frozenset({"compression"})))
+        found.append(
+            Technique(f"{name}(activation_compression={config.compression.mode!r})", frozenset({"compression"}))
+        )
     if config.checkpointing is not None:
-        found.append(Technique(f"{name}(activation_checkpointing={config.activation_checkpointing!r})",
-                               frozenset({"checkpointing"})))  # fmt: skip
+        found.append(
+            Technique(
+                f"{name}(activation_checkpointing={config.activation_checkpointing!r})", frozenset({"checkpointing"})
+            )
+        )
     budget = getattr(strategy, "memory_budget", None)
     if budget is not None:  # the plan chooses every technique not set explicitly (micro-batches always)
-        unset = {"optimizer": config.optimizer, "compression": config.compression, "checkpointing": config.checkpointing}
-        planned = {f"plans_{axis}" for axis, value in unset.items() if value is None} | {"plans_microbatch",
-                                                                                           "plans_chunked_loss"}
+        unset = {
+            "optimizer": config.optimizer,
+            "compression": config.compression,
+            "checkpointing": config.checkpointing,
+        }
+        planned = {f"plans_{axis}" for axis, value in unset.items() if value is None} | {
+            "plans_microbatch",
+            "plans_chunked_loss",
+        }
         found.append(Technique(f"{name}(memory_budget={budget!r})", frozenset(planned)))
     return found
 
@@ -223,4 +276,3 @@ def check_composition(trainer: Any, stage: str | None = "fit") -> None:
     message = refusal(techniques_of(trainer))
     if message is not None:
         raise ValueError(message)
-

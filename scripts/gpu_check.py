@@ -53,16 +53,35 @@ import gpu_wheels  # noqa: E402  (scripts/ is not a package)
 
 ROOT = gpu_wheels.ROOT
 RESULTS = ROOT / "benchmarks" / "results"
-BENCHMARKS = ("estimate", "long_context", "training_memory", "memory", "auto_microbatch", "quantization", "lora",
-              "optimizers")
+BENCHMARKS = (
+    "estimate",
+    "long_context",
+    "training_memory",
+    "memory",
+    "auto_microbatch",
+    "quantization",
+    "lora",
+    "optimizers",
+)
 DEADLINE_S = 450.0  # the whole real run stays inside 7.5 minutes (the device allows 10 per command)
 DRY_DEADLINE_S = 600.0
 BUNDLE_RESERVE_S = 15.0  # kept back for writing the results
 MIN_PART_S = 20.0  # a part is not started with less time than this left
 # seconds per part on the H200 (typical run: about half of these; the deadline bounds the sum)
-BUDGETS = {"install": 45, "env": 45, "tests": 150, "bench:estimate": 75, "bench:long_context": 60, "bench:training_memory": 90,
-           "bench:memory": 45, "bench:auto_microbatch": 60, "bench:quantization": 60, "bench:lora": 75,
-           "bench:optimizers": 90, "suite": 240}  # fmt: skip
+BUDGETS = {
+    "install": 45,
+    "env": 45,
+    "tests": 150,
+    "bench:estimate": 75,
+    "bench:long_context": 60,
+    "bench:training_memory": 90,
+    "bench:memory": 45,
+    "bench:auto_microbatch": 60,
+    "bench:quantization": 60,
+    "bench:lora": 75,
+    "bench:optimizers": 90,
+    "suite": 240,
+}
 # the dry run on 2 CPU cores: install (with wheels) ~5 s, env ~10 s, tests ~12 s, bench ~30 s; the budgets
 # leave room for a loaded machine, and stop a hang long before CI's own limit
 DRY_BUDGETS = {"install": 60, "env": 90, "tests": 120, "bench": 300, "bench:one": 120}
@@ -129,8 +148,20 @@ def plan(dry_run: bool, scratch: Path, junit_dir: Path, per_bench: bool = False)
     """
     py = sys.executable
     # -v: one line per test, so a part cut at its budget (no JUnit file then) still says what passed
-    tests = [py, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "-rfEs", "--timeout=120",
-             f"--junitxml={junit_dir / 'tests_cuda.xml'}", *cuda_test_files()]  # fmt: skip
+    tests = [
+        py,
+        "-m",
+        "pytest",
+        "-m",
+        "cuda",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "-rfEs",
+        "--timeout=120",
+        f"--junitxml={junit_dir / 'tests_cuda.xml'}",
+        *cuda_test_files(),
+    ]
     install = [py, str(ROOT / "scripts" / "gpu_wheels.py"), "install", "--target", str(scratch / "site")]
     env = [py, "-c", ENV_SCRIPT]
     if dry_run:
@@ -139,24 +170,57 @@ def plan(dry_run: bool, scratch: Path, junit_dir: Path, per_bench: bool = False)
         install = [*install[:-2], "--target", str(scratch / "wheel-install"), "--cross"]
         smoke = [py, "-m", "benchmarks", "--device", "cpu", "--smoke", "--out", str(scratch / "results"), "--only"]
         if per_bench:
-            benches = [Part(f"bench:{name}", DRY_BUDGETS["bench:one"], [*smoke, name], "CPU, --smoke settings") for name in BENCHMARKS]
+            benches = [
+                Part(f"bench:{name}", DRY_BUDGETS["bench:one"], [*smoke, name], "CPU, --smoke settings")
+                for name in BENCHMARKS
+            ]
         else:
-            benches = [Part("bench", DRY_BUDGETS["bench"], [*smoke, *BENCHMARKS], "all benchmarks in one process, CPU, --smoke settings")]
+            benches = [
+                Part(
+                    "bench",
+                    DRY_BUDGETS["bench"],
+                    [*smoke, *BENCHMARKS],
+                    "all benchmarks in one process, CPU, --smoke settings",
+                )
+            ]
         return [
-            Part("install", DRY_BUDGETS["install"], install if gpu_wheels.WHEELS.is_dir() else None,
-                 "" if gpu_wheels.WHEELS.is_dir() else "no .gpu-wheels/ here (CI never has it): the pinned list is checked only"),
+            Part(
+                "install",
+                DRY_BUDGETS["install"],
+                install if gpu_wheels.WHEELS.is_dir() else None,
+                ""
+                if gpu_wheels.WHEELS.is_dir()
+                else "no .gpu-wheels/ here (CI never has it): the pinned list is checked only",
+            ),
             Part("env", DRY_BUDGETS["env"], env),
             Part("tests", DRY_BUDGETS["tests"], tests, "no GPU: every cuda-marked test is collected and skipped"),
             *benches,
             Part("suite", 0, None, "skipped in a dry run: CI runs the suite itself"),
-        ]  # fmt: skip
-    parts = [Part("install", BUDGETS["install"], install), Part("env", BUDGETS["env"], env),
-             Part("tests", BUDGETS["tests"], tests)]  # fmt: skip
+        ]
+    parts = [
+        Part("install", BUDGETS["install"], install),
+        Part("env", BUDGETS["env"], env),
+        Part("tests", BUDGETS["tests"], tests),
+    ]
     for name in BENCHMARKS:
         command = [py, "-m", "benchmarks", "--device", "cuda", "--quick", "--only", name, "--out", str(RESULTS)]
         parts.append(Part(f"bench:{name}", BUDGETS[f"bench:{name}"], command))
-    suite = [py, "-m", "pytest", "-m", "not cuda", "-q", "-p", "no:cacheprovider", "-rfE", "-n", "8", "--timeout=300",
-             f"--junitxml={junit_dir / 'suite.xml'}", "tests"]  # fmt: skip
+    suite = [
+        py,
+        "-m",
+        "pytest",
+        "-m",
+        "not cuda",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rfE",
+        "-n",
+        "8",
+        "--timeout=300",
+        f"--junitxml={junit_dir / 'suite.xml'}",
+        "tests",
+    ]
     parts.append(Part("suite", BUDGETS["suite"], suite, "the rest of the suite, in the time left"))
     return parts
 
@@ -170,7 +234,9 @@ def run_command(command: list[str], budget_s: float, env: dict[str, str], log: P
     with log.open("w") as out:
         out.write("$ " + " ".join(command) + "\n")
         out.flush()
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = process.wait(timeout=budget_s)
         except subprocess.TimeoutExpired:
@@ -221,13 +287,17 @@ def run_parts(
             if part.name == "install":  # dry run without wheels: the pinned list still parses
                 try:
                     pins = gpu_wheels.read_pins()
-                    records.append(Record(part.name, "skipped", 0.0, part.budget_s, f"{part.note}: {len(pins)} pins OK"))
+                    records.append(
+                        Record(part.name, "skipped", 0.0, part.budget_s, f"{part.note}: {len(pins)} pins OK")
+                    )
                 except ValueError as error:
                     records.append(Record(part.name, "failed", 0.0, part.budget_s, str(error)))
             else:
                 records.append(Record(part.name, "skipped", 0.0, part.budget_s, part.note))
         elif left < MIN_PART_S:
-            records.append(Record(part.name, "skipped", 0.0, part.budget_s, f"no time left ({left:.0f} s before the deadline)"))
+            records.append(
+                Record(part.name, "skipped", 0.0, part.budget_s, f"no time left ({left:.0f} s before the deadline)")
+            )
         else:
             budget = min(part.budget_s, left)
             print(f"[gpu_check] {part.name}: running (budget {budget:.0f} s) ...", flush=True)
@@ -237,11 +307,16 @@ def run_parts(
                 detail = f"exit code {code}" + (f"; {part.note}" if part.note else "")
             elif status == "timeout":
                 detail = f"cut at its budget of {budget:.0f} s"
-            record = Record(part.name, status, round(seconds, 1), round(budget), detail, str(log.relative_to(logs.parent)))
+            record = Record(
+                part.name, status, round(seconds, 1), round(budget), detail, str(log.relative_to(logs.parent))
+            )
             _enrich(record, log, junit_dir)
             records.append(record)
         last = records[-1]
-        print(f"[gpu_check] {last.name}: {last.status} in {last.seconds:.1f} s {('- ' + last.detail) if last.detail else ''}", flush=True)
+        print(
+            f"[gpu_check] {last.name}: {last.status} in {last.seconds:.1f} s {('- ' + last.detail) if last.detail else ''}",
+            flush=True,
+        )
         if last.status in ("failed", "timeout"):
             print(tail(log), flush=True)
     return records
@@ -254,12 +329,18 @@ def _enrich(record: Record, log: Path, junit_dir: Path) -> None:
         counts = junit_counts(junit_dir / ("tests_cuda.xml" if record.name == "tests" else "suite.xml"))
         if counts is None and record.status == "timeout":  # no JUnit file: count the -v lines written so far
             found = re.findall(r"^\S+::\S+ (PASSED|FAILED|ERROR|SKIPPED)", text, re.MULTILINE)
-            counts = {"tests": len(found), "failures": found.count("FAILED"), "errors": found.count("ERROR"),
-                      "skipped": found.count("SKIPPED")}  # fmt: skip
+            counts = {
+                "tests": len(found),
+                "failures": found.count("FAILED"),
+                "errors": found.count("ERROR"),
+                "skipped": found.count("SKIPPED"),
+            }
         if counts:
             record.extra["counts"] = counts
             passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-            summary = f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped"
+            summary = (
+                f"{passed} passed, {counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped"
+            )
             record.detail = f"{summary}; {record.detail}" if record.detail else summary
     elif record.name == "env":
         match = re.search(r"^ENV (\{.*\})$", text, re.MULTILINE)
@@ -290,7 +371,9 @@ def check_dry_run(records: list[Record], results_dir: Path) -> None:
             if not environment or not environment.get("public_names"):
                 problems.append("no environment line (ENV {...}) in its output")
             elif not str(environment.get("lightning_lowmem_file", "")).startswith(str(ROOT)):
-                problems.append(f"lightning_lowmem imported from {environment.get('lightning_lowmem_file')}, not from {ROOT}")
+                problems.append(
+                    f"lightning_lowmem imported from {environment.get('lightning_lowmem_file')}, not from {ROOT}"
+                )
         elif record.name == "tests":
             if not record.extra.get("counts", {}).get("tests"):
                 problems.append("no cuda-marked test collected")
@@ -323,24 +406,43 @@ def summary(records: list[Record], dry_run: bool, total_s: float, deadline_s: fl
     benches = [r for r in records if r.name.startswith("bench")]
     tests = by_name.get("tests")
     targets = [
-        {"target": "the dry run finishes inside its deadline (CPU: not a GPU timing)" if dry_run
-         else "the whole check finishes well inside 8 minutes", "measured": f"{total_s:.0f} s (deadline {deadline_s:.0f} s)",
-         "met": total_s <= (deadline_s if dry_run else 8 * 60)},
-        {"target": "the package imports under the machine's torch (every public name)",
-         "measured": f"torch {environment.get('torch', '?')}: {environment.get('public_names', 0)} names",
-         "met": by_name.get("env") is not None and by_name["env"].status == "ok"},
-        {"target": "every cuda-marked test passes", "measured": tests.detail if tests else "not run",
-         "met": bool(tests and tests.status == "ok" and tests.extra.get("counts", {}).get("skipped", 1) == 0) or dry_run},
-        {"target": "every benchmark part completes within its budget",
-         "measured": ", ".join(f"{r.name.removeprefix('bench:')} {r.status}" for r in benches) or "none run",
-         "met": bool(benches) and all(r.status == "ok" for r in benches)},
-    ]  # fmt: skip
+        {
+            "target": "the dry run finishes inside its deadline (CPU: not a GPU timing)"
+            if dry_run
+            else "the whole check finishes well inside 8 minutes",
+            "measured": f"{total_s:.0f} s (deadline {deadline_s:.0f} s)",
+            "met": total_s <= (deadline_s if dry_run else 8 * 60),
+        },
+        {
+            "target": "the package imports under the machine's torch (every public name)",
+            "measured": f"torch {environment.get('torch', '?')}: {environment.get('public_names', 0)} names",
+            "met": by_name.get("env") is not None and by_name["env"].status == "ok",
+        },
+        {
+            "target": "every cuda-marked test passes",
+            "measured": tests.detail if tests else "not run",
+            "met": bool(tests and tests.status == "ok" and tests.extra.get("counts", {}).get("skipped", 1) == 0)
+            or dry_run,
+        },
+        {
+            "target": "every benchmark part completes within its budget",
+            "measured": ", ".join(f"{r.name.removeprefix('bench:')} {r.status}" for r in benches) or "none run",
+            "met": bool(benches) and all(r.status == "ok" for r in benches),
+        },
+    ]
     suite = by_name.get("suite")
     if suite is not None and suite.status != "skipped":
-        targets.append({"target": "the rest of the suite passes on the GPU machine", "measured": suite.detail,
-                        "met": suite.status == "ok"})  # fmt: skip
-    rows = [{"part": r.name, "status": r.status, "seconds": r.seconds, "budget_s": r.budget_s, "detail": r.detail}
-            for r in records]  # fmt: skip
+        targets.append(
+            {
+                "target": "the rest of the suite passes on the GPU machine",
+                "measured": suite.detail,
+                "met": suite.status == "ok",
+            }
+        )
+    rows = [
+        {"part": r.name, "status": r.status, "seconds": r.seconds, "budget_s": r.budget_s, "detail": r.detail}
+        for r in records
+    ]
     title = "GPU check: parts, status and time" + (" [dry run: CPU, tiny settings]" if dry_run else "")
     notes = (
         "Written by scripts/gpu_check.py (docs/gpu.md). Each part ran in its own process under its time budget; "
@@ -357,11 +459,19 @@ def summary(records: list[Record], dry_run: bool, total_s: float, deadline_s: fl
         "command": "python3 scripts/gpu_check.py" + (" --dry-run" if dry_run else ""),
         **{k: v for k, v in environment.items() if k in ("torchao", "transformers", "python", "gpu_memory_gib")},
     }
-    return {"title": title, "rows": rows, "targets": targets, "notes": notes, "environment": env_line,
-            "parts": [asdict(r) for r in records]}  # fmt: skip
+    return {
+        "title": title,
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+        "environment": env_line,
+        "parts": [asdict(r) for r in records],
+    }
 
 
-def bundle(result: dict[str, Any], results_dir: Path, logs: Path, out: Path, dry_run: bool, partial: bool = False) -> list[Path]:
+def bundle(
+    result: dict[str, Any], results_dir: Path, logs: Path, out: Path, dry_run: bool, partial: bool = False
+) -> list[Path]:
     """Write the summary beside the benchmark results and into ``out``, with a tarball of results + logs.
 
     A ``partial`` run (``--only``) writes its summary into ``out`` alone, as ``gpu_check_cuda_partial``:
@@ -427,7 +537,11 @@ def select(parts: list[Part], only: list[str] | None) -> list[Part]:
     if not only:
         return parts
     names = {p.name for p in parts}
-    unknown = [name for name in only if name not in names and not (name == "bench" and any(n.startswith("bench") for n in names))]
+    unknown = [
+        name
+        for name in only
+        if name not in names and not (name == "bench" and any(n.startswith("bench") for n in names))
+    ]
     if unknown:
         raise SystemExit(f"--only: unknown part(s) {unknown}; parts: {[p.name for p in parts]}")
     return [p for p in parts if p.name in only or ("bench" in only and p.name.startswith("bench"))]
@@ -436,20 +550,36 @@ def select(parts: list[Part], only: list[str] | None) -> list[Part]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny settings, scratch outputs (what CI runs)")
-    parser.add_argument("--per-bench", action="store_true",
-                        help="dry run: one process per benchmark (bench:<name>), as the GPU run; slower")
-    parser.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], default=None,
-                        help="comma-separated parts, e.g. install,env,bench:estimate ('bench' = every benchmark)")
-    parser.add_argument("--deadline", type=float, default=None, help=f"seconds for the whole run (default {DEADLINE_S:.0f}; dry run {DRY_DEADLINE_S:.0f})")
-    parser.add_argument("--out", type=Path, default=None, help="where the bundle goes (default $OUT, else a scratch folder)")
+    parser.add_argument(
+        "--per-bench",
+        action="store_true",
+        help="dry run: one process per benchmark (bench:<name>), as the GPU run; slower",
+    )
+    parser.add_argument(
+        "--only",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=None,
+        help="comma-separated parts, e.g. install,env,bench:estimate ('bench' = every benchmark)",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help=f"seconds for the whole run (default {DEADLINE_S:.0f}; dry run {DRY_DEADLINE_S:.0f})",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the bundle goes (default $OUT, else a scratch folder)"
+    )
     parser.add_argument("--list", action="store_true", help="print the parts and budgets, run nothing")
     args = parser.parse_args(argv)
     if not args.dry_run and not args.list:
         missing = no_gpu_reason()
         if missing is not None:  # before anything is deleted or written: no "no GPU found" results
-            print(f"error: scripts/gpu_check.py (make gpu-check) needs a CUDA GPU: {missing}. Nothing was run or "
-                  "written. Run it on the GPU machine, or `make gpu-check-dry` (--dry-run) for the CPU check.",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: scripts/gpu_check.py (make gpu-check) needs a CUDA GPU: {missing}. Nothing was run or "
+                "written. Run it on the GPU machine, or `make gpu-check-dry` (--dry-run) for the CPU check.",
+                file=sys.stderr,
+            )
             return 2
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     logs = scratch / "gpu_check_logs"
@@ -472,15 +602,28 @@ def main(argv: list[str] | None = None) -> int:
                 for stale in RESULTS.glob(f"{part.name.removeprefix('bench:')}_cuda.*"):
                     stale.unlink()
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(scratch / "site"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    print(f"[gpu_check] {'dry run' if args.dry_run else 'GPU run'}: {len(parts)} parts, deadline {deadline:.0f} s, "
-          f"scratch {scratch}, out {out}", flush=True)  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(scratch / "site"), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
+    print(
+        f"[gpu_check] {'dry run' if args.dry_run else 'GPU run'}: {len(parts)} parts, deadline {deadline:.0f} s, "
+        f"scratch {scratch}, out {out}",
+        flush=True,
+    )
     started = time.monotonic()
     records = run_parts(parts, deadline, env, logs, logs)
     if args.dry_run:
         check_dry_run(records, results_dir)
     if (scratch / "site" / "torch").exists():  # only possible if someone pinned torch: it must never be carried
-        records.append(Record("install-check", "failed", 0.0, 0.0, "a torch package landed in the wheel target: remove it from the list"))
+        records.append(
+            Record(
+                "install-check",
+                "failed",
+                0.0,
+                0.0,
+                "a torch package landed in the wheel target: remove it from the list",
+            )
+        )
     total = time.monotonic() - started
     result = summary(records, args.dry_run, total, deadline)
     written = bundle(result, results_dir, logs, out, args.dry_run, partial=bool(args.only))

@@ -25,8 +25,14 @@ LIST = ROOT / "scripts" / "gpu_wheels.txt"
 WHEELS = ROOT / ".gpu-wheels"
 MAX_TOTAL_BYTES = 32 * 2**20  # the device call carries at most 64 MiB, the repository included
 # CPython 3.12 on x86-64 Linux: every manylinux tag a wheel for the GPU machine may carry (pip matches exactly)
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 PYTHON_VERSION = "3.12"
 
 
@@ -92,7 +98,9 @@ def check(directory: Path = WHEELS, pins: list[Pin] | None = None) -> list[Path]
     for wheel in wheels:
         key, version = wheel_key_version(wheel)
         if wanted.get(key) != version:
-            raise ValueError(f"{wheel.name} is not pinned in {LIST.name} ({key}=={wanted.get(key, 'unlisted')}): remove it")
+            raise ValueError(
+                f"{wheel.name} is not pinned in {LIST.name} ({key}=={wanted.get(key, 'unlisted')}): remove it"
+            )
         found[key] = wheel
     missing = [str(pin) for pin in pins if pin.key not in found]
     if missing:
@@ -108,8 +116,20 @@ def download(directory: Path = WHEELS, pins: list[Pin] | None = None, python: st
         key, version = wheel_key_version(stale)
         if {pin.key: pin.version for pin in pins}.get(key) != version:
             stale.unlink()
-    command = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON_VERSION,
-               "--implementation", "cp", "--dest", str(directory)]  # fmt: skip
+    command = [
+        python,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        "--dest",
+        str(directory),
+    ]
     for platform in PLATFORMS:
         command += ["--platform", platform]
     subprocess.run(command + [str(pin) for pin in pins], check=True)
@@ -119,12 +139,18 @@ def download(directory: Path = WHEELS, pins: list[Pin] | None = None, python: st
         print(f"{wheel.stat().st_size / 2**20:8.2f} MiB  {wheel.name}")
     print(f"{total / 2**20:8.2f} MiB  in all ({directory})")
     if total > MAX_TOTAL_BYTES:
-        raise SystemExit(f"the wheels take {total / 2**20:.1f} MiB, over {MAX_TOTAL_BYTES / 2**20:.0f} MiB: the device call carries 64 MiB")
+        raise SystemExit(
+            f"the wheels take {total / 2**20:.1f} MiB, over {MAX_TOTAL_BYTES / 2**20:.0f} MiB: the device call carries 64 MiB"
+        )
     return wheels
 
 
 def install(
-    target: Path, directory: Path = WHEELS, python: str = sys.executable, cross: bool = False, pins: list[Pin] | None = None
+    target: Path,
+    directory: Path = WHEELS,
+    python: str = sys.executable,
+    cross: bool = False,
+    pins: list[Pin] | None = None,
 ) -> list[Path]:
     """``pip install --no-index --no-deps --target target`` of the checked wheels; returns them.
 
@@ -134,8 +160,21 @@ def install(
     """
     wheels = check(directory, pins)
     target.mkdir(parents=True, exist_ok=True)
-    command = [python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-               "--disable-pip-version-check", "--upgrade", "--target", str(target)]  # fmt: skip
+    command = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--upgrade",
+        "--target",
+        str(target),
+    ]
     if cross:
         command += ["--only-binary=:all:", "--python-version", PYTHON_VERSION, "--implementation", "cp"]
         for platform in PLATFORMS:

@@ -56,7 +56,12 @@ class NanoGPT(L.LightningModule):
     """A GPT in the nanoGPT style; ``training_step`` takes ``(idx, targets)``."""
 
     def __init__(
-        self, vocab_size: int = 96, n_layer: int = 6, n_embd: int = 128, n_head: int = 4, block_size: int = 128,
+        self,
+        vocab_size: int = 96,
+        n_layer: int = 6,
+        n_embd: int = 128,
+        n_head: int = 4,
+        block_size: int = 128,
         lr: float = 1e-3,
     ) -> None:
         super().__init__()

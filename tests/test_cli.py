@@ -20,10 +20,24 @@ from lightning_lowmem.planning.estimate import estimate_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 CHARLM_ARGS = [
-    "--model", "lightning_lowmem.demo.CharLM",
-    "--model.n_layer", "2", "--model.n_embd", "64", "--model.n_head", "2", "--model.block_size", "32",
-    "--data", "lightning_lowmem.demo.CharLMDataModule",
-    "--data.block_size", "32", "--data.batch_size", "8", "--data.max_chars", "20000",
+    "--model",
+    "lightning_lowmem.demo.CharLM",
+    "--model.n_layer",
+    "2",
+    "--model.n_embd",
+    "64",
+    "--model.n_head",
+    "2",
+    "--model.block_size",
+    "32",
+    "--data",
+    "lightning_lowmem.demo.CharLMDataModule",
+    "--data.block_size",
+    "32",
+    "--data.batch_size",
+    "8",
+    "--data.max_chars",
+    "20000",
 ]
 MODEL_DATA_YAML = """\
 model:
@@ -55,20 +69,35 @@ def test_help_lists_every_subcommand(capsys):
 def test_unknown_subcommand_says_did_you_mean(capfd):
     assert main(["estimat", "--budget", "1GiB"]) == 2
     lines = _error_lines(capfd)
-    assert lines[0] == "error: unknown subcommand 'estimat' (did you mean 'estimate'?); choose one of fit, validate, test, predict, estimate, demo"
+    assert (
+        lines[0]
+        == "error: unknown subcommand 'estimat' (did you mean 'estimate'?); choose one of fit, validate, test, predict, estimate, demo"
+    )
 
 
 # ----------------------------------------------------------------------------- one-line config errors
 CALLBACK_CASES = {
     # a ValueError raised by a callback's constructor: the package's own message, on one line
-    "value": ("lightning_lowmem.ActivationCompression", "{mode: int7}",
-              "error: lightning_lowmem.ActivationCompression: `mode`='int7' is unknown; choose one of ['bf16', 'int8', 'cpu']"),
-    "class_path": ("lightning_lowmem.ActivationCheckpointng", "{policy: Block}",
-                   "did you mean lightning_lowmem.ActivationCheckpointing?"),
-    "argument": ("lightning_lowmem.ActivationCheckpointing", "{polcy: Block}",
-                 "lightning_lowmem.ActivationCheckpointing has no argument 'polcy' (did you mean 'policy'?)"),
-    "type": ("lightning_lowmem.ActivationCheckpointing", "{nested: 3}",
-             "lightning_lowmem.ActivationCheckpointing: argument 'nested': expected a bool, got 3"),
+    "value": (
+        "lightning_lowmem.ActivationCompression",
+        "{mode: int7}",
+        "error: lightning_lowmem.ActivationCompression: `mode`='int7' is unknown; choose one of ['bf16', 'int8', 'cpu']",
+    ),
+    "class_path": (
+        "lightning_lowmem.ActivationCheckpointng",
+        "{policy: Block}",
+        "did you mean lightning_lowmem.ActivationCheckpointing?",
+    ),
+    "argument": (
+        "lightning_lowmem.ActivationCheckpointing",
+        "{polcy: Block}",
+        "lightning_lowmem.ActivationCheckpointing has no argument 'polcy' (did you mean 'policy'?)",
+    ),
+    "type": (
+        "lightning_lowmem.ActivationCheckpointing",
+        "{nested: 3}",
+        "lightning_lowmem.ActivationCheckpointing: argument 'nested': expected a bool, got 3",
+    ),
 }
 
 
@@ -87,19 +116,39 @@ def test_bad_callback_in_yaml_is_one_error_line(case, tmp_path, capfd):
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--trainer.strategy=lightning_lowmem.LowMemoryStrategy", "--trainer.strategy.memory_budget=banana"],
-         "error: lightning_lowmem.LowMemoryStrategy: `memory_budget`='banana' is not a byte size."),
+        (
+            ["--trainer.strategy=lightning_lowmem.LowMemoryStrategy", "--trainer.strategy.memory_budget=banana"],
+            "error: lightning_lowmem.LowMemoryStrategy: `memory_budget`='banana' is not a byte size.",
+        ),
         (["--model.n_embd=33"], "error: lightning_lowmem.demo.CharLM: `n_embd`=33 must be divisible by `n_head`=2"),
-        (["--data.val_fraction=2"], "error: lightning_lowmem.demo.CharLMDataModule: `val_fraction` must be in (0, 1), got 2.0"),
+        (
+            ["--data.val_fraction=2"],
+            "error: lightning_lowmem.demo.CharLMDataModule: `val_fraction` must be in (0, 1), got 2.0",
+        ),
         (["--trainer.strategy=lowmen"], "error: trainer.strategy: unknown strategy 'lowmen' (did you mean 'lowmem'?)"),
         (["--trainer.precision=bf17"], "error: trainer.precision: 'bf17' is not accepted (did you mean 'bf16'?)"),
-        (["--trainer.max_stepz=3"], "error: unrecognized arguments: --trainer.max_stepz=3 (did you mean 'trainer.max_steps'?)"),
-        (["--model.n_layr=2"], "error: model: lightning_lowmem.demo.CharLM has no argument 'n_layr' (did you mean 'n_layer'?)"),
+        (
+            ["--trainer.max_stepz=3"],
+            "error: unrecognized arguments: --trainer.max_stepz=3 (did you mean 'trainer.max_steps'?)",
+        ),
+        (
+            ["--model.n_layr=2"],
+            "error: model: lightning_lowmem.demo.CharLM has no argument 'n_layr' (did you mean 'n_layer'?)",
+        ),
         (["--model=lightning_lowmem.demo.CharLN"], "(did you mean lightning_lowmem.demo.CharLM?)"),
         (["--config=/no/such.yaml"], "error: config: file does not exist: '/no/such.yaml'"),
     ],
-    ids=["strategy-value", "model-value", "data-value", "strategy-name", "precision", "trainer-option", "model-arg",
-         "model-class", "config-file"],
+    ids=[
+        "strategy-value",
+        "model-value",
+        "data-value",
+        "strategy-name",
+        "precision",
+        "trainer-option",
+        "model-arg",
+        "model-class",
+        "config-file",
+    ],
 )
 def test_bad_value_on_the_command_line_is_one_error_line(args, expected, tmp_path, capfd):
     config = tmp_path / "ok.yaml"
@@ -135,7 +184,7 @@ def test_estimate_without_a_model_says_how_to_give_one(capsys):
 def test_estimate_json_plan(capsys):
     assert main(["estimate", "--budget", "4GiB", "--device", "cpu", "--json", *CHARLM_ARGS]) == 0
     captured = capsys.readouterr()
-    plan = json.loads(captured.out[captured.out.index("{"):])
+    plan = json.loads(captured.out[captured.out.index("{") :])
     assert plan["chosen"]["label"] == "32-true + adamw"
     assert plan["chosen"]["fits"] is True and plan["chosen"]["predicted_peak_bytes"] > 0
     assert "plan [1/" in captured.err and "32-true + adamw: " in captured.err  # the search, shown on stderr
@@ -147,10 +196,13 @@ def test_estimate_impossible_budget_fails_cleanly(capsys):
     assert "no configuration fits" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("budget", "error"), [
-    ("-1", "error: --budget must be >= 0 bytes, got '-1'"),
-    ("lots", "error: --budget='lots' is not a byte size. Use a number with an optional unit from B, KB"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("budget", "error"),
+    [
+        ("-1", "error: --budget must be >= 0 bytes, got '-1'"),
+        ("lots", "error: --budget='lots' is not a byte size. Use a number with an optional unit from B, KB"),
+    ],
+)
 def test_estimate_a_bad_budget_is_an_error_line_before_the_model_loads(budget, error, capsys):
     assert main(["estimate", "--budget", budget, "--device", "cpu", *CHARLM_ARGS]) == 2
     err = capsys.readouterr().err
@@ -208,8 +260,12 @@ def test_estimate_uses_the_configs_precision_and_memory_callbacks(capsys):
     assert main(["estimate", "--device", "cpu", "--json", "--config", config, "--batch-shape", "4x64,4x64"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["meta"]["config"] == {
-        "precision": "bf16-true", "activation_checkpointing": "Block", "activation_compression": "int8",
-        "optimizer": "adafactor_in_backward", "micro_batch_size": None, "lora": None,
+        "precision": "bf16-true",
+        "activation_checkpointing": "Block",
+        "activation_compression": "int8",
+        "optimizer": "adafactor_in_backward",
+        "micro_batch_size": None,
+        "lora": None,
         "optimizer_kwargs": {"lr": 0.05},  # MemoryEfficientOptimizer(lr=0.05): the callback's config, whole
     }
 
@@ -219,8 +275,23 @@ def test_estimate_hugging_face_model_with_a_dict_batch_shape(capsys):
     from lightning_lowmem.demo import HFLanguageModel
 
     shape = "input_ids=2x16,attention_mask=2x16,labels=2x16"
-    assert main(["estimate", "--device", "cpu", "--json", "--model", "lightning_lowmem.demo.HFLanguageModel",
-                 "--model.family", "gpt2", "--batch-shape", shape]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--device",
+                "cpu",
+                "--json",
+                "--model",
+                "lightning_lowmem.demo.HFLanguageModel",
+                "--model.family",
+                "gpt2",
+                "--batch-shape",
+                shape,
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     torch.manual_seed(0)
     batch = {key: torch.zeros(2, 16, dtype=torch.long) for key in ("input_ids", "labels")}
@@ -274,7 +345,10 @@ def test_startup_filters_drop_only_torchaos_import_lines(caplog, monkeypatch):
         )
         logging.getLogger("torchao").warning("Failed to load config.json: permission denied")  # a real problem
         logging.getLogger("torch.utils._pytree").warning("something else")
-    assert [r.getMessage() for r in caplog.records] == ["Failed to load config.json: permission denied", "something else"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "Failed to load config.json: permission denied",
+        "something else",
+    ]
 
 
 def test_cli_startup_prints_no_torchao_noise():
@@ -295,8 +369,9 @@ def test_estimate_per_rank_for_a_strategy_and_devices(capsys):
     assert main(["estimate", "--json", "--devices", "2", "--strategy", "fsdp", *model_args]) == 0
     report = json.loads(capsys.readouterr().out)
     batch = (torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 32, dtype=torch.long))
-    expected = estimate_memory(CharLM(n_layer=2, n_embd=64, n_head=2, block_size=32), batch, device="cpu",
-                               world_size=2, sharding="fsdp")  # fmt: skip
+    expected = estimate_memory(
+        CharLM(n_layer=2, n_embd=64, n_head=2, block_size=32), batch, device="cpu", world_size=2, sharding="fsdp"
+    )
     assert report["peak_bytes"] == expected.peak_bytes and [r["rank"] for r in report["meta"]["per_rank"]] == [0, 1]
     # with --budget (per GPU) the plan is per rank; --strategy fixes the sharding, else it is searched
     assert main(["estimate", "--json", "--devices", "2", "--strategy", "fsdp", "--budget", "1GiB", *model_args]) == 0
@@ -312,9 +387,19 @@ def test_estimate_per_rank_for_a_strategy_and_devices(capsys):
 
 
 def _hf_config_folder(tmp_path: Path, **values) -> Path:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
-              "max_position_embeddings": 512, "torch_dtype": "float16", **values}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 2048,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float16",
+        **values,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
 
@@ -391,8 +476,17 @@ def test_fit_help_lists_our_callbacks_and_short_names_resolve(capsys):
     for name in ("ScheduledPruning", "ChunkedCrossEntropy", "MemoryMonitor", "ActivationCheckpointing"):
         assert f"lightning_lowmem.{name}" in out
     with pytest.raises(SystemExit):  # --print_config prints and exits
-        main(["fit", "--model", "lightning_lowmem.demo.CharLM", "--data", "lightning_lowmem.demo.CharLMDataModule",
-              "--trainer.callbacks+=ScheduledPruning", "--print_config"])  # fmt: skip
+        main(
+            [
+                "fit",
+                "--model",
+                "lightning_lowmem.demo.CharLM",
+                "--data",
+                "lightning_lowmem.demo.CharLMDataModule",
+                "--trainer.callbacks+=ScheduledPruning",
+                "--print_config",
+            ]
+        )
     assert "class_path: lightning_lowmem.ScheduledPruning" in capsys.readouterr().out
 
 
@@ -400,8 +494,13 @@ def test_fit_help_lists_our_callbacks_and_short_names_resolve(capsys):
 def test_fit_resuming_adapters_only_checkpoint_without_lora_names_the_callback_with_its_r(tmp_path, capfd):
     """#26 item 10: before, Lightning's strict load listed every missing base weight of the model (a 100-line
     RuntimeError); now one line naming LowRankAdapters with the r the file records, before anything is loaded."""
-    common = [*CHARLM_ARGS, "--trainer.logger=false", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
-              f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    common = [
+        *CHARLM_ARGS,
+        "--trainer.logger=false",
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=0",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
     lora = ["--trainer.callbacks+=LowRankAdapters", "--trainer.callbacks.r=3"]
     assert main(["fit", *common, *lora]) == 0
     ckpt = next(tmp_path.rglob("*.ckpt"))

@@ -54,8 +54,12 @@ def test_docs_python_block_runs(where, skip, code, tmp_path):
         pytest.skip(skip)
     script = tmp_path / "block.py"
     script.write_text(_shortened(code))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "MPLBACKEND": "Agg"}  # fmt: skip
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=420)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "MPLBACKEND": "Agg",
+    }
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420
+    )
     assert result.returncode == 0, f"{where}:\n{result.stderr[-3000:]}"

@@ -29,12 +29,37 @@ SHORT_RUN = [
 def test_example_config_runs_and_its_saved_config_reloads(config, tmp_path, monkeypatch):
     # PTQ configs time latency over 10 batches per model; one is enough to run that path (eager int8 is slow on CPU)
     real = search.measure_latency
-    monkeypatch.setattr(search, "measure_latency", lambda module, inputs, **_: real(module, inputs, repeats=1, warmup=0))
+    monkeypatch.setattr(
+        search, "measure_latency", lambda module, inputs, **_: real(module, inputs, repeats=1, warmup=0)
+    )
     # `main` returns 2 (one `error:` line) for a config mistake, instead of raising
     short = tmp_path / "short"
     text = any(name in config.read_text() for name in ("CharLMDataModule", "HFTextDataModule"))
-    assert main(["fit", "--config", str(config), *SHORT_RUN, *([SMALL_BATCH] if text else []), f"--trainer.default_root_dir={short}"]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                str(config),
+                *SHORT_RUN,
+                *([SMALL_BATCH] if text else []),
+                f"--trainer.default_root_dir={short}",
+            ]
+        )
+        == 0
+    )
     saved = sorted(short.rglob("config.yaml"))
     assert saved, f"Lightning saved no config.yaml for {config.name}"
     assert not text or "batch_size: 4" in saved[0].read_text()
-    assert main(["fit", "--config", str(saved[0]), "--trainer.fast_dev_run=true", f"--trainer.default_root_dir={tmp_path / 'again'}"]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--config",
+                str(saved[0]),
+                "--trainer.fast_dev_run=true",
+                f"--trainer.default_root_dir={tmp_path / 'again'}",
+            ]
+        )
+        == 0
+    )

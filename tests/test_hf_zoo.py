@@ -60,7 +60,9 @@ class Spy(L.Callback):
     def __init__(self) -> None:
         self.seen: dict[str, Any] = {}
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self.seen:
             self.seen["checkpointed"] = checkpointed_modules(pl_module)
             config = getattr(getattr(pl_module, "model", None), "config", None)
@@ -107,8 +109,11 @@ def check_lora(run: Run) -> None:
     trainable = {name: p for name, p in run.module.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
     rank = 4
-    expected = sum(rank * (layer.in_features + layer.out_features)
-                   for name, layer in run.module.named_modules() if name in report.wrapped)  # fmt: skip
+    expected = sum(
+        rank * (layer.in_features + layer.out_features)
+        for name, layer in run.module.named_modules()
+        if name in report.wrapped
+    )
     assert sum(p.numel() for p in trainable.values()) == expected
     now = dict(run.module.named_parameters())
     frozen = [name for name in now if name not in trainable]
@@ -144,8 +149,11 @@ def check_ptq(run: Run) -> None:
 
 def check_qat(run: Run) -> None:
     quantized = [name for name, p in run.module.named_parameters() if type(p) not in (torch.Tensor, torch.nn.Parameter)]
-    quantized += [name for name, m in run.module.named_modules()
-                  if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ not in ("Parameter", "Tensor")]  # fmt: skip
+    quantized += [
+        name
+        for name, m in run.module.named_modules()
+        if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ not in ("Parameter", "Tensor")
+    ]
     assert quantized, "QAT converted nothing"
 
 
@@ -175,8 +183,11 @@ class Case:
 
 def _distillation(family: str) -> L.LightningModule:
     small = {"gpt2": {"n_embd": 32}, "t5": {"d_model": 32, "d_ff": 64, "d_kv": 8}}.get(
-        family, {"hidden_size": 32, "intermediate_size": 64})  # fmt: skip
-    return DistillationModule(student=hf_zoo.hf_module(family, **small).model, teacher=hf_zoo.hf_module(family, seed=1).model)
+        family, {"hidden_size": 32, "intermediate_size": 64}
+    )
+    return DistillationModule(
+        student=hf_zoo.hf_module(family, **small).model, teacher=hf_zoo.hf_module(family, seed=1).model
+    )
 
 
 CASES = {
@@ -191,9 +202,13 @@ CASES = {
     "qat": Case(lambda: [QuantizationAwareTraining("int8_weight_only")], check_qat),
     "strategy": Case(
         check=check_strategy,
-        strategy=lambda: LowMemoryStrategy(activation_checkpointing="auto", activation_compression="int8",
-                                           compression_min_bytes=0, optimizer=OptimizerConfig("adafactor", lr=0.01)),
-    ),  # fmt: skip
+        strategy=lambda: LowMemoryStrategy(
+            activation_checkpointing="auto",
+            activation_compression="int8",
+            compression_min_bytes=0,
+            optimizer=OptimizerConfig("adafactor", lr=0.01),
+        ),
+    ),
     "distillation": Case(check=check_distillation, module=_distillation),
 }
 

@@ -18,7 +18,9 @@ def test_readme_python_quickstart_runs(tmp_path, monkeypatch):
     assert "max_steps=200" in code
     code = code.replace("max_steps=200", f"max_steps=2, limit_val_batches=0, default_root_dir={str(tmp_path)!r}")
     assert "CharLM(n_layer=6), CharLMDataModule(batch_size=32)" in code
-    code = code.replace("CharLM(n_layer=6), CharLMDataModule(batch_size=32)", "CharLM(n_layer=2), CharLMDataModule(batch_size=4)")
+    code = code.replace(
+        "CharLM(n_layer=6), CharLMDataModule(batch_size=32)", "CharLM(n_layer=2), CharLMDataModule(batch_size=4)"
+    )
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)

@@ -163,7 +163,10 @@ def _compressed_io(root: Path, qat: bool = False) -> dict[str, Any]:
     from lightning_lowmem.checkpoints import CompressedCheckpointIO
 
     if qat:  # the final checkpoint holds the converted (torchao) weights, read back by the plugin itself
-        return {"plugins": [CompressedCheckpointIO()], "callbacks": [QuantizationAwareTraining("int8_weight_only", start_step=1)]}
+        return {
+            "plugins": [CompressedCheckpointIO()],
+            "callbacks": [QuantizationAwareTraining("int8_weight_only", start_step=1)],
+        }
     pruning = ScheduledPruning(target_sparsity=0.6, start_step=1, end_step=5, frequency=3, make_pruning_permanent=False)
     return {"plugins": [CompressedCheckpointIO(min_numel=256)], "callbacks": [pruning]}  # sparse tensors on disk
 
@@ -181,28 +184,62 @@ CONFIGS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "plain": lambda root: {},
     # ScheduledPruning: step schedules pruning at steps 1, 4, 5: the resumed run's first step (3) prunes nothing, so
     # only restored masks keep the pruned weights at zero; ModelPruning's per-epoch rule; structural removal
-    "pruning-step": _callbacks(_lazy(_CB + "ScheduledPruning", schedule="cubic", target_sparsity=0.6, start_step=1,
-                                     end_step=5, frequency=3, make_pruning_permanent=False)),
-    "pruning-step-random": _callbacks(_lazy(_CB + "ScheduledPruning", "random_unstructured", target_sparsity=0.5,
-                                            start_step=1, end_step=5, frequency=3)),
+    "pruning-step": _callbacks(
+        _lazy(
+            _CB + "ScheduledPruning",
+            schedule="cubic",
+            target_sparsity=0.6,
+            start_step=1,
+            end_step=5,
+            frequency=3,
+            make_pruning_permanent=False,
+        )
+    ),
+    "pruning-step-random": _callbacks(
+        _lazy(
+            _CB + "ScheduledPruning", "random_unstructured", target_sparsity=0.5, start_step=1, end_step=5, frequency=3
+        )
+    ),
     "pruning-epoch": _callbacks(_lazy(_CB + "ScheduledPruning", amount=0.3, use_lottery_ticket_hypothesis=True)),
-    "pruning-structural": _callbacks(_lazy(_CB + "ScheduledPruning", "ln_structured", target_sparsity=0.5, start_step=0,
-                                           end_step=2, structural=True, parameter_names=["weight"])),
+    "pruning-structural": _callbacks(
+        _lazy(
+            _CB + "ScheduledPruning",
+            "ln_structured",
+            target_sparsity=0.5,
+            start_step=0,
+            end_step=2,
+            structural=True,
+            parameter_names=["weight"],
+        )
+    ),
     # QAT from step 1: the resumed run starts at step 2, past start_step, and must fake-quantize from its first step
     "qat-intx4": _callbacks(_lazy(_CB + "QuantizationAwareTraining", "intx4_weight_only", start_step=1)),
     "qat-int8": _callbacks(_lazy(_CB + "QuantizationAwareTraining", "int8_weight_only", start_step=1)),
-    **{f"optimizer-{name}": _optimizer(name) for name in
-       ("adamw8bit", "adamw4bit", "adamw8bit_in_backward", "adamw_in_backward", "adafactor", "adafactor_in_backward",
-        "sgd")},
+    **{
+        f"optimizer-{name}": _optimizer(name)
+        for name in (
+            "adamw8bit",
+            "adamw4bit",
+            "adamw8bit_in_backward",
+            "adamw_in_backward",
+            "adafactor",
+            "adafactor_in_backward",
+            "sgd",
+        )
+    },
     "optimizer-adamw_bf16_sr": lambda root: {"precision": "bf16-true", **_optimizer("adamw_bf16_sr")(root)},
     "optimizer-adafactor_bf16_sr": lambda root: {"precision": "bf16-true", **_optimizer("adafactor_bf16_sr")(root)},
-    "optimizer-adafactor_bf16_sr_in_backward": lambda root: {"precision": "bf16-true",
-                                                             **_optimizer("adafactor_bf16_sr_in_backward")(root)},
+    "optimizer-adafactor_bf16_sr_in_backward": lambda root: {
+        "precision": "bf16-true",
+        **_optimizer("adafactor_bf16_sr_in_backward")(root),
+    },
     "auto-microbatch": lambda root: {"module": _OutOfMemoryOnce(), **_callbacks(_lazy(_CB + "AutoMicrobatch"))(root)},
     # adapters-only checkpoints: the frozen base comes from the model's own (pretrained) weights, as a teacher does
     "lora": lambda root: {"same_base": True, **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, alpha=8.0))(root)},
-    "qlora-int8": lambda root: {"same_base": True,
-                                **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, quantize_base="int8"))(root)},
+    "qlora-int8": lambda root: {
+        "same_base": True,
+        **_callbacks(_lazy(_CB + "LowRankAdapters", r=4, quantize_base="int8"))(root),
+    },
     # LoRA on convolutions; BatchNorm's running statistics travel in the adapters-only checkpoint
     "lora-conv": lambda root: {
         "module": _TinyCNN(),
@@ -214,21 +251,30 @@ CONFIGS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "activation-checkpointing": _callbacks(_lazy(_CB + "ActivationCheckpointing", "auto")),
     "chunked-cross-entropy": _callbacks(_lazy(_CB + "ChunkedCrossEntropy", chunk_size=5)),
     # its history holds the process's resident set size: a measurement of each process, compared by presence
-    "memory-monitor": lambda root: {"measured": {"rss", "rss_before", "rss_after"},
-                                    **_callbacks(_lazy(_CB + "MemoryMonitor", log_every_n_steps=1))(root)},
+    "memory-monitor": lambda root: {
+        "measured": {"rss", "rss_before", "rss_after"},
+        **_callbacks(_lazy(_CB + "MemoryMonitor", log_every_n_steps=1))(root),
+    },
     "distillation-hint-layers": _distillation,
     "distillation-teacher-cache": lambda root: _distillation(root, cache=True),
     "strategy-bf16-mixed": _strategy(precision="bf16-mixed"),
-    "strategy-options": _strategy(optimizer="adamw4bit", activation_checkpointing="auto", activation_compression="int8",
-                                  compression_min_bytes=0),
+    "strategy-options": _strategy(
+        optimizer="adamw4bit", activation_checkpointing="auto", activation_compression="int8", compression_min_bytes=0
+    ),
     "strategy-bf16-true-adafactor_bf16_sr": _strategy(precision="bf16-true", optimizer="adafactor_bf16_sr"),
     # memory_budget plans again on resume (the same plan: it is a function of model and batch); two candidates
-    "strategy-memory-budget": _strategy(memory_budget="1MB", precision="32-true", optimizer="adamw",
-                                        activation_compression="bf16", compression_min_bytes=0),
+    "strategy-memory-budget": _strategy(
+        memory_budget="1MB",
+        precision="32-true",
+        optimizer="adamw",
+        activation_compression="bf16",
+        compression_min_bytes=0,
+    ),
     "strategy-zero1-2-processes": _zero1,
     "strategy-zero1-adamw8bit": lambda root: _zero1(root, optimizer="adamw8bit"),
-    "strategy-zero1-bf16-true-adafactor_bf16_sr": lambda root: _zero1(root, precision="bf16-true",
-                                                                      optimizer="adafactor_bf16_sr"),
+    "strategy-zero1-bf16-true-adafactor_bf16_sr": lambda root: _zero1(
+        root, precision="bf16-true", optimizer="adafactor_bf16_sr"
+    ),
     "compressed-checkpoint-io": _compressed_io,
     "compressed-checkpoint-io-qat-int8": lambda root: _compressed_io(root, qat=True),
 }
@@ -267,9 +313,18 @@ def _fit(name: str, root: Path, *, seed: int = 0, ckpt_path: Path | None = None,
     saver = ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, every_n_epochs=1, save_last=True)
     extra = [_RecordStart(root / "start_step"), *([_KillAfter(KILL_AFTER_STEP)] if kill else [])]
     callbacks = [*spec.pop("callbacks", []), saver, *extra]
-    trainer = L.Trainer(accelerator="cpu", devices=spec.pop("devices", 1), max_epochs=STEPS // (SAMPLES // BATCH),
-                        callbacks=callbacks, default_root_dir=root, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, **spec)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=spec.pop("devices", 1),
+        max_epochs=STEPS // (SAMPLES // BATCH),
+        callbacks=callbacks,
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **spec,
+    )
     trainer.fit(module, loaders, ckpt_path=ckpt_path)
     return trainer, module, measured
 
@@ -325,7 +380,9 @@ def _differences(a: Any, b: Any, path: str = "", measured: frozenset[str] = froz
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{path}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{path}[{i}]", measured)]
+        return [
+            d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{path}[{i}]", measured)
+        ]
     return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} vs {b!r}"]
 
 

@@ -32,8 +32,11 @@ def test_pyproject_lower_bounds_are_the_tested_floors():
 
 def test_an_older_version_is_one_clear_error_naming_it_and_the_fix(monkeypatch):
     monkeypatch.setattr(_versions, "installed_version", lambda name: "4.40.2" if name == "transformers" else None)
-    with pytest.raises(ImportError, match=r"^Hugging Face models needs transformers >= 4\.57; transformers 4\.40\.2 is "
-                                          r"installed\..*pip install 'transformers>=4\.57'$"):  # fmt: skip
+    with pytest.raises(
+        ImportError,
+        match=r"^Hugging Face models needs transformers >= 4\.57; transformers 4\.40\.2 is "
+        r"installed\..*pip install 'transformers>=4\.57'$",
+    ):
         from lightning_lowmem.demo.hf import _transformers
 
         _transformers()

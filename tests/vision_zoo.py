@@ -36,7 +36,9 @@ def image_batch(batch_size: int = 8, size: int = 32, seed: int = 0) -> tuple[tor
     return images, torch.randint(0, NUM_CLASSES, (batch_size,), generator=generator)
 
 
-def token_batch(batch_size: int = 4, length: int = 12, vocab: int = 50, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(
+    batch_size: int = 4, length: int = 12, vocab: int = 50, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens (B, T), labels (B,))``."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch_size, length), generator=generator)
@@ -49,9 +51,13 @@ def hf_resnet(hidden_sizes: tuple[int, ...] = (16, 32), depths: tuple[int, ...] 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     config = transformers.ResNetConfig(
-        num_channels=3, embedding_size=16, hidden_sizes=list(hidden_sizes), depths=list(depths),
-        layer_type="basic", num_labels=NUM_CLASSES,
-    )  # fmt: skip
+        num_channels=3,
+        embedding_size=16,
+        hidden_sizes=list(hidden_sizes),
+        depths=list(depths),
+        layer_type="basic",
+        num_labels=NUM_CLASSES,
+    )
     return transformers.ResNetForImageClassification(config)
 
 
@@ -60,9 +66,15 @@ def hf_vit(layers: int = 2, seed: int = 0) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     config = transformers.ViTConfig(
-        image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=layers,
-        num_attention_heads=2, intermediate_size=64, num_labels=NUM_CLASSES,
-    )  # fmt: skip
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=NUM_CLASSES,
+    )
     return transformers.ViTForImageClassification(config)
 
 
@@ -70,9 +82,14 @@ def sequential_cnn(width: int = 16, seed: int = 0) -> nn.Sequential:
     """A flat ``nn.Sequential`` CNN: convolutions and activations side by side, no repeated block."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, NUM_CLASSES),
-    )  # fmt: skip
+        nn.Conv2d(3, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, NUM_CLASSES),
+    )
 
 
 class BasicBlock(nn.Module):

@@ -98,7 +98,9 @@ class ActivationCheckpointing(L.Callback):
         self.wrapped = list(self._applied.checkpointed)
         if self.wrapped:
             shown = ", ".join(self.wrapped[:6]) + (", ..." if len(self.wrapped) > 6 else "")
-            rank_zero_info(f"ActivationCheckpointing(policy={self.config.describe()}): {len(self.wrapped)} modules: {shown}")
+            rank_zero_info(
+                f"ActivationCheckpointing(policy={self.config.describe()}): {len(self.wrapped)} modules: {shown}"
+            )
         if self._restored_wrapped is not None and self._restored_wrapped != self.wrapped:
             warnings.warn(
                 f"ActivationCheckpointing: the checkpoint was trained with modules {self._restored_wrapped} wrapped, "

@@ -86,12 +86,16 @@ class ActivationCompression(L.Callback):
                 stacklevel=2,
             )
         if stage == "fit" and self._applied is None:
-            rank_zero_info(f"ActivationCompression: saved activations packed as {self.mode} (>= {self.min_bytes} bytes)")
+            rank_zero_info(
+                f"ActivationCompression: saved activations packed as {self.mode} (>= {self.min_bytes} bytes)"
+            )
             # a Hugging Face model's training-time KV cache keeps the uncompressed keys / values alive: apply holds it
             self._applied = apply(pl_module, self.config)
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.sanity_checking:
             return
         self._close()

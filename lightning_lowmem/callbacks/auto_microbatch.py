@@ -99,8 +99,9 @@ class AutoMicrobatch(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.micro_batch_size is not None:
-            pl_module.log("lowmem/micro_batch_size", float(self.micro_batch_size), on_step=True, on_epoch=False,
-                          batch_size=1)
+            pl_module.log(
+                "lowmem/micro_batch_size", float(self.micro_batch_size), on_step=True, on_epoch=False, batch_size=1
+            )
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -102,8 +102,9 @@ class LowRankAdapters(L.Callback):
         merged_weights_path: str | None = None,
         train_modules: str | list[str] | None = "auto",
     ) -> None:
-        self.config = LoRAConfig(r, alpha, dropout, target, quantize_base, quantize_frozen,
-                                 train_modules=train_modules)  # validates  # fmt: skip
+        self.config = LoRAConfig(
+            r, alpha, dropout, target, quantize_base, quantize_frozen, train_modules=train_modules
+        )  # validates
         self.train_modules = list(train_modules) if isinstance(train_modules, (list, tuple)) else train_modules
         target = list(target) if isinstance(target, (list, tuple)) else target
         check_weights_path("base_weights_path", base_weights_path)
@@ -168,7 +169,9 @@ class LowRankAdapters(L.Callback):
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         target = self.report.wrapped if self.report else self.target
-        entry = checkpoint_record(self._settings(), target, save_base_weights=self.save_base_weights, version=FORMAT_VERSION)
+        entry = checkpoint_record(
+            self._settings(), target, save_base_weights=self.save_base_weights, version=FORMAT_VERSION
+        )
         record(checkpoint, writer=WRITER, **entry)
         if not self.save_base_weights:
             checkpoint["state_dict"] = adapter_entries(checkpoint["state_dict"], trained_modules(pl_module))
@@ -189,10 +192,16 @@ class LowRankAdapters(L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"lora_config": {"r": self.r, "alpha": self.alpha, "dropout": self.dropout,
-                                "quantize_base": self.quantize_base,
-                                "target": self.report.wrapped if self.report else self.target,
-                                "train_modules": self.report.trained if self.report else []}}  # fmt: skip
+        return {
+            "lora_config": {
+                "r": self.r,
+                "alpha": self.alpha,
+                "dropout": self.dropout,
+                "quantize_base": self.quantize_base,
+                "target": self.report.wrapped if self.report else self.target,
+                "train_modules": self.report.trained if self.report else [],
+            }
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -123,7 +123,9 @@ class MemoryEfficientOptimizer(L.Callback):
             rank_zero_warn(f"MemoryEfficientOptimizer: {reason}", category=LowMemWarning)
 
     def _convert(self, configured: Any) -> Any:
-        converted = convert_optimizers(configured, self.config, info=lambda m: rank_zero_info(f"MemoryEfficientOptimizer: {m}"))
+        converted = convert_optimizers(
+            configured, self.config, info=lambda m: rank_zero_info(f"MemoryEfficientOptimizer: {m}")
+        )
         self._replaced.extend(converted.replaced)
         return converted.configured
 
@@ -135,7 +137,9 @@ class MemoryEfficientOptimizer(L.Callback):
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         needs = f"callbacks=[MemoryEfficientOptimizer({self.optimizer!r})]"
-        record(checkpoint, writer=WRITER, format=self.optimizer, version=FORMAT_VERSION, needs=needs, needed_for=["fit"])
+        record(
+            checkpoint, writer=WRITER, format=self.optimizer, version=FORMAT_VERSION, needs=needs, needed_for=["fit"]
+        )
         message = resume_message(self.optimizer, needs)
         states = checkpoint.get("optimizer_states") or []
         for index, optimizer in enumerate(trainer.optimizers[: len(states)]):

@@ -136,9 +136,15 @@ class MemoryMonitor(L.Callback):
 
     # ------------------------------------------------------------------ per step
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._batch_step = trainer.global_step
-        if trainer.sanity_checking or not is_deep_step(trainer.global_step, self.deep_every_n_steps) or self._deep is not None:
+        if (
+            trainer.sanity_checking
+            or not is_deep_step(trainer.global_step, self.deep_every_n_steps)
+            or self._deep is not None
+        ):
             return
         if not pl_module.automatic_optimization:  # the user steps inside training_step: track the whole batch
             self._start_deep(pl_module, trainer.optimizers)

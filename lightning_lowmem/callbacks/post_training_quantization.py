@@ -140,10 +140,17 @@ class PostTrainingQuantization(QuantizationCallback):
         compile: bool = False,
     ) -> None:
         self.config = check_ptq_arguments(  # the mode and group_size as a QuantizationConfig, checked once
-            mode, skip_modules=skip_modules, embeddings=embeddings, monitor=monitor, tolerance=tolerance,
-            monitor_mode=monitor_mode, module_name=module_name, calibration_batches=calibration_batches, compile=compile,
+            mode,
+            skip_modules=skip_modules,
+            embeddings=embeddings,
+            monitor=monitor,
+            tolerance=tolerance,
+            monitor_mode=monitor_mode,
+            module_name=module_name,
+            calibration_batches=calibration_batches,
+            compile=compile,
             group_size=group_size,
-        )  # fmt: skip
+        )
         super().__init__(mode)
         self.skip_modules = list(skip_modules)
         self.filter_fn, self.embeddings, self.group_size = filter_fn, embeddings, group_size
@@ -183,9 +190,12 @@ class PostTrainingQuantization(QuantizationCallback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "mode": self.mode, "group_size": self.group_size, "quantized": list(self.quantized),
-            "conv1d": list(self.conv1d), "tied": [list(group) for group in self.tied],
-        }  # fmt: skip
+            "mode": self.mode,
+            "group_size": self.group_size,
+            "quantized": list(self.quantized),
+            "conv1d": list(self.conv1d),
+            "tied": [list(group) for group in self.tied],
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -194,7 +204,9 @@ class PostTrainingQuantization(QuantizationCallback):
         self.tied = [list(group) for group in state_dict.get("tied", [])]
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._call_checked:  # at the first batch, not after the whole fit
             self._call_checked = True
             self._check_batch_call(pl_module, batch)
@@ -210,7 +222,9 @@ class PostTrainingQuantization(QuantizationCallback):
             _check_signature(pl_module, args, kwargs, batch)
         except BatchCallError as err:
             if self.mode == "int8_static":
-                raise BatchCallError(f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}") from None
+                raise BatchCallError(
+                    f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}"
+                ) from None
             self._skip_latency(err)
 
     def _skip_latency(self, err: Exception) -> None:
@@ -239,7 +253,9 @@ class PostTrainingQuantization(QuantizationCallback):
         calls = None
         if self.mode == "int8_static":
             if loader is None:
-                raise ValueError("mode='int8_static' calibrates on validation (or training) batches; no loader is attached.")
+                raise ValueError(
+                    "mode='int8_static' calibrates on validation (or training) batches; no loader is attached."
+                )
             device = device_of(pl_module)
             batches = (move_data_to_device(item, device) for item in loader)
             calls = self._static.calibrate(pl_module, batches, self.calibration_batches)
@@ -342,11 +358,17 @@ class PostTrainingQuantization(QuantizationCallback):
         if self.mode == "int8_static":
             return self._static.candidates(pl_module, skip_modules, filter_fn)
         return quantizable_layers(
-            pl_module, self.mode, filter_fn=filter_fn, skip_modules=skip_modules, group_size=self.group_size,
+            pl_module,
+            self.mode,
+            filter_fn=filter_fn,
+            skip_modules=skip_modules,
+            group_size=self.group_size,
             embeddings=self.embeddings,
-        )  # fmt: skip
+        )
 
-    def _quantized_for_evaluation(self, pl_module: L.LightningModule, names: Sequence[str], calls: Any) -> ContextManager[Any]:
+    def _quantized_for_evaluation(
+        self, pl_module: L.LightningModule, names: Sequence[str], calls: Any
+    ) -> ContextManager[Any]:
         """``pl_module`` with exactly ``names`` quantized inside the block; float again after it."""
         if self.mode == "int8_static":
             return self._static.evaluating(pl_module, names, calls)
@@ -366,10 +388,15 @@ class PostTrainingQuantization(QuantizationCallback):
         Trainer (the ``evaluate`` the tolerance search is given)."""
         accelerator = "gpu" if device_of(pl_module).type == "cuda" else "cpu"
         evaluator = L.Trainer(
-            accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[],
+            accelerator=accelerator,
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[],
             limit_val_batches=trainer.limit_val_batches,  # the user's own validation budget
-        )  # fmt: skip
+        )
         results = evaluator.validate(pl_module, dataloaders=loader, verbose=False)
         pl_module.trainer = trainer
         metrics = results[0] if results else {}

@@ -118,7 +118,9 @@ class QuantizationAwareTraining(QuantizationCallback):
 
     def prepare(self, pl_module: nn.Module) -> list[str]:
         """Swap the chosen layers for fake-quantized ones (same weight Parameters); returns their names."""
-        chosen = qat_layers(pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size)
+        chosen = qat_layers(
+            pl_module, self.mode, filter_fn=self.filter_fn, skip_modules=self.skip_modules, group_size=self.group_size
+        )
         conv1d = [name for name in chosen if is_conv1d(pl_module.get_submodule(name))]
         reason = qat_coverage_warning(pl_module, chosen, self.mode)
         if reason is not None:  # at setup, before training: not only in the report after it
@@ -174,7 +176,9 @@ class QuantizationAwareTraining(QuantizationCallback):
         self._set_fake_quant(pl_module, trainer.global_step >= self.start_step)  # the restored step, on resume
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step >= self.start_step:
             self._set_fake_quant(pl_module, True)
         if self.freeze_bn_step is not None and trainer.global_step >= self.freeze_bn_step:
@@ -201,7 +205,12 @@ class QuantizationAwareTraining(QuantizationCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "prepared": list(self.prepared), "converted": list(self.converted), "conv1d": list(self.conv1d)}
+        return {
+            "mode": self.mode,
+            "prepared": list(self.prepared),
+            "converted": list(self.converted),
+            "conv1d": list(self.conv1d),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

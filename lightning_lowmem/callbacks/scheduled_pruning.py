@@ -23,6 +23,7 @@ from lightning_lowmem.model_io import has_forward_batch
 
 __all__ = ["ScheduledPruning"]
 
+
 class ScheduledPruning(Callback):
     """Prune during training with ``bool`` masks, on a step schedule or ``ModelPruning``'s per-epoch rule.
 
@@ -167,9 +168,16 @@ class ScheduledPruning(Callback):
         self.step_mode, self.final_sparsity = config.step_mode, config.final_sparsity
         self.sparsity_schedule: PruningSchedule | None = config.sparsity_schedule()
         self.start_step = start_step
-        self.parameters_to_prune, self.use_global_unstructured, self.amount = parameters_to_prune, use_global_unstructured, amount
+        self.parameters_to_prune, self.use_global_unstructured, self.amount = (
+            parameters_to_prune,
+            use_global_unstructured,
+            amount,
+        )
         self._apply_pruning, self._make_pruning_permanent = apply_pruning, make_pruning_permanent
-        self.use_lottery_ticket_hypothesis, self.resample_parameters = use_lottery_ticket_hypothesis, resample_parameters
+        self.use_lottery_ticket_hypothesis, self.resample_parameters = (
+            use_lottery_ticket_hypothesis,
+            resample_parameters,
+        )
         self.pruning_dim, self.pruning_norm = pruning_dim, config.norm
         self.verbose, self.prune_on_train_epoch_end = verbose, prune_on_train_epoch_end
         self.n, self.m, self.structural, self.structural_ratio, self.seed = n, m, structural, structural_ratio, seed
@@ -201,18 +209,33 @@ class ScheduledPruning(Callback):
         found again by name, and explicit pairs by their parameter, never by a stale module reference.
         """
         return resolve_targets(
-            pl_module, self.parameters_to_prune, self.parameter_names, names_given=self._names_given,
-            structural=self.structural, embeddings=self.prune_embeddings,
-        )  # fmt: skip
+            pl_module,
+            self.parameters_to_prune,
+            self.parameter_names,
+            names_given=self._names_given,
+            structural=self.structural,
+            embeddings=self.prune_embeddings,
+        )
 
-    def apply_pruning(self, pl_module: nn.Module, amount: float | int, *, relative: bool, generator: torch.Generator) -> PruningReport:
+    def apply_pruning(
+        self, pl_module: nn.Module, amount: float | int, *, relative: bool, generator: torch.Generator
+    ) -> PruningReport:
         """Compute and apply the masks of ``self._targets`` for ``amount`` (of the remaining weights when
         ``relative``, else the total sparsity)."""
         use_global = self.use_global_unstructured and isinstance(self.method, str) and self.method != "nm"
         return prune_(
-            pl_module, amount, self.method, global_=use_global, parameters_to_prune=[(sub, p) for _, sub, p in self._targets],
-            n=self.n, m=self.m, dim=self.pruning_dim, norm=self.pruning_norm, relative=relative, generator=generator,
-        )  # fmt: skip
+            pl_module,
+            amount,
+            self.method,
+            global_=use_global,
+            parameters_to_prune=[(sub, p) for _, sub, p in self._targets],
+            n=self.n,
+            m=self.m,
+            dim=self.pruning_dim,
+            norm=self.pruning_norm,
+            relative=relative,
+            generator=generator,
+        )
 
     def apply_lottery_ticket_hypothesis(self) -> None:
         """Rewind the unpruned weights to their fit-start values (or fresh ones with ``resample_parameters``)."""
@@ -256,7 +279,15 @@ class ScheduledPruning(Callback):
                 "`structural=True` is not supported with more than one process (DDP holds the old parameters)"
             )
 
-    def _prune(self, trainer: L.Trainer, pl_module: L.LightningModule, amount: float | int, relative: bool, tag: int, on_step: bool) -> None:
+    def _prune(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        amount: float | int,
+        relative: bool,
+        tag: int,
+        on_step: bool,
+    ) -> None:
         generator = torch.Generator().manual_seed(self.seed + tag)  # same on every rank
         self._targets = self.resolve_targets(pl_module)
         report = self.apply_pruning(pl_module, amount, relative=relative, generator=generator)
@@ -286,12 +317,16 @@ class ScheduledPruning(Callback):
             self._original = snapshot(self._targets)
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.structural and self._example_input is None:  # one row of the model inputs, to trace the graph
             self._example_input = example_row(batch, pl_module)
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         apply_masks_(pl_module)  # after the optimizer step: pruned weights stay exactly zero
         schedule, step = self.sparsity_schedule, trainer.global_step
         if schedule is None or self.structural_done or step == self.last_pruned_step or step < schedule.start_step:

@@ -28,8 +28,13 @@ from lightning_lowmem.checkpoints.file_format import (
 from lightning_lowmem.checkpoints.reading import read_checkpoint
 from lightning_lowmem.functional.pruning.sparse_format import pack_sparse_tree
 
-__all__ = ["CODECS", "CheckpointCorruptError", "CompressedCheckpointIO", "checkpoint_sizes",
-           "written_by_CompressedCheckpointIO"]
+__all__ = [
+    "CODECS",
+    "CheckpointCorruptError",
+    "CompressedCheckpointIO",
+    "checkpoint_sizes",
+    "written_by_CompressedCheckpointIO",
+]
 
 PathLike = Union[str, Path]
 """A checkpoint path, as Lightning's ``CheckpointIO`` takes it (the same type as its private ``_PATH``)."""
@@ -130,15 +135,22 @@ class CompressedCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError(f"`storage_options` is not supported by {type(self).__name__}, got {storage_options!r}")
-        packed, num_sparse = pack_sparse_tree(checkpoint, self.min_sparsity, self.min_numel) if self.sparse else (checkpoint, 0)
+        packed, num_sparse = (
+            pack_sparse_tree(checkpoint, self.min_sparsity, self.min_numel) if self.sparse else (checkpoint, 0)
+        )
         buffer = io.BytesIO()  # in memory, as TorchCheckpointIO does: a file left plain is byte for byte its file
         torch.save(packed, buffer)
         raw = buffer.getbuffer()
         stored = pack_chunks(raw, self.codec, self.level, self.min_saving)
         plain = num_sparse == 0 and framed_size(stored) > (1 - self.min_saving) * len(raw)  # too little gained
         written = _write_pieces(path, [raw] if plain else framed_pieces(raw, stored, self.codec), self.fsync)
-        self.last_save_stats = {"raw_bytes": len(raw), "file_bytes": written, "sparse_tensors": num_sparse,
-                                "chunks": len(stored), "chunks_compressed": sum(c for c, _ in stored)}  # fmt: skip
+        self.last_save_stats = {
+            "raw_bytes": len(raw),
+            "file_bytes": written,
+            "sparse_tensors": num_sparse,
+            "chunks": len(stored),
+            "chunks_compressed": sum(c for c, _ in stored),
+        }
 
     @override
     def load_checkpoint(
@@ -178,10 +190,11 @@ def _write_pieces(path: PathLike, pieces: list[Any], fsync: bool) -> int:
     return len(payload)
 
 
-def checkpoint_sizes(checkpoint: dict[str, Any], checkpoint_io: CompressedCheckpointIO, directory: PathLike) -> dict[str, int]:
+def checkpoint_sizes(
+    checkpoint: dict[str, Any], checkpoint_io: CompressedCheckpointIO, directory: PathLike
+) -> dict[str, int]:
     """Bytes of ``checkpoint`` written by ``torch.save`` and by ``checkpoint_io`` (for docs and benchmarks)."""
     plain, compressed = Path(directory) / "plain.ckpt", Path(directory) / "compressed.ckpt"
     torch.save(checkpoint, plain)
     checkpoint_io.save_checkpoint(checkpoint, compressed)
     return {"torch_save_bytes": plain.stat().st_size, "compressed_bytes": compressed.stat().st_size}
-

@@ -187,7 +187,8 @@ def _parse_header(data: bytes, offset: int, path: Any) -> tuple[int, str, int, i
 def _check_crc(raw: bytes, raw_length: int, crc: int, path: Any) -> bytes:
     if len(raw) != raw_length or zlib.crc32(raw) != crc:
         raise corrupt(
-            path, f"expected {raw_length} bytes with CRC-32 {crc:#010x}, got {len(raw)} bytes with CRC-32 {zlib.crc32(raw):#010x}"
+            path,
+            f"expected {raw_length} bytes with CRC-32 {crc:#010x}, got {len(raw)} bytes with CRC-32 {zlib.crc32(raw):#010x}",
         )
     return raw
 
@@ -203,7 +204,9 @@ def read_framed(data: bytes, path: Any) -> bytes:
         try:
             raw = _decompressor(codec)(memoryview(data)[_HEADER.size :], raw_length)
         except Exception as err:  # each codec raises its own error type on damaged input
-            raise corrupt(path, f"{codec} could not decompress it ({type(err).__name__}: {err}); the file has {len(data)} bytes") from err
+            raise corrupt(
+                path, f"{codec} could not decompress it ({type(err).__name__}: {err}); the file has {len(data)} bytes"
+            ) from err
         return _check_crc(raw, raw_length, crc, path)
     offset = len(PREFIX)
     if not data.startswith(PREFIX + MAGIC):
@@ -230,7 +233,9 @@ def read_framed(data: bytes, path: Any) -> bytes:
             try:
                 piece = decompress(piece, CHUNK_BYTES)
             except Exception as err:  # each codec raises its own error type on damaged input
-                raise corrupt(path, f"{codec} could not decompress chunk {index} ({type(err).__name__}: {err})") from err
+                raise corrupt(
+                    path, f"{codec} could not decompress chunk {index} ({type(err).__name__}: {err})"
+                ) from err
         raw += piece
     return _check_crc(raw, raw_length, crc, path)
 
@@ -259,4 +264,3 @@ def atomic_write(path: Any, pieces: Iterable[Any], fsync: bool = False) -> int:
         temporary.unlink(missing_ok=True)
         raise
     return written
-

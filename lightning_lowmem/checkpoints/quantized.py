@@ -65,7 +65,9 @@ def instruction_key(writer: str) -> str:
     )
 
 
-def record_checkpoint(checkpoint: dict[str, Any], writer: str, record: dict[str, Any], *, instruct: bool = False) -> None:
+def record_checkpoint(
+    checkpoint: dict[str, Any], writer: str, record: dict[str, Any], *, instruct: bool = False
+) -> None:
     """Record ``writer`` and ``record`` in a checkpoint being saved (see the module docstring); the
     instruction entry is added when the state dict holds quantized tensors or Conv1D layers stored as
     ``nn.Linear`` (``record["conv1d"]``), or when ``instruct``."""

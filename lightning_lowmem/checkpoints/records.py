@@ -131,7 +131,9 @@ def check(checkpoint: Mapping[str, Any], readers: Mapping[str, Reader], *, stage
             continue
         described = f"{writer} (format {entry.get('format')!r}, version {entry.get('version')})"
         if writer not in readers:
-            problems.append(f"this checkpoint was written with {described}, which the loading side lacks: add {entry.get('needs')}.")
+            problems.append(
+                f"this checkpoint was written with {described}, which the loading side lacks: add {entry.get('needs')}."
+            )
             continue
         accept = readers[writer]
         reason = accept(entry) if accept is not None else None
@@ -188,7 +190,7 @@ def guard_module_loading(trainer: Any, module: Any) -> None:
 
 SHARDED_HINT = (
     "load it with strategy='lowmem_fsdp' (any number of processes), or consolidate it into one file first: "
-    "python -c \"from lightning_lowmem.checkpoints import consolidate_checkpoint; "
+    'python -c "from lightning_lowmem.checkpoints import consolidate_checkpoint; '
     "consolidate_checkpoint('{path}', '{path}.consolidated.ckpt')\" (a Lightning checkpoint: weights, optimizer "
     "state keyed as a plain optimizer's, loops; torch's "
     "torch.distributed.checkpoint.format_utils.dcp_to_torch_save('{path}', 'out.pt') gives the raw nested dict)"

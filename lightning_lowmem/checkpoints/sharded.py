@@ -22,6 +22,7 @@ __all__ = [
     "reject_sharded_checkpoint",
 ]
 
+
 def _rekey_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
     """Parameter names (DCP's keys) -> positions in the param groups (what ``Optimizer.load_state_dict`` takes)."""
     groups = state.get("param_groups", [])
@@ -107,7 +108,7 @@ def load_sharded_checkpoint(
     saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     weights = get_model_state_dict(module)
     missing = [k for k in weights if f"state_dict.{k}" not in saved]
-    unexpected = sorted(k[len("state_dict."):] for k in saved if k.startswith("state_dict.") and k[11:] not in weights)
+    unexpected = sorted(k[len("state_dict.") :] for k in saved if k.startswith("state_dict.") and k[11:] not in weights)
     if strict and (missing or unexpected):
         raise KeyError(
             f"`ckpt_path`={str(path)!r} does not hold the weights of {type(module).__name__}: missing "
@@ -121,7 +122,9 @@ def load_sharded_checkpoint(
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"
         if not any(name.startswith(f"{key}.") for name in saved):
-            raise KeyError(f"`ckpt_path`={str(path)!r} holds no state for optimizer {index} ({type(optimizer).__name__})")
+            raise KeyError(
+                f"`ckpt_path`={str(path)!r} holds no state for optimizer {index} ({type(optimizer).__name__})"
+            )
         state = _plain_moments(get_optimizer_state_dict(module, optimizer))  # creates the state to load into
         load({key: state}, checkpoint_id=path)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(strict=strict))
@@ -144,8 +147,9 @@ def _plain_moments(state: dict[str, Any]) -> dict[str, Any]:
         zeros = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
         if not isinstance(value, DTensor):
             return zeros
-        return DTensor.from_local(zeros, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())  # fmt: skip
+        return DTensor.from_local(
+            zeros, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
 
     return {
         "state": {name: {k: plain(v) for k, v in entry.items()} for name, entry in state["state"].items()},

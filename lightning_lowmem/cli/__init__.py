@@ -83,4 +83,3 @@ def main(argv: list[str] | None = None) -> int:
         print_error(str(err), f"see `lowmem {sub} --help`; LOWMEM_DEBUG=1 shows the full error")
         return 2
     return 0
-

@@ -137,7 +137,9 @@ def _explain_class_problem(class_path: str, detail: list[str]) -> str:
     if re.search(r"has no attribute|No module named|Expected a dot import path", text):
         return _class_not_found(class_path)
     cls = _import(class_path)
-    option = re.search(r"Option '([^']+)' is not accepted|Key '([^']+)' is not expected|Key \"([^\"]+)\" is not expected", text)
+    option = re.search(
+        r"Option '([^']+)' is not accepted|Key '([^']+)' is not expected|Key \"([^\"]+)\" is not expected", text
+    )
     if option:
         name = next(g for g in option.groups() if g)
         names = init_arg_names(cls) if cls is not None else []
@@ -231,7 +233,7 @@ def explain_parse_error(message: str, option_names: Iterable[str] = ()) -> str:
             return f"{where}{given!r} is not accepted{hint}; choose one of {', '.join(dict.fromkeys(choices))}"
         reasons = [line.strip()[2:] for line in lines if line.strip().startswith("- ")]
         reasons = [r for r in reasons if not r.startswith(("Expected a <class 'NoneType'>", "Not a valid subclass"))]
-        inline = lines[0][head.end():].strip()  # 'Parser key "config": File does not exist: ...'
+        inline = lines[0][head.end() :].strip()  # 'Parser key "config": File does not exist: ...'
         reason = inline or (reasons[0] if reasons else (lines[1] if len(lines) > 1 else "invalid value"))
         return f"{where}{_type_words(one_line(reason))}" + (f" (given {given})" if given else "")
     return one_line(message)

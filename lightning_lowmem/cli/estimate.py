@@ -58,10 +58,20 @@ options:
 
 # ----------------------------------------------------------------------------- startup noise
 _DTYPES = {
-    "long": torch.int64, "int64": torch.int64, "int": torch.int64, "int32": torch.int32, "bool": torch.bool,
-    "float": torch.float32, "float32": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}  # fmt: skip
+    "long": torch.int64,
+    "int64": torch.int64,
+    "int": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+    "float": torch.float32,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def parse_batch_shape(spec: str) -> Any:
@@ -96,7 +106,9 @@ def parse_batch_shape(spec: str) -> Any:
         except ValueError:
             dims = []
         if not dims or any(d <= 0 for d in dims):
-            raise ConfigError(f"--batch-shape: {shape!r} in {item!r} is not a shape like 32x64 (positive sizes joined by x)")
+            raise ConfigError(
+                f"--batch-shape: {shape!r} in {item!r} is not a shape like 32x64 (positive sizes joined by x)"
+            )
         tensors.append((key or None, torch.empty(dims, dtype=dtype, device="meta")))
     if all(named):
         return {key: tensor for key, tensor in tensors}
@@ -117,7 +129,9 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
 
     trainer_config = cli.config.get("trainer") or {}
     precision = str(trainer_config.get("precision") or "32-true")
-    found: dict[str, Any] = {"precision": {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(precision, precision)}
+    found: dict[str, Any] = {
+        "precision": {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(precision, precision)
+    }
     optimizer = getattr(getattr(cli.model, "hparams", {}), "get", lambda *_: None)("optimizer")
     if isinstance(optimizer, str) and optimizer in available_optimizers():
         found["optimizer"] = optimizer
@@ -274,8 +288,9 @@ def _step_failed(model: Any, batch: Any, err: BaseException, from_shape: bool) -
     fix = (
         "--batch-shape must give what training_step takes, e.g. 32x64,32x64 for an (inputs, targets) tuple of "
         "int64 token ids (add :float32 only for float inputs), or input_ids=4x128,labels=4x128 for a dict"
-        if from_shape else "check that the datamodule's batches are what training_step takes"
-    )  # fmt: skip
+        if from_shape
+        else "check that the datamodule's batches are what training_step takes"
+    )
     return one_line(
         f"the training step of {type(model).__name__} failed on the batch {describe_batch(batch)}: "
         f"{type(err).__name__}: {err}{where}. {fix}; LOWMEM_DEBUG=1 shows the traceback."
@@ -294,7 +309,11 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     console = Console()
     if not console.is_terminal:  # a pipe or a CI log: wide enough for a column per phase, never wrapped
         console = Console(width=120)
-    where = device if device == "cuda" or torch.cuda.is_available() else "cpu (no CUDA device here; --device cuda plans for a GPU)"
+    where = (
+        device
+        if device == "cuda" or torch.cuda.is_available()
+        else "cpu (no CUDA device here; --device cuda plans for a GPU)"
+    )
     budget = techniques.pop("memory_budget", None)
     own.budget = own.budget if own.budget is not None else budget
     config = TrainingConfig(**{"optimizer": None, **techniques})  # no optimizer set: configure_optimizers'
@@ -328,9 +347,19 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     try:
         with rich_progress(Console(stderr=True)) as progress:
             world_size, shardings = getattr(own, "sharding_axis", (1, None))
-            plan = plan_memory(model, batch, own.budget, device=device, loras=loras, progress=progress, config=fixed,
-                               world_size=world_size, shardings=shardings, attention_kernel=own.attention_kernel,
-                               **wanted)  # fmt: skip
+            plan = plan_memory(
+                model,
+                batch,
+                own.budget,
+                device=device,
+                loras=loras,
+                progress=progress,
+                config=fixed,
+                world_size=world_size,
+                shardings=shardings,
+                attention_kernel=own.attention_kernel,
+                **wanted,
+            )
     except ValueError as err:
         if own.json:
             print(json.dumps({"error": str(err)}))
@@ -382,8 +411,11 @@ def _per_rank_table(report: Any, title: str) -> Any:
         table.add_column(category, justify="right")
     table.add_column("peak", justify="right", style="bold")
     for rank in meta["per_rank"]:
-        table.add_row(str(rank["rank"]), *(format_bytes(rank["breakdown"][c]) for c in CATEGORIES),
-                      format_bytes(rank["peak_bytes"]))  # fmt: skip
+        table.add_row(
+            str(rank["rank"]),
+            *(format_bytes(rank["breakdown"][c]) for c in CATEGORIES),
+            format_bytes(rank["peak_bytes"]),
+        )
     for name, value in report.overheads.items():
         table.add_row(f"+ {name}", *[""] * len(CATEGORIES), format_bytes(value))
     return table

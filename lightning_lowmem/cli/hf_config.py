@@ -62,7 +62,9 @@ def hf_config_model(path: str) -> Any:
         raise ConfigError(f"--hf-config {str(file)!r} is not JSON: {err}") from err
     model_type = values.pop("model_type", None)
     if not model_type:
-        raise ConfigError(f"--hf-config {str(file)!r} has no `model_type` (e.g. \"llama\"): is it a Hugging Face config.json?")
+        raise ConfigError(
+            f'--hf-config {str(file)!r} has no `model_type` (e.g. "llama"): is it a Hugging Face config.json?'
+        )
     try:
         config = transformers.AutoConfig.for_model(model_type, **values)
     except ValueError as err:
@@ -97,6 +99,8 @@ def hf_config_batch(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     """
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len)):
         if value < 1:
-            raise ConfigError(f"{name} must be a positive number of {'sequences' if 'batch' in name else 'tokens'}, got {value}")
+            raise ConfigError(
+                f"{name} must be a positive number of {'sequences' if 'batch' in name else 'tokens'}, got {value}"
+            )
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

@@ -17,7 +17,9 @@ def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     """Images as float (N, 1, 8, 8) scaled to [0, 1] and labels as long (N,)."""
     from lightning_lowmem._versions import optional_import
 
-    datasets = optional_import("sklearn.datasets", "the `digits` workload", extra="examples", distribution="scikit-learn")
+    datasets = optional_import(
+        "sklearn.datasets", "the `digits` workload", extra="examples", distribution="scikit-learn"
+    )
     bunch = datasets.load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(bunch.target, dtype=torch.long)
@@ -79,7 +81,10 @@ class DigitsDataModule(L.LightningDataModule):
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         self.setup()
         return DataLoader(
-            self._splits[split], batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers
+            self._splits[split],
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            num_workers=self.hparams.num_workers,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -59,20 +59,37 @@ def tiny_hf_config(family: str = "gpt2", **overrides: Any) -> Any:
         return transformers.GPT2Config(**{**defaults, **overrides})
     if family == "llama":
         defaults = dict(
-            vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, **special,
-        )  # fmt: skip
+            vocab_size=BYTE_VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            **special,
+        )
         return transformers.LlamaConfig(**{**defaults, **overrides})
     if family == "bert":
         defaults = dict(
-            vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=256, pad_token_id=PAD_ID,
-        )  # fmt: skip
+            vocab_size=BYTE_VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            pad_token_id=PAD_ID,
+        )
         return transformers.BertConfig(**{**defaults, **overrides})
     defaults = dict(
-        vocab_size=BYTE_VOCAB, d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=4, decoder_start_token_id=BOS_ID,
+        vocab_size=BYTE_VOCAB,
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=BOS_ID,
         **special,
-    )  # fmt: skip
+    )
     return transformers.T5Config(**{**defaults, **overrides})
 
 

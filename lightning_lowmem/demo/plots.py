@@ -45,8 +45,15 @@ def _bars(ax: Any, runs: Sequence[Any]) -> None:
         left = 0.0
         for category in CATEGORIES:
             width = run.breakdown.get(category, 0) / MIB
-            ax.barh(row, width, left=left, color=COLORS[category], edgecolor="white", linewidth=0.5,
-                    label=LABELS.get(category, category) if row == 0 else None)
+            ax.barh(
+                row,
+                width,
+                left=left,
+                color=COLORS[category],
+                edgecolor="white",
+                linewidth=0.5,
+                label=LABELS.get(category, category) if row == 0 else None,
+            )
             left += width
         peak = (run.peak_bytes or 0) / MIB
         ratio = "" if row == 0 else f"  ({run.peak_bytes / base:.2f}x)"
@@ -72,8 +79,15 @@ def _timeline(ax: Any, runs: Sequence[Any]) -> None:
         ax.fill_between(xs, ys, color=color, alpha=0.12, zorder=2)
         if run is runs[0] and len(runs) > 1:  # the baseline's hill: what the stack does not keep
             top_x = xs[max(range(len(ys)), key=ys.__getitem__)]
-            ax.annotate("activations kept\nfor backward", (top_x, max(ys) * 0.6), xytext=(top_x - 0.45, max(ys) * 0.3),
-                        fontsize=8.5, color="#444444", ha="center", arrowprops=dict(arrowstyle="->", color="#888888"))
+            ax.annotate(
+                "activations kept\nfor backward",
+                (top_x, max(ys) * 0.6),
+                xytext=(top_x - 0.45, max(ys) * 0.3),
+                fontsize=8.5,
+                color="#444444",
+                ha="center",
+                arrowprops=dict(arrowstyle="->", color="#888888"),
+            )
         # the exact peak of the step (temporaries inside one op included) from the memory report
         peak = (run.peak_bytes or 0) / MIB
         ax.axhline(peak, color=color, linestyle=":", linewidth=1, zorder=1)
@@ -107,8 +121,13 @@ def plot_memory(runs: Sequence[Any], path: Path, title: str = "", traced: Sequen
         traced = [run for run in measured if run.timeline]
         traced = [traced[0], traced[-1]] if len(traced) > 1 else traced
     traced = [run for run in traced if run.timeline]
-    fig, axes = plt.subplots(1, 2 if traced else 1, figsize=(13, 4.8) if traced else (7, 4.8),
-                             gridspec_kw={"width_ratios": [1, 1.1]} if traced else None, squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        2 if traced else 1,
+        figsize=(13, 4.8) if traced else (7, 4.8),
+        gridspec_kw={"width_ratios": [1, 1.1]} if traced else None,
+        squeeze=False,
+    )
     _bars(axes[0][0], measured)
     axes[0][0].legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8, frameon=False)
     if traced:

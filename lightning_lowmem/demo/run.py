@@ -87,14 +87,23 @@ def settings_for(quick: bool, bf16: str = "auto") -> DemoSettings:
     else:
         short, reason = bf16 == "short", f"--bf16 {bf16}"
     if quick:  # a smaller charlm (4 layers, batch 16): the same story in a third of the compute
-        return DemoSettings(quick=True, charlm_steps=20, digits_epochs=2, bf16_short=short, bf16_reason=reason,
-                            charlm_model=dict(n_layer=4, n_head=4, n_embd=128, block_size=64), charlm_batch_size=16,
-                            charlm_chars=300_000, val_batches=8)
+        return DemoSettings(
+            quick=True,
+            charlm_steps=20,
+            digits_epochs=2,
+            bf16_short=short,
+            bf16_reason=reason,
+            charlm_model=dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
+            charlm_batch_size=16,
+            charlm_chars=300_000,
+            val_batches=8,
+        )
     return DemoSettings(quick=False, charlm_steps=200, digits_epochs=12, bf16_short=short, bf16_reason=reason)
 
 
-def _trainer(title: str, max_steps: int = -1, max_epochs: int | None = None, callbacks: list[Any] = (),
-             **kwargs: Any) -> L.Trainer:
+def _trainer(
+    title: str, max_steps: int = -1, max_epochs: int | None = None, callbacks: list[Any] = (), **kwargs: Any
+) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -132,31 +141,49 @@ def _charlm_stack() -> list[Any]:
     return [ActivationCheckpointing("Block"), ActivationCompression("int8", log_stats=False)]
 
 
-def _charlm_run(settings: DemoSettings, context: dict[str, Any], title: str, name: str, label: str,
-                precision: str = "32-true", optimizer: str = "adamw", lr: float = 3e-3,
-                callbacks: Callable[[], list[Any]] = list) -> DemoRun:
+def _charlm_run(
+    settings: DemoSettings,
+    context: dict[str, Any],
+    title: str,
+    name: str,
+    label: str,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    lr: float = 3e-3,
+    callbacks: Callable[[], list[Any]] = list,
+) -> DemoRun:
     memory_only = settings.bf16_short and precision.startswith("bf16")
     steps = settings.profile_step + 1 if memory_only else settings.charlm_steps
     if "charlm_data" not in context:  # one corpus read for every charlm row
         context["charlm_data"] = CharLMDataModule(
-            block_size=settings.charlm_model["block_size"], batch_size=settings.charlm_batch_size,
+            block_size=settings.charlm_model["block_size"],
+            batch_size=settings.charlm_batch_size,
             max_chars=settings.charlm_chars,
         )
     torch.manual_seed(0)
     profile, timer = StepMemoryProfile(step=settings.profile_step), StepTimer(skip_first=3)
     model = CharLM(**settings.charlm_model, optimizer=optimizer, lr=lr)
     trainer = _trainer(
-        title, max_steps=steps, callbacks=[profile, timer, *callbacks()], precision=precision,
-        limit_val_batches=0 if memory_only else settings.val_batches, val_check_interval=steps,
+        title,
+        max_steps=steps,
+        callbacks=[profile, timer, *callbacks()],
+        precision=precision,
+        limit_val_batches=0 if memory_only else settings.val_batches,
+        val_check_interval=steps,
     )
     trainer.fit(model, context["charlm_data"])
     report = profile.report
     run = DemoRun(
-        workload="charlm", name=name, label=label, steps=trainer.global_step,
+        workload="charlm",
+        name=name,
+        label=label,
+        steps=trainer.global_step,
         peak_bytes=report.peak_bytes if report else None,
         breakdown=dict(report.breakdown) if report else {},
         model_bytes=model_bytes(trainer.lightning_module),
-        metric_name="val_loss", timeline=profile.timeline, memory_only=memory_only,
+        metric_name="val_loss",
+        timeline=profile.timeline,
+        memory_only=memory_only,
     )
     if memory_only:
         run.notes = f"bf16 is emulated on this CPU: {steps} steps, memory only"
@@ -179,8 +206,13 @@ def charlm_plan(settings: DemoSettings) -> list[tuple[str, str, Callable[..., De
         run(f"lowmem: bf16-true + ckpt + int8 acts + {STACK_OPTIMIZER}", STACK_LABEL, precision="bf16-true", **stack),
     ]
     if settings.bf16_short:  # the stack's loss, measured where training is long enough
-        rows.append(run(f"lowmem stack in fp32: ckpt + int8 acts + {STACK_OPTIMIZER} (loss check)",
-                        "lowmem stack (fp32)", **stack))
+        rows.append(
+            run(
+                f"lowmem stack in fp32: ckpt + int8 acts + {STACK_OPTIMIZER} (loss check)",
+                "lowmem stack (fp32)",
+                **stack,
+            )
+        )
     return rows
 
 
@@ -199,22 +231,38 @@ def sparse_model_bytes(module: torch.nn.Module) -> int:
     return buffer.getbuffer().nbytes
 
 
-def _digits_run(settings: DemoSettings, title: str, name: str, model: L.LightningModule | None = None,
-                callbacks: Callable[[], list[Any]] = list, epochs: int | None = None) -> tuple[DemoRun, L.LightningModule]:
+def _digits_run(
+    settings: DemoSettings,
+    title: str,
+    name: str,
+    model: L.LightningModule | None = None,
+    callbacks: Callable[[], list[Any]] = list,
+    epochs: int | None = None,
+) -> tuple[DemoRun, L.LightningModule]:
     torch.manual_seed(0)
     model = model if model is not None else DigitsClassifier(arch="mlp", hidden=DIGITS_HIDDEN)
     data = DigitsDataModule(batch_size=64)
     profile, timer = StepMemoryProfile(step=settings.profile_step), StepTimer()
-    trainer = _trainer(title, max_epochs=epochs or settings.digits_epochs, callbacks=[profile, timer, *callbacks()],
-                       limit_val_batches=0)
+    trainer = _trainer(
+        title,
+        max_epochs=epochs or settings.digits_epochs,
+        callbacks=[profile, timer, *callbacks()],
+        limit_val_batches=0,
+    )
     trainer.fit(model, data)
     test = trainer.test(trainer.lightning_module, data, verbose=False)[0]
     report = profile.report
     run = DemoRun(
-        workload="digits", name=name, label=name.split(" (")[0], steps=trainer.global_step,
-        peak_bytes=report.peak_bytes if report else None, breakdown=dict(report.breakdown) if report else {},
-        step_ms=1000 * timer.median_s, model_bytes=model_bytes(model.student if hasattr(model, "student") else model),
-        metric_name="test_acc", metric=float(test["test_acc"]),
+        workload="digits",
+        name=name,
+        label=name.split(" (")[0],
+        steps=trainer.global_step,
+        peak_bytes=report.peak_bytes if report else None,
+        breakdown=dict(report.breakdown) if report else {},
+        step_ms=1000 * timer.median_s,
+        model_bytes=model_bytes(model.student if hasattr(model, "student") else model),
+        metric_name="test_acc",
+        metric=float(test["test_acc"]),
     )
     return run, model
 
@@ -232,8 +280,17 @@ def digits_plan(settings: DemoSettings) -> list[tuple[str, str, Callable[..., De
         from lightning_lowmem.functional.pruning.unstructured import sparsity
 
         def pruning() -> list[Any]:
-            return [ScheduledPruning("l1_unstructured", parameter_names=["weight"], schedule="cubic",
-                                     target_sparsity=0.9, start_step=steps // 10, end_step=steps * 2 // 3, frequency=5)]
+            return [
+                ScheduledPruning(
+                    "l1_unstructured",
+                    parameter_names=["weight"],
+                    schedule="cubic",
+                    target_sparsity=0.9,
+                    start_step=steps // 10,
+                    end_step=steps * 2 // 3,
+                    frequency=5,
+                )
+            ]
 
         run, model = _digits_run(s, title, names[1], callbacks=pruning)
         run.model_bytes = sparse_model_bytes(model)
@@ -252,8 +309,9 @@ def digits_plan(settings: DemoSettings) -> list[tuple[str, str, Callable[..., De
 
         teacher = context["teacher"]
         teacher.freeze()
-        student = DistillationModule(student=digits_mlp(DIGITS_HIDDEN // 4, 2), teacher=teacher, temperature=4.0,
-                                     alpha=0.9, lr=1e-2)
+        student = DistillationModule(
+            student=digits_mlp(DIGITS_HIDDEN // 4, 2), teacher=teacher, temperature=4.0, alpha=0.9, lr=1e-2
+        )
         run, student = _digits_run(s, title, names[3], model=student, epochs=s.digits_epochs * 2)
         quantize_(student.student, "int8_dynamic")
         tester = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
@@ -281,19 +339,37 @@ def table(runs: list[DemoRun], title: str = "") -> Any:
     """The Rich table of ``runs``; ratios are against each workload's first row."""
     from rich.table import Table
 
-    out = Table(title=title or "lightning_lowmem demo: baseline vs low-memory stack (ratios vs each workload's baseline)")
-    columns = ("workload", "configuration", "steps", "peak train memory", "params/grads/optim/acts", "step", "model size",
-               "metric", "notes")
+    out = Table(
+        title=title or "lightning_lowmem demo: baseline vs low-memory stack (ratios vs each workload's baseline)"
+    )
+    columns = (
+        "workload",
+        "configuration",
+        "steps",
+        "peak train memory",
+        "params/grads/optim/acts",
+        "step",
+        "model size",
+        "metric",
+        "notes",
+    )
     for column in columns:
-        out.add_column(column, justify="left" if column in ("workload", "configuration", "notes") else "right",
-                       no_wrap=column not in ("configuration", "notes"))
+        out.add_column(
+            column,
+            justify="left" if column in ("workload", "configuration", "notes") else "right",
+            no_wrap=column not in ("configuration", "notes"),
+        )
     base: dict[str, DemoRun] = {}
     for run in runs:
         ref = base.setdefault(run.workload, run)
-        parts = "/".join(
-            format_bytes(run.breakdown.get(k, 0)).replace(" ", "")
-            for k in ("parameters", "gradients", "optimizer_state", "activations")
-        ) if run.breakdown else "-"
+        parts = (
+            "/".join(
+                format_bytes(run.breakdown.get(k, 0)).replace(" ", "")
+                for k in ("parameters", "gradients", "optimizer_state", "activations")
+            )
+            if run.breakdown
+            else "-"
+        )
         out.add_row(
             run.workload,
             run.name,
@@ -308,8 +384,14 @@ def table(runs: list[DemoRun], title: str = "") -> Any:
     return out
 
 
-def write_results(path: Path, runs: list[DemoRun], settings: DemoSettings, complete: bool, seconds: float,
-                  interrupted_by: str | None = None) -> None:
+def write_results(
+    path: Path,
+    runs: list[DemoRun],
+    settings: DemoSettings,
+    complete: bool,
+    seconds: float,
+    interrupted_by: str | None = None,
+) -> None:
     """``demo.json``: the runs so far; written after every run, so an interrupted demo leaves them."""
     payload = {
         "complete": complete,
@@ -384,14 +466,18 @@ def _summary(run: DemoRun) -> str:
 def run_demo(settings: DemoSettings, workloads: list[str], out: Path, console: Any) -> tuple[list[DemoRun], str | None]:
     """Run the planned rows one by one, printing a header per run and rewriting ``demo.json`` after
     each; returns the runs and the name of the signal that stopped the demo (or ``None``)."""
-    plan = (charlm_plan(settings) if "charlm" in workloads else []) + (digits_plan(settings) if "digits" in workloads else [])
+    plan = (charlm_plan(settings) if "charlm" in workloads else []) + (
+        digits_plan(settings) if "digits" in workloads else []
+    )
     runs: list[DemoRun] = []
     context: dict[str, Any] = {}
     started = time.perf_counter()
     try:
         with stop_on_signals(), _quiet_lightning():
             for index, (workload, name, fn) in enumerate(plan, 1):
-                console.print(f"[bold][{index}/{len(plan)}][/bold] {workload} · {name}", highlight=False, soft_wrap=True)
+                console.print(
+                    f"[bold][{index}/{len(plan)}][/bold] {workload} · {name}", highlight=False, soft_wrap=True
+                )
                 run_started = time.perf_counter()
                 run = fn(settings, context, f"{index}/{len(plan)} {workload}")
                 run.seconds = round(time.perf_counter() - run_started, 1)
@@ -399,20 +485,32 @@ def run_demo(settings: DemoSettings, workloads: list[str], out: Path, console: A
                 console.print(f"      done: {_summary(run)}", highlight=False, soft_wrap=True)
                 write_results(out / "demo.json", runs, settings, complete=False, seconds=time.perf_counter() - started)
     except DemoInterrupted as stop:
-        write_results(out / "demo.json", runs, settings, complete=False, seconds=time.perf_counter() - started,
-                      interrupted_by=str(stop))
+        write_results(
+            out / "demo.json",
+            runs,
+            settings,
+            complete=False,
+            seconds=time.perf_counter() - started,
+            interrupted_by=str(stop),
+        )
         return runs, str(stop)
     return runs, None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lowmem demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a ~1 minute version (a smaller charlm, fewer steps and epochs)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a ~1 minute version (a smaller charlm, fewer steps and epochs)"
+    )
     parser.add_argument("--out", default="demo_output", help="folder for demo.json and memory.png")
     parser.add_argument("--workloads", nargs="*", default=["charlm", "digits"], choices=["charlm", "digits"])
-    parser.add_argument("--bf16", default="auto", choices=["auto", "full", "short"],
-                        help="bf16 rows: train all steps (full), only the steps memory needs (short), or short "
-                             "when this CPU emulates bf16 (auto, default)")
+    parser.add_argument(
+        "--bf16",
+        default="auto",
+        choices=["auto", "full", "short"],
+        help="bf16 rows: train all steps (full), only the steps memory needs (short), or short "
+        "when this CPU emulates bf16 (auto, default)",
+    )
     args = parser.parse_args(argv)
     from rich.console import Console
 
@@ -425,31 +523,50 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"lowmem demo{' --quick' if args.quick else ''}: {count} runs, results in {out}/", highlight=False)
     if settings.bf16_short and "charlm" in args.workloads:
         console.print(f"  bf16: {settings.bf16_reason}", highlight=False, soft_wrap=True)
-        console.print(f"  so the bf16 rows train {settings.profile_step + 1} steps (enough for their memory figures); "
-                      "the loss is compared on full-length rows", highlight=False, soft_wrap=True)
+        console.print(
+            f"  so the bf16 rows train {settings.profile_step + 1} steps (enough for their memory figures); "
+            "the loss is compared on full-length rows",
+            highlight=False,
+            soft_wrap=True,
+        )
     runs, stopped = run_demo(settings, args.workloads, out, console)
     if stopped:
         if runs:
             console.print(table(runs, title=f"lightning_lowmem demo (interrupted: {len(runs)}/{count} runs)"))
-        console.print(f"interrupted by {stopped} after {len(runs)}/{count} runs; partial results in {out / 'demo.json'}",
-                      highlight=False)
+        console.print(
+            f"interrupted by {stopped} after {len(runs)}/{count} runs; partial results in {out / 'demo.json'}",
+            highlight=False,
+        )
         return 128 + int(getattr(signal, stopped, signal.SIGINT))
     shape = settings.charlm_model
-    console.print(table(runs, title="lightning_lowmem demo: baseline vs low-memory stack (ratios vs each workload's "
-                        f"baseline; charlm {shape['n_layer']}x{shape['n_embd']}, batch {settings.charlm_batch_size}x"
-                        f"{shape['block_size']})"))
+    console.print(
+        table(
+            runs,
+            title="lightning_lowmem demo: baseline vs low-memory stack (ratios vs each workload's "
+            f"baseline; charlm {shape['n_layer']}x{shape['n_embd']}, batch {settings.charlm_batch_size}x"
+            f"{shape['block_size']})",
+        )
+    )
     if settings.bf16_short and "charlm" in args.workloads:
-        console.print(f"bf16 rows: memory only ({settings.bf16_reason}); a step's memory does not change with more "
-                      "steps. `--bf16 full` trains them fully.", highlight=False, soft_wrap=True)
+        console.print(
+            f"bf16 rows: memory only ({settings.bf16_reason}); a step's memory does not change with more "
+            "steps. `--bf16 full` trains them fully.",
+            highlight=False,
+            soft_wrap=True,
+        )
     from lightning_lowmem.demo.plots import plot_memory
 
     charlm = [run for run in runs if run.workload == "charlm"]
     png = plot_memory(
-        charlm, out / "memory.png", traced=[run for run in charlm if run.label in (BASELINE_LABEL, STACK_LABEL)],
+        charlm,
+        out / "memory.png",
+        traced=[run for run in charlm if run.label in (BASELINE_LABEL, STACK_LABEL)],
         title=f"charlm ({shape['n_layer']} layers x {shape['n_embd']}, batch {settings.charlm_batch_size} x "
         f"{shape['block_size']}): one training step, measured",
     )
     seconds = time.perf_counter() - started
     write_results(out / "demo.json", runs, settings, complete=True, seconds=seconds)
-    console.print(f"wrote {out / 'demo.json'}" + (f" and {png}" if png else "") + f" in {seconds:.0f} s", highlight=False)
+    console.print(
+        f"wrote {out / 'demo.json'}" + (f" and {png}" if png else "") + f" in {seconds:.0f} s", highlight=False
+    )
     return 0

@@ -58,7 +58,9 @@ class StepMemoryProfile(L.Callback):
         if self._tracking is not None:
             self.timeline.append((self._phase, self._tracking.current_bytes))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.sanity_checking or trainer.global_step != self.step or self._stack is not None or self.report:
             return
         stack = contextlib.ExitStack()

@@ -178,6 +178,8 @@ def bf16_speed(threshold: float = 3.0) -> Bf16Speed:
     slowdown = matmul_slowdown(torch.bfloat16)
     capability = torch.backends.cpu.get_cpu_capability()
     if slowdown > threshold:
-        reason = f"no bf16 instructions on this CPU ({capability}): a bf16 matmul measured {slowdown:.0f}x slower than fp32"
+        reason = (
+            f"no bf16 instructions on this CPU ({capability}): a bf16 matmul measured {slowdown:.0f}x slower than fp32"
+        )
         return Bf16Speed(True, slowdown, reason)
     return Bf16Speed(False, slowdown, f"bf16 matmul measured {slowdown:.1f}x the time of fp32 ({capability})")

@@ -156,7 +156,9 @@ class TeacherCache:
         meta = json.loads(meta_path.read_text())
         hint = f"delete {str(values_path)!r} and its .json / .indices.npy files to rebuild it"
         if meta.get("version") != CACHE_VERSION:
-            raise StaleCacheError(f"teacher cache {str(values_path)!r} has version {meta.get('version')}, expected {CACHE_VERSION}; {hint}")
+            raise StaleCacheError(
+                f"teacher cache {str(values_path)!r} has version {meta.get('version')}, expected {CACHE_VERSION}; {hint}"
+            )
         if meta["num_samples"] != len(dataset):
             raise StaleCacheError(
                 f"stale teacher cache {str(values_path)!r}: built for {meta['num_samples']} samples, the training "
@@ -190,7 +192,9 @@ class TeacherCache:
                 "the rows; pad in the dataset, or train with the live teacher instead)"
             ) from None
 
-    def logits(self, rows: list[int], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def logits(
+        self, rows: list[int], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Teacher logits of ``rows`` as ``(B, *output_shape)``.
 
         In top-k mode the classes outside the top-k get ``-inf``: the softmax is the teacher's
@@ -270,7 +274,9 @@ def build_teacher_cache(
             stored = output_shape[:-1] + [top_k or output_shape[-1]]
             values_file = np.lib.format.open_memmap(values_path, mode="w+", dtype=dtype, shape=(len(dataset), *stored))
             if top_k:
-                indices_file = np.lib.format.open_memmap(indices_path, mode="w+", dtype=np.int32, shape=(len(dataset), *stored))
+                indices_file = np.lib.format.open_memmap(
+                    indices_path, mode="w+", dtype=np.int32, shape=(len(dataset), *stored)
+                )
         if isinstance(items[0], (tuple, list)) and len(items[0]) > 1 and isinstance(items[0][1], torch.Tensor):
             targets = batch[1].to(logits.device)
             if not targets.is_floating_point() and targets.shape == logits.shape[:-1]:

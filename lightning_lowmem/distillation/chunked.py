@@ -68,9 +68,15 @@ def chunked_kd_loss(
         for start in range(0, hidden.shape[0], rows):
             stop = start + rows
             kl_sum = kl_sum + checkpoint(
-                _kl_sum, hidden[start:stop], head.weight, head.bias, teacher[start:stop], keep[start:stop], temperature,
+                _kl_sum,
+                hidden[start:stop],
+                head.weight,
+                head.bias,
+                teacher[start:stop],
+                keep[start:stop],
+                temperature,
                 use_reentrant=False,
-            )  # fmt: skip
+            )
         kl_mean = kl_sum / keep.sum().clamp_min(1)  # no position counts: 0, not NaN (as kd_loss)
         loss = loss + alpha * temperature**2 * kl_mean
     if alpha < 1:
@@ -81,15 +87,20 @@ def chunked_kd_loss(
         else:
             flat_targets = torch.where(keep, targets.reshape(-1), ignore_index)
             head = student.head
-            loss = loss + (1 - alpha) * linear_cross_entropy(hidden, head.weight, flat_targets, bias=head.bias,
-                                                             ignore_index=ignore_index, chunk_size=chunk_size)  # fmt: skip
+            loss = loss + (1 - alpha) * linear_cross_entropy(
+                hidden, head.weight, flat_targets, bias=head.bias, ignore_index=ignore_index, chunk_size=chunk_size
+            )
     return loss
 
 
 def _kl_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, teacher: torch.Tensor, keep: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    teacher: torch.Tensor,
+    keep: torch.Tensor,
     temperature: float,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Sum over the kept positions of ``KL(softmax(teacher / T) || softmax(student / T))`` for one chunk."""
     kl = kl_per_position(F.linear(hidden, weight, bias).float(), teacher.float(), temperature)  # (rows,)
     return torch.where(keep, kl, 0.0).sum()
@@ -101,5 +112,7 @@ def deferred_argmax(logits: DeferredLogits, chunk_size: int | None = None) -> to
     hidden = logits.hidden.reshape(-1, logits.hidden.shape[-1])
     head = logits.head
     rows = chunk_size or default_chunk_size(hidden.shape[0], head.weight.shape[0])
-    parts: list[Any] = [F.linear(hidden[s : s + rows], head.weight, head.bias).argmax(-1) for s in range(0, hidden.shape[0], rows)]
+    parts: list[Any] = [
+        F.linear(hidden[s : s + rows], head.weight, head.bias).argmax(-1) for s in range(0, hidden.shape[0], rows)
+    ]
     return torch.cat(parts).view(logits.shape[:-1])

@@ -133,7 +133,9 @@ class DistillationModule(L.LightningModule):
         if teacher is not None and not (isinstance(teacher, nn.Module) or callable(teacher)):
             raise TypeError(f"`teacher` must be an nn.Module or a callable returning one, got {type(teacher).__name__}")
         if teacher is student:
-            raise ValueError("`teacher` and `student` are the same object; the teacher must be a separate, frozen model")
+            raise ValueError(
+                "`teacher` and `student` are the same object; the teacher must be a separate, frozen model"
+            )
         self.config = DistillationConfig(  # every check of the loss arguments is the config's (#27)
             loss=loss,
             temperature=temperature,
@@ -277,7 +279,9 @@ class DistillationModule(L.LightningModule):
     def _use_cache(self) -> bool:
         return self.hparams.teacher_cache is not None
 
-    def prepare_teacher_cache(self, dataset: Any, device: torch.device | str = "cpu", build: bool = True) -> TeacherCache:
+    def prepare_teacher_cache(
+        self, dataset: Any, device: torch.device | str = "cpu", build: bool = True
+    ) -> TeacherCache:
         """Open the teacher cache for ``dataset`` (building it first if absent), then release the teacher.
 
         Raises:
@@ -293,7 +297,12 @@ class DistillationModule(L.LightningModule):
             assert teacher is not None
             teacher.to(device)
             build_teacher_cache(
-                self.teacher_logits, dataset, path, top_k=self.hparams.cache_top_k, dtype=self.hparams.cache_dtype, device=device
+                self.teacher_logits,
+                dataset,
+                path,
+                top_k=self.hparams.cache_top_k,
+                dtype=self.hparams.cache_dtype,
+                device=device,
             )
         self._cache = TeacherCache.load(path, dataset)
         self.release_teacher()
@@ -313,7 +322,9 @@ class DistillationModule(L.LightningModule):
         if accuracy is not None:
             rank_zero_info(f"[DistillationModule] teacher accuracy on the cached training set: {accuracy:.4f}")
 
-    def batch_targets(self, batch: Any, logits: torch.Tensor, output: Any = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def batch_targets(
+        self, batch: Any, logits: torch.Tensor, output: Any = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(targets, mask)`` of a batch: the hard labels and the ``bool`` positions that count in the losses and
         metrics (``None``: all). Default: :func:`~lightning_lowmem.distillation.batches.position_mask` (tuples: the
         targets not equal to ``ignore_index``; dicts: ``labels != ignore_index`` and ``attention_mask == 1``).
@@ -390,9 +401,14 @@ class DistillationModule(L.LightningModule):
         if dict_batch and targets is not None and output_loss(output) is None and self.hparams.alpha < 1:
             self._warn_unshifted_once()
         losses = self.distillation_loss(
-            student_logits, teacher_logits, targets, student_features, teacher_features,
-            mask=mask if dict_batch else None, student_loss=output_loss(output) if dict_batch else None,
-        )  # fmt: skip
+            student_logits,
+            teacher_logits,
+            targets,
+            student_features,
+            teacher_features,
+            mask=mask if dict_batch else None,
+            student_loss=output_loss(output) if dict_batch else None,
+        )
         if isinstance(student_logits, DeferredLogits):
             from lightning_lowmem.distillation.chunked import deferred_argmax
 
@@ -417,7 +433,11 @@ class DistillationModule(L.LightningModule):
                 self.log("val_loss", loss, prog_bar=True)
         elif targets is not None:
             flat = student_logits.reshape(-1, student_logits.size(-1)).float()
-            self.log("val_loss", F.cross_entropy(flat, targets.reshape(-1), ignore_index=self.hparams.ignore_index), prog_bar=True)
+            self.log(
+                "val_loss",
+                F.cross_entropy(flat, targets.reshape(-1), ignore_index=self.hparams.ignore_index),
+                prog_bar=True,
+            )
             self.val_acc.update(counted(student_logits.argmax(-1) == targets, mask).float())
             self.log("val_acc", self.val_acc, prog_bar=True)
         if self._use_cache():

@@ -59,8 +59,9 @@ def conv1d_to_linear_(model: nn.Module) -> list[str]:
         if type(layer).__name__ != "Conv1D" or not hasattr(layer, "nf"):
             continue
         in_features, out_features = layer.weight.shape  # Conv1D: (in, out)
-        linear = nn.Linear(in_features, out_features, bias=layer.bias is not None, device=layer.weight.device,
-                           dtype=layer.weight.dtype)  # fmt: skip
+        linear = nn.Linear(
+            in_features, out_features, bias=layer.bias is not None, device=layer.weight.device, dtype=layer.weight.dtype
+        )
         linear.weight.copy_(layer.weight.t())
         if layer.bias is not None:
             linear.bias.copy_(layer.bias)

@@ -97,7 +97,11 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.functional.registry import handler_for, register_technique
     from lightning_lowmem.functional.checkpointing import checkpoint_, uncheckpoint_
     from lightning_lowmem.functional.compression import compress_activations
-    from lightning_lowmem.functional.cross_entropy import chunk_cross_entropy_, chunked_cross_entropy, linear_cross_entropy
+    from lightning_lowmem.functional.cross_entropy import (
+        chunk_cross_entropy_,
+        chunked_cross_entropy,
+        linear_cross_entropy,
+    )
     from lightning_lowmem.functional.fsdp import fully_shard_
     from lightning_lowmem.functional.lora import apply_lora_, load_adapters, merge_lora_, save_adapters
     from lightning_lowmem.functional.optimizers import available_optimizers, build_optimizer

@@ -106,8 +106,13 @@ class _CheckpointedForward:
 
 def _updating_norms(module: nn.Module) -> list[nn.Module]:
     """Normalisation layers in ``module`` whose forward updates running statistics (BatchNorm in training)."""
-    return [sub for sub in module.modules() if sub.training and getattr(sub, "track_running_stats", False)
-            and getattr(sub, "running_mean", None) is not None]  # fmt: skip
+    return [
+        sub
+        for sub in module.modules()
+        if sub.training
+        and getattr(sub, "track_running_stats", False)
+        and getattr(sub, "running_mean", None) is not None
+    ]
 
 
 def _running_buffers(norm: nn.Module) -> list[torch.Tensor]:

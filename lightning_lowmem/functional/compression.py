@@ -150,7 +150,9 @@ def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale
 
 
-def _dequantize_int8(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+def _dequantize_int8(
+    quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, shape: torch.Size
+) -> torch.Tensor:
     """Inverse of :func:`_quantize_int8`, written straight into a tensor of ``dtype`` chunk by chunk."""
     out = torch.empty(quantized.shape, dtype=dtype, device=quantized.device)  # (R, N)
     chunks = _row_chunks(*quantized.shape)

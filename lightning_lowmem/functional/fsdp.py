@@ -173,7 +173,9 @@ def fully_shard_(
     names = resolve_policy(module, policy)
     names = [n for n in names if n]  # the root is sharded last anyway
     if not names:
-        raise ValueError(no_match_message(module, policy).replace("activation checkpointing policy", "FSDP wrap policy", 1))
+        raise ValueError(
+            no_match_message(module, policy).replace("activation checkpointing policy", "FSDP wrap policy", 1)
+        )
     unshardable = _unshardable_parameters(module)
     if unshardable:
         raise ValueError(
@@ -185,7 +187,9 @@ def fully_shard_(
     if isinstance(mixed_precision, str) or mixed_precision is None:
         mixed_precision = mixed_precision_policy(mixed_precision)
     elif not isinstance(mixed_precision, MixedPrecisionPolicy):
-        raise TypeError(f"`mixed_precision` must be a preset name, a MixedPrecisionPolicy or None, got {mixed_precision!r}")
+        raise TypeError(
+            f"`mixed_precision` must be a preset name, a MixedPrecisionPolicy or None, got {mixed_precision!r}"
+        )
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
@@ -205,7 +209,9 @@ def fully_shard_(
             register_fsdp_forward_method(module, method)
     precision = None
     if mixed_precision is not None:
-        precision = tuple(str(d).replace("torch.", "") for d in (mixed_precision.param_dtype, mixed_precision.reduce_dtype))
+        precision = tuple(
+            str(d).replace("torch.", "") for d in (mixed_precision.param_dtype, mixed_precision.reduce_dtype)
+        )
     return ShardReport(
         policy=describe_policy(policy),
         units=[*units, ""],

@@ -135,7 +135,10 @@ class MicrobatchLoop:
     """
 
     def __init__(
-        self, micro_batch_size: int | None = None, info: Callable[[str], None] | None = None, owner: str = "AutoMicrobatch"
+        self,
+        micro_batch_size: int | None = None,
+        info: Callable[[str], None] | None = None,
+        owner: str = "AutoMicrobatch",
     ) -> None:
         self.micro_batch_size = micro_batch_size
         self.owner = owner

@@ -13,7 +13,15 @@ from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.memory.report import CATEGORIES, MemoryReport
 from lightning_lowmem.memory.units import format_bytes
 
-__all__ = ["PER_RANK_KEYS", "check_intervals", "cheap_figures", "is_deep_step", "report_figures", "summary_table", "with_all_ranks"]
+__all__ = [
+    "PER_RANK_KEYS",
+    "check_intervals",
+    "cheap_figures",
+    "is_deep_step",
+    "report_figures",
+    "summary_table",
+    "with_all_ranks",
+]
 
 #: the figures logged for each rank (``rank<r>/<key>``) besides their maximum over ranks
 PER_RANK_KEYS = ("peak", "max_allocated", "rss")

@@ -114,9 +114,12 @@ class MemoryReport:
                     share = f"{100 * value / self.peak_bytes:.1f}%" if self.peak_bytes else "-"
                     table.add_row(f"  {kind}", format_bytes(value), share, *by_phase("other", kind))
         table.add_row(
-            "[bold]peak[/bold]", f"[bold]{format_bytes(self.peak_bytes)}[/bold]", "100%",
-            *(format_bytes(self.phases[p]["peak_bytes"]) for p in phases), end_section=True,
-        )  # fmt: skip
+            "[bold]peak[/bold]",
+            f"[bold]{format_bytes(self.peak_bytes)}[/bold]",
+            "100%",
+            *(format_bytes(self.phases[p]["peak_bytes"]) for p in phases),
+            end_section=True,
+        )
         blank = [""] * len(phases)
         for name, value in self.device_stats.items():
             table.add_row(f"device: {name}", format_bytes(value), "", *blank)

@@ -27,7 +27,11 @@ from lightning_lowmem._compat import TorchDispatchMode, tree_flatten, tree_leave
 
 # outputs with more elements than this are left unknown (a (B, 1, T, T) mask of a long sequence, activations)
 KNOWN_NUMEL_LIMIT = 1 << 22
-_VALUE_QUESTIONS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
+_VALUE_QUESTIONS = (
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+)
 
 
 class BatchValues(TorchDispatchMode):
@@ -80,7 +84,9 @@ class BatchValues(TorchDispatchMode):
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if outs and all(t.numel() <= KNOWN_NUMEL_LIMIT for t in outs):
             real_out = self._real(func, flat, spec)  # in place on the real copies too, for a mutating op
-            real_outs = [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)] if real_out is not None else []
+            real_outs = (
+                [t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)] if real_out is not None else []
+            )
             if len(real_outs) == len(outs):
                 for fake, real in zip(outs, real_outs, strict=True):
                     self.known[fake] = real

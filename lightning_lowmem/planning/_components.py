@@ -156,9 +156,7 @@ def probe_model(
     return ModelProbe(report.peak_bytes, report.breakdown, optimizer.step_bytes, optimizer.step_breakdown, trainable)
 
 
-def profile_optimizer(
-    name: str, trainable: Signature, *, device: str, kwargs: dict[str, Any]
-) -> OptimizerProfile:
+def profile_optimizer(name: str, trainable: Signature, *, device: str, kwargs: dict[str, Any]) -> OptimizerProfile:
     """Measure optimizer ``name`` on bare fake parameters shaped as ``trainable`` (no model, no forward).
 
     Parameters of one shape behave alike, so a long signature (a deep model repeats its blocks) is
@@ -180,7 +178,9 @@ def profile_optimizer(
             and again.shared_bytes == once.shared_bytes  # e.g. torchao's lr tensor: once per optimizer
             and again.step_extra_bytes == once.step_extra_bytes  # one parameter at a time
         ):
-            state = once.shared_bytes + sum(counts[signature] * bytes_ for signature, bytes_ in zip(unique, per_param, strict=True))
+            state = once.shared_bytes + sum(
+                counts[signature] * bytes_ for signature, bytes_ in zip(unique, per_param, strict=True)
+            )
             return OptimizerProfile(state, once.step_extra_bytes)
     whole = _measure_optimizer(name, list(trainable), device, kwargs)
     return OptimizerProfile(whole.state_bytes, whole.step_extra_bytes)
@@ -210,7 +210,9 @@ def _measure_optimizer(name: str, trainable: list, device: str, kwargs: dict[str
         assert report is not None
         # what stays after a step (state, an optimizer's own float32 copies...) is resident through the
         # whole training step; the rest of the step's peak are its temporaries
-        params_and_grads = sum(rounding(t.untyped_storage().nbytes()) for p in params for t in (p, p.grad) if t is not None)
+        params_and_grads = sum(
+            rounding(t.untyped_storage().nbytes()) for p in params for t in (p, p.grad) if t is not None
+        )
         resident = report.end_bytes - params_and_grads
         per_param = [_storage_bytes(optimizer.state.get(p, {}), rounding) for p in params]
     return _OptimizerRun(resident, report.peak_bytes - report.end_bytes, per_param, resident - sum(per_param))

@@ -171,9 +171,16 @@ class CandidateEvaluator:
         try:
             with data_dependent_errors_explained(self.module, config, steps=2):
                 probe = probe_model(
-                    self.module, self.batch, config, loss_fn=self.loss_fn, device=self.device, loop=self.loop,
-                    limit_bytes=limit, attention_kernel=self.attention_kernel, forward_only=forward_only,
-                )  # fmt: skip
+                    self.module,
+                    self.batch,
+                    config,
+                    loss_fn=self.loss_fn,
+                    device=self.device,
+                    loop=self.loop,
+                    limit_bytes=limit,
+                    attention_kernel=self.attention_kernel,
+                    forward_only=forward_only,
+                )
         except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
             self._failed[key] = err
             raise

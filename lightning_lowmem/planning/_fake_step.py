@@ -167,15 +167,20 @@ def configured_optimizer(module: nn.Module) -> tuple[str, dict[str, Any]] | None
     optimizer = optimizers[0]
     name = getattr(optimizer, "_lowmem_state_hooks", None)  # built by functional.optimizers.build_optimizer
     if not isinstance(name, str):
-        name = _TORCH_NAMES.get(type(optimizer).__name__) if type(optimizer).__module__.startswith("torch.optim") else None
+        name = (
+            _TORCH_NAMES.get(type(optimizer).__name__) if type(optimizer).__module__.startswith("torch.optim") else None
+        )
     if name is None:
         return None
     from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
 
     allowed = set(optimizer_arguments(name))
     group = optimizer.param_groups[0]
-    kwargs = {key: (float(value) if isinstance(value, torch.Tensor) else value)
-              for key, value in group.items() if key in allowed and value is not None}  # fmt: skip
+    kwargs = {
+        key: (float(value) if isinstance(value, torch.Tensor) else value)
+        for key, value in group.items()
+        if key in allowed and value is not None
+    }
     return name, kwargs
 
 
@@ -258,8 +263,12 @@ def _shared_storages(states: Any) -> set[int]:
     """Storages that appear in more than one parameter's state (e.g. torchao's quantization maps)."""
     seen: dict[int, int] = {}
     for state in states:
-        for key in {id(t.untyped_storage()) for value in state.values() if isinstance(value, torch.Tensor)
-                    for t in _plain(value)}:  # fmt: skip
+        for key in {
+            id(t.untyped_storage())
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+            for t in _plain(value)
+        }:
             seen[key] = seen.get(key, 0) + 1
     return {key for key, count in seen.items() if count > 1}
 

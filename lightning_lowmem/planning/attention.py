@@ -102,21 +102,25 @@ def choose_cuda_kernel(
     for kernel in allowed:
         if kernel == "flash":
             why = (
-                "an attn_mask is given" if attn_mask is not None
-                else f"dtype {query.dtype} (needs float16 / bfloat16)" if query.dtype not in _HALF
+                "an attn_mask is given"
+                if attn_mask is not None
+                else f"dtype {query.dtype} (needs float16 / bfloat16)"
+                if query.dtype not in _HALF
                 else f"head dims {head_q}/{head_k}/{head_v} (must be equal, <= 256)"
                 if not (head_q == head_k == head_v and head_q <= 256)
-                else "causal with query length != key length" if is_causal and query.shape[-2] != key.shape[-2]
+                else "causal with query length != key length"
+                if is_causal and query.shape[-2] != key.shape[-2]
                 else None
-            )  # fmt: skip
+            )
         elif kernel == "efficient":
             align = 8 if query.dtype in _HALF else 4
             why = (
-                f"dtype {query.dtype}" if query.dtype not in (torch.float32, *_HALF)
+                f"dtype {query.dtype}"
+                if query.dtype not in (torch.float32, *_HALF)
                 else f"head dims {head_q}/{head_k}/{head_v} (q, k equal; q, v divisible by {align})"
                 if head_q != head_k or head_q % align or head_v % align
                 else None
-            )  # fmt: skip
+            )
         else:
             why = None
         if why is None:
@@ -283,4 +287,3 @@ def fake_attention(batch: Any, device: str, attention_kernel: str = "auto") -> I
             stack.enter_context(_compat.hf_masks_as_unpadded())
         mode = stack.enter_context(CudaAttention(attention_kernel)) if device == "cuda" else None
         yield mode
-

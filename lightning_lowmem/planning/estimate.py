@@ -177,7 +177,9 @@ def estimate_memory(
     elif isinstance(config, dict):
         config = TrainingConfig(**config)
     elif not isinstance(config, TrainingConfig):
-        raise TypeError(f"`config` must be a TrainingConfig or a dict of its arguments, got {type(config).__name__}: {config!r}")
+        raise TypeError(
+            f"`config` must be a TrainingConfig or a dict of its arguments, got {type(config).__name__}: {config!r}"
+        )
     if config.precision is None:  # "as configured": the `precision` argument
         config = config.replace(precision=precision)
     if config.optimizer is None:  # the module's configure_optimizers' own
@@ -186,7 +188,9 @@ def estimate_memory(
     optimizer_kwargs = {**config.optimizer.kwargs, **(optimizer_kwargs or {})}
     if config.sharding is not None:
         if sharding is not None and sharding != config.sharding.kind:
-            raise ValueError(f"`sharding`={sharding!r} disagrees with `config.sharding`={config.sharding!r}; give it once")
+            raise ValueError(
+                f"`sharding`={sharding!r} disagrees with `config.sharding`={config.sharding!r}; give it once"
+            )
         sharding, world_size = config.sharding.kind, config.sharding.world_size
     if device not in ("cpu", "cuda"):
         raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")

@@ -186,19 +186,30 @@ def rich_progress(console: Any) -> Iterator[Callable[[Candidate, int, int], None
             console.print(
                 f"plan [{index}/{total}] {candidate.config.describe()}: {peak_label(candidate)} ({fits}) "
                 f"{time.perf_counter() - started:.1f} s",
-                markup=False, highlight=False,
-            )  # fmt: skip
+                markup=False,
+                highlight=False,
+            )
 
         yield line
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("planning", total=None)
 
         def update(candidate: Candidate, index: int, total: int) -> None:
-            bar.update(task, completed=index, total=total,
-                       description=f"{candidate.config.describe()}: {peak_label(candidate)}")  # fmt: skip
+            bar.update(
+                task,
+                completed=index,
+                total=total,
+                description=f"{candidate.config.describe()}: {peak_label(candidate)}",
+            )
 
         yield update

@@ -138,8 +138,14 @@ class ShardedStep:
             input), ``"cuda"`` NCCL. Default: ``"cuda"``.
     """
 
-    def __init__(self, sharding: str | None, world_size: int = 1, wrap_policy: Any = "auto",
-                 reshard_after_forward: bool = True, device: str = "cuda") -> None:  # fmt: skip
+    def __init__(
+        self,
+        sharding: str | None,
+        world_size: int = 1,
+        wrap_policy: Any = "auto",
+        reshard_after_forward: bool = True,
+        device: str = "cuda",
+    ) -> None:
         self.sharding = check_sharding(world_size, sharding)
         self.device = device
         self.world_size = world_size
@@ -213,8 +219,9 @@ class ShardedStep:
             ranks = self._data_parallel_ranks(report, optimizer)
             top = max(ranks, key=lambda r: r["peak_bytes"])
             report.peak_bytes, report.breakdown = top["peak_bytes"], dict(top["breakdown"])
-        report.meta.update(world_size=self.world_size, sharding=self.sharding,
-                           per_rank=[{"rank": i, **r} for i, r in enumerate(ranks)])  # fmt: skip
+        report.meta.update(
+            world_size=self.world_size, sharding=self.sharding, per_rank=[{"rank": i, **r} for i, r in enumerate(ranks)]
+        )
         report.meta["label"] = f"{report.meta.get('label', '')} | {self.sharding} x {self.world_size}".strip(" |")
         return report
 

@@ -150,9 +150,13 @@ class LowMemoryOptions:
             )
         # the settings a planned checkpointing / compression gets (validated even when those are off)
         self._technique_settings = TrainingConfig(
-            precision=None, optimizer=None, activation_checkpointing="auto", nested_checkpointing=nested_checkpointing,
-            activation_compression="int8", compression_min_bytes=compression_min_bytes,
-        )  # fmt: skip
+            precision=None,
+            optimizer=None,
+            activation_checkpointing="auto",
+            nested_checkpointing=nested_checkpointing,
+            activation_compression="int8",
+            compression_min_bytes=compression_min_bytes,
+        )
         self.config = TrainingConfig(
             precision=precision,  # None: the Trainer's
             activation_checkpointing=activation_checkpointing,
@@ -242,7 +246,9 @@ class LowMemoryOptions:
         if fitting and self.config.microbatch is not None and self._microbatch is None:
             from lightning_lowmem.functional.microbatch import MicrobatchLoop
 
-            self._microbatch = MicrobatchLoop(self.config.microbatch.size, info=rank_zero_info, owner=type(self).__name__)
+            self._microbatch = MicrobatchLoop(
+                self.config.microbatch.size, info=rank_zero_info, owner=type(self).__name__
+            )
             self._microbatch.wrap(module)
             rank_zero_info(f"{type(self).__name__}: micro-batches of {self.config.microbatch.size} samples")
         if fitting and self.config.optimizer is not None:
@@ -256,7 +262,9 @@ class LowMemoryOptions:
                 "optimizer='adamw_bf16_sr' (stochastic rounding) keeps small updates that bf16 weights would lose."
             )
         if self.prefetch and device_type != "cuda":
-            rank_zero_info(f"LowMemoryStrategy: prefetch=True is a no-op on {device_type} (it overlaps host-to-GPU copies).")
+            rank_zero_info(
+                f"LowMemoryStrategy: prefetch=True is a no-op on {device_type} (it overlaps host-to-GPU copies)."
+            )
 
     def _convert_optimizers(self, trainer: Any) -> None:
         """Replace the optimizers ``configure_optimizers`` returned by ``config.optimizer`` (same param groups,
@@ -293,10 +301,14 @@ class LowMemoryOptions:
 
         def progress(candidate: Any, index: int, total: int) -> None:
             peak = candidate.predicted_peak_bytes
-            outcome = candidate.error if peak is None else (
-                f"{'>= ' if candidate.method == 'lower bound' else ''}{format_bytes(peak)}, "
-                f"{'fits' if candidate.fits else 'over'}"
-            )  # fmt: skip
+            outcome = (
+                candidate.error
+                if peak is None
+                else (
+                    f"{'>= ' if candidate.method == 'lower bound' else ''}{format_bytes(peak)}, "
+                    f"{'fits' if candidate.fits else 'over'}"
+                )
+            )
             rank_zero_info(f"LowMemoryStrategy: [{index}/{total}] {candidate.config.describe()}: {outcome}")
 
         started = time.perf_counter()
@@ -311,7 +323,9 @@ class LowMemoryOptions:
             optimizer_kwargs=self._optimizer_kwargs,
             progress=progress,
         )
-        self.config = applied_plan(plan, self.explicit, configured, self._optimizer_kwargs)  # what is planned is what runs
+        self.config = applied_plan(
+            plan, self.explicit, configured, self._optimizer_kwargs
+        )  # what is planned is what runs
         if self.config.precision is not None and self.config.precision_preset != configured:
             self.precision_plugin = precision_plugin(self.config.precision_preset, device_type)
         self.plan = plan

@@ -68,9 +68,17 @@ def plan_for_budget(
         min_bytes = settings.compression.min_bytes
         axes["compressions"] = [None, CompressionConfig("bf16", min_bytes), CompressionConfig("int8", min_bytes)]
     try:
-        return plan_memory(module, batch, budget, device=device, precision=precision, config=config,
-                           optimizer_kwargs=None if config.optimizer is not None else optimizer_kwargs,
-                           progress=progress, **axes)  # fmt: skip
+        return plan_memory(
+            module,
+            batch,
+            budget,
+            device=device,
+            precision=precision,
+            config=config,
+            optimizer_kwargs=None if config.optimizer is not None else optimizer_kwargs,
+            progress=progress,
+            **axes,
+        )
     except ValueError as err:
         if config.optimizer is not None and config.optimizer.in_backward:
             raise ValueError(

@@ -109,9 +109,10 @@ class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
         self.mixed_precision = mixed_precision_policy(precision)  # raises for 16-mixed
         validate_policy(wrap_policy)
         for name, value in (
-            ("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload),
+            ("reshard_after_forward", reshard_after_forward),
+            ("cpu_offload", cpu_offload),
             ("save_distributed_checkpoint", save_distributed_checkpoint),
-        ):  # fmt: skip
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be True or False, got {type(value).__name__}: {value!r}")
         if zero_optimizer:
@@ -268,7 +269,11 @@ class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
         if is_sharded_checkpoint(path):  # Lightning's loader: no strict=False, no low-bit state
             assert self.lightning_module is not None
             checkpoint = load_sharded_checkpoint(
-                path, self.model, self.optimizers, strict=self.lightning_module.strict_loading, weights_only=weights_only
+                path,
+                self.model,
+                self.optimizers,
+                strict=self.lightning_module.strict_loading,
+                weights_only=weights_only,
             )
         else:
             checkpoint = super().load_checkpoint(path, weights_only)
@@ -304,8 +309,14 @@ def _waited(state: Any, dequantize: bool = False) -> Any:
             plain_local = local.dequantize()
             if not isinstance(value, DTensor):
                 return plain_local
-            return DTensor.from_local(plain_local, value.device_mesh, value.placements, run_check=False,
-                                      shape=value.shape, stride=value.stride())  # fmt: skip
+            return DTensor.from_local(
+                plain_local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
         return value
 
     return tree_map(plain, state)

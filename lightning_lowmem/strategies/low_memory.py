@@ -223,7 +223,9 @@ class LowMemoryDDPStrategy(LowMemoryOptions, DDPStrategy):
         if not self.zero_optimizer:
             return
         if self.world_size < 2:
-            warnings.warn(f"LowMemoryDDPStrategy with world_size={self.world_size}: {_ZERO_FALLBACK}", LowMemWarning, stacklevel=2)
+            warnings.warn(
+                f"LowMemoryDDPStrategy with world_size={self.world_size}: {_ZERO_FALLBACK}", LowMemWarning, stacklevel=2
+            )
             return
         from lightning_lowmem.strategies.zero import shard_optimizer
 

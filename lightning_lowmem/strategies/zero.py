@@ -66,7 +66,10 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, name: str | None = None) -
         constructor: Callable[..., Any] = functools.partial(build_optimizer, name)
         kept = ("lr", "weight_decay")  # what build_optimizer's callers pass; the rest is the name's
         defaults = {key: optimizer.defaults[key] for key in kept if key in optimizer.defaults}
-        groups = [{"params": g["params"], **{k: g[k] for k in (*kept, "initial_lr") if k in g}} for g in optimizer.param_groups]
+        groups = [
+            {"params": g["params"], **{k: g[k] for k in (*kept, "initial_lr") if k in g}}
+            for g in optimizer.param_groups
+        ]
     else:
         constructor = type(optimizer)
         defaults = _accepted(constructor, optimizer.defaults)

@@ -90,7 +90,11 @@ def test_policy_matching_nothing_warns_when_not_strict(tiny_trainer_kwargs):
 
 @pytest.mark.parametrize(
     ("policy", "error", "match"),
-    [(0, ValueError, r"`policy`=0 must be >= 1"), (2.5, TypeError, r"`policy`=2.5 \(float\)"), ("", ValueError, "empty")],
+    [
+        (0, ValueError, r"`policy`=0 must be >= 1"),
+        (2.5, TypeError, r"`policy`=2.5 \(float\)"),
+        ("", ValueError, "empty"),
+    ],
 )
 def test_bad_policy_raises_at_construction(policy, error, match):
     with pytest.raises(error, match=match):

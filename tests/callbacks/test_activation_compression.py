@@ -48,7 +48,8 @@ def _hooks_are_released() -> bool:
 
 
 @pytest.mark.parametrize(
-    ("mode", "precision", "min_ratio"), [("int8", "32-true", 3.0), ("bf16", "32-true", 1.9), ("int8", "bf16-mixed", 1.8)]
+    ("mode", "precision", "min_ratio"),
+    [("int8", "32-true", 3.0), ("bf16", "32-true", 1.9), ("int8", "bf16-mixed", 1.8)],
 )
 def test_packs_during_training_logs_and_releases(tiny_trainer_kwargs, mode, precision, min_ratio):
     callback = ActivationCompression(mode=mode, min_bytes=0)

@@ -29,8 +29,9 @@ class _OOMInBackward(torch.autograd.Function):
 class _Net(L.LightningModule):
     """MLP regression; raises torch.OutOfMemoryError for batches larger than ``limit`` (in forward or backward)."""
 
-    def __init__(self, limit: float = float("inf"), where: str = "forward", oom_rank: int | None = None,
-                 batch_size: int = 32) -> None:
+    def __init__(
+        self, limit: float = float("inf"), where: str = "forward", oom_rank: int | None = None, batch_size: int = 32
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
@@ -58,8 +59,9 @@ class _Net(L.LightningModule):
 
     def train_dataloader(self):
         generator = torch.Generator().manual_seed(1)
-        data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=generator),
-                                              torch.randn(64, 1, generator=generator))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(64, 16, generator=generator), torch.randn(64, 1, generator=generator)
+        )
         if self.trainer.world_size > 1:  # rank r takes rows r, r + world_size, ... (no shuffling)
             data = torch.utils.data.Subset(data, range(self.global_rank, 64, self.trainer.world_size))
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
@@ -178,7 +180,9 @@ def test_manual_optimization_is_rejected(tiny_trainer_kwargs):
 def test_optimizer_in_backward_is_rejected(tiny_trainer_kwargs):
     from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
 
-    with pytest.raises(ValueError, match=r"MemoryEfficientOptimizer\(.adamw_in_backward.\) and AutoMicrobatch do not compose"):
+    with pytest.raises(
+        ValueError, match=r"MemoryEfficientOptimizer\(.adamw_in_backward.\) and AutoMicrobatch do not compose"
+    ):
         _fit(tiny_trainer_kwargs, _Net(), [MemoryEfficientOptimizer("adamw_in_backward"), AutoMicrobatch()])
 
 
@@ -187,10 +191,15 @@ class _SaveState(L.Callback):
         self.directory, self.auto = directory, auto
 
     def on_train_end(self, trainer, pl_module):
-        torch.save({"weights": {k: v.clone() for k, v in pl_module.state_dict().items()},
-                    "micro_batch_size": self.auto.micro_batch_size, "rows_seen": pl_module.rows_seen,
-                    "global_step": trainer.global_step},
-                   f"{self.directory}/rank{trainer.global_rank}.pt")
+        torch.save(
+            {
+                "weights": {k: v.clone() for k, v in pl_module.state_dict().items()},
+                "micro_batch_size": self.auto.micro_batch_size,
+                "rows_seen": pl_module.rows_seen,
+                "global_step": trainer.global_step,
+            },
+            f"{self.directory}/rank{trainer.global_rank}.pt",
+        )
 
 
 @pytest.mark.slow
@@ -199,10 +208,19 @@ def test_ddp_oom_on_one_rank_all_ranks_retry(tmp_path):
     # each rank gets 8 rows per step (rank r takes rows r, r+2, ...); only rank 1 runs out of memory above 4
     auto = AutoMicrobatch()
     model = _Net(limit=4, oom_rank=1, batch_size=8)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="lowmem_ddp_spawn", max_steps=3, logger=False,
-                        use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[auto, _SaveState(str(tmp_path), auto)],
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="lowmem_ddp_spawn",
+        max_steps=3,
+        logger=False,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[auto, _SaveState(str(tmp_path), auto)],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(model)
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert rank0["micro_batch_size"] == rank1["micro_batch_size"] == 4  # agreed, though rank 0 never OOMed
@@ -211,6 +229,14 @@ def test_ddp_oom_on_one_rank_all_ranks_retry(tmp_path):
     _assert_close(rank0["weights"], rank1["weights"])  # in sync
     # DDP averages the two ranks' mean gradients: the same as one process on batches of 16 in order
     reference = _Net(batch_size=16)
-    L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path).fit(reference)
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    ).fit(reference)
     _assert_close(rank0["weights"], _weights(reference))

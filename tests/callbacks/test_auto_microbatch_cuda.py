@@ -63,9 +63,18 @@ def _reserved(model: _TokenMLP, micro: int) -> int:
 
 
 def _fit(model: L.LightningModule, batch_size: int, tmp_path, callbacks=(), **kwargs) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                        callbacks=list(callbacks), **kwargs)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=list(callbacks),
+        **kwargs,
+    )
     trainer.fit(model, _loader(batch_size))
     model.cpu()
     gc.collect()
@@ -90,5 +99,7 @@ def test_auto_microbatch_survives_a_real_cuda_oom_with_accumulation_weights(tmp_
     assert callback.micro_batch_size is not None and callback.micro_batch_size <= BATCH // 4, callback.micro_batch_size
     micro = callback.micro_batch_size
     _fit(accumulate_model, micro, tmp_path / "accumulate", accumulate_grad_batches=BATCH // micro)
-    diff = max((a - b).abs().max().item() for a, b in zip(auto_model.parameters(), accumulate_model.parameters(), strict=True))
+    diff = max(
+        (a - b).abs().max().item() for a, b in zip(auto_model.parameters(), accumulate_model.parameters(), strict=True)
+    )
     assert diff <= 1e-6, diff

@@ -19,8 +19,9 @@ NO_DROPOUT = {"gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
 def _fit(module, callbacks, tiny_trainer_kwargs, family="llama", steps=2, seq_len=32, quiet=True):
-    trainer = L.Trainer(max_steps=steps, limit_val_batches=1, num_sanity_val_steps=0, callbacks=callbacks,
-                        **tiny_trainer_kwargs)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=steps, limit_val_batches=1, num_sanity_val_steps=0, callbacks=callbacks, **tiny_trainer_kwargs
+    )
     with warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore")
@@ -96,9 +97,12 @@ def test_non_causal_models_refused_before_any_weight_changes(family, tiny_traine
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"chunk_size": 0}, r"`chunk_size`=0 must be a positive int"), ({"chunk_size": 1.5}, r"`chunk_size`=1.5"),
-     ({"head": ""}, r"`head`='' must be the output head's module name")],
-)  # fmt: skip
+    [
+        ({"chunk_size": 0}, r"`chunk_size`=0 must be a positive int"),
+        ({"chunk_size": 1.5}, r"`chunk_size`=1.5"),
+        ({"head": ""}, r"`head`='' must be the output head's module name"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ChunkedCrossEntropy(**kwargs)
@@ -111,7 +115,9 @@ def test_state_round_trip_and_a_changed_head_warns(tiny_trainer_kwargs):
     assert state == {"chunk_size": 8, "head": None, "heads": ["model.lm_head"]}
     resumed = ChunkedCrossEntropy(chunk_size=8)
     resumed.load_state_dict({**state, "heads": ["lm_head"]})
-    with pytest.warns(UserWarning, match=r"trained with heads \['lm_head'\] deferred, this run defers \['model.lm_head'\]"):
+    with pytest.warns(
+        UserWarning, match=r"trained with heads \['lm_head'\] deferred, this run defers \['model.lm_head'\]"
+    ):
         _fit(hf_zoo.hf_module("llama"), [resumed], tiny_trainer_kwargs, steps=1, quiet=False)
 
 
@@ -139,7 +145,11 @@ def test_two_fsdp_ranks_train_as_one_unchunked_process(tmp_path, tiny_trainer_kw
     reference = hf_zoo.hf_module("gpt2", vocab_size=2048, **NO_DROPOUT["gpt2"])
     reference.load_state_dict(module.state_dict())
     start = module.model.transformer.h[0].mlp.c_fc.weight.detach().clone()
-    callbacks = [MemoryEfficientOptimizer("sgd", lr=0.5), ChunkedCrossEntropy(chunk_size=16), _SaveFullWeights(str(path))]
+    callbacks = [
+        MemoryEfficientOptimizer("sgd", lr=0.5),
+        ChunkedCrossEntropy(chunk_size=16),
+        _SaveFullWeights(str(path)),
+    ]
     kwargs = {**tiny_trainer_kwargs, "devices": 2, "strategy": LowMemoryFSDPStrategy(start_method="spawn")}
     kwargs["use_distributed_sampler"] = False  # each rank sees the whole batch: the same global step as one process
     fit_saving_results(lambda: _fit(module, callbacks, kwargs, "gpt2"), [path])
@@ -148,5 +158,7 @@ def test_two_fsdp_ranks_train_as_one_unchunked_process(tmp_path, tiny_trainer_kw
     assert sharded.keys() == reference.state_dict().keys()
     for name, value in reference.state_dict().items():
         # the reduction order differs between world sizes (and with the threads a process runs): equal up to rounding
-        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-5, msg=functools.partial("{}: {}".format, name))
+        torch.testing.assert_close(
+            sharded[name], value, rtol=1e-4, atol=1e-5, msg=functools.partial("{}: {}".format, name)
+        )
     assert not torch.equal(sharded["model.transformer.h.0.mlp.c_fc.weight"], start)  # it trained

@@ -45,15 +45,16 @@ SWITCHES: dict[str, object] = {
     "microbatch": lambda: AutoMicrobatch(micro_batch_size=2),
     "lora": lambda: LowRankAdapters(r=2),
     "pruning": lambda: ScheduledPruning("l1_unstructured", schedule="linear", target_sparsity=0.5, end_step=2),
-    "structural": lambda: ScheduledPruning("ln_structured", schedule="linear", target_sparsity=0.5, end_step=2,
-                                           structural=True),
+    "structural": lambda: ScheduledPruning(
+        "ln_structured", schedule="linear", target_sparsity=0.5, end_step=2, structural=True
+    ),
     "ptq": lambda: PostTrainingQuantization("int8_weight_only", latency_batches=0),
     "qat": lambda: QuantizationAwareTraining("intx4_weight_only", group_size=16),
     "monitor": lambda: MemoryMonitor(summary=False),
     "chunked_loss": lambda: ChunkedCrossEntropy(head="model.head"),
     "accumulation": {"accumulate_grad_batches": 2},
     "clipping": {"gradient_clip_val": 1.0},
-}  # fmt: skip
+}
 
 #: pairs refused, with what the one-line message must say (both sides are checked separately)
 REFUSED: dict[frozenset[str], str] = {
@@ -68,21 +69,30 @@ REFUSED: dict[frozenset[str], str] = {
 }
 #: Lightning itself refuses two callbacks of one class with the same ``state_key`` in ``Trainer()``; our rules
 #: refuse the twins it lets through (tested below with different modes)
-LIGHTNING = "Found more than one stateful callback of type `(ActivationCheckpointing|ActivationCompression|MemoryEff" \
-    "icientOptimizer|AutoMicrobatch|LowRankAdapters|ScheduledPruning|PostTrainingQuantization|QuantizationAware" \
+LIGHTNING = (
+    "Found more than one stateful callback of type `(ActivationCheckpointing|ActivationCompression|MemoryEff"
+    "icientOptimizer|AutoMicrobatch|LowRankAdapters|ScheduledPruning|PostTrainingQuantization|QuantizationAware"
     "Training|MemoryMonitor|ChunkedCrossEntropy)`"
+)
 REFUSED.update({frozenset({name}): LIGHTNING for name in SWITCHES if not isinstance(SWITCHES[name], dict)})
 REFUSED[frozenset({"pruning", "structural"})] = REFUSED[frozenset({"optimizer", "in_backward"})] = LIGHTNING
 
 #: the label each side is named by in a refusal
 LABELS = {
-    "in_backward": r"MemoryEfficientOptimizer\('adafactor_in_backward'\)", "optimizer": r"MemoryEfficientOptimizer\('adafactor'\)",
-    "accumulation": r"Trainer\(accumulate_grad_batches=2\)", "clipping": r"Trainer\(gradient_clip_val=1.0\)",
-    "microbatch": "AutoMicrobatch", "lora": r"LowRankAdapters\(r=2\)", "structural": r"ScheduledPruning\(structural=True\)",
-    "ptq": r"PostTrainingQuantization\('int8_weight_only'\)", "qat": r"QuantizationAwareTraining\('intx4_weight_only'\)",
-    "compression": r"ActivationCompression\('int8'\)", "checkpointing": r"ActivationCheckpointing\('Block'\)",
-    "monitor": "MemoryMonitor", "chunked_loss": "ChunkedCrossEntropy",
-}  # fmt: skip
+    "in_backward": r"MemoryEfficientOptimizer\('adafactor_in_backward'\)",
+    "optimizer": r"MemoryEfficientOptimizer\('adafactor'\)",
+    "accumulation": r"Trainer\(accumulate_grad_batches=2\)",
+    "clipping": r"Trainer\(gradient_clip_val=1.0\)",
+    "microbatch": "AutoMicrobatch",
+    "lora": r"LowRankAdapters\(r=2\)",
+    "structural": r"ScheduledPruning\(structural=True\)",
+    "ptq": r"PostTrainingQuantization\('int8_weight_only'\)",
+    "qat": r"QuantizationAwareTraining\('intx4_weight_only'\)",
+    "compression": r"ActivationCompression\('int8'\)",
+    "checkpointing": r"ActivationCheckpointing\('Block'\)",
+    "monitor": "MemoryMonitor",
+    "chunked_loss": "ChunkedCrossEntropy",
+}
 
 
 class BlocksModule(L.LightningModule):
@@ -116,8 +126,13 @@ class _Trained(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         end = {key: _float(value) for key, value in pl_module.state_dict().items()}
-        self.changed = [key for key in end if key not in self.start or end[key].shape != self.start[key].shape
-                        or not torch.equal(end[key], self.start[key])]  # fmt: skip
+        self.changed = [
+            key
+            for key in end
+            if key not in self.start
+            or end[key].shape != self.start[key].shape
+            or not torch.equal(end[key], self.start[key])
+        ]
 
 
 def _float(tensor: torch.Tensor) -> torch.Tensor:
@@ -127,8 +142,11 @@ def _float(tensor: torch.Tensor) -> torch.Tensor:
 
 def _pairs() -> list[tuple[str, str]]:
     names = list(SWITCHES)
-    return [(a, b) for a, b in itertools.combinations_with_replacement(names, 2)
-            if not (a == b and isinstance(SWITCHES[a], dict))]  # fmt: skip
+    return [
+        (a, b)
+        for a, b in itertools.combinations_with_replacement(names, 2)
+        if not (a == b and isinstance(SWITCHES[a], dict))
+    ]
 
 
 def _trainer(names: tuple[str, ...], tiny_trainer_kwargs: dict) -> L.Trainer:
@@ -171,43 +189,97 @@ def test_pair_trains_or_is_refused_before_training(a, b, tiny_blocks, tiny_train
 #: twins Lightning lets through (different ``state_key``) and a strategy option beside the callback that sets
 #: the same thing: (callback makers, strategy options, Trainer arguments, what the message says)
 TWINS = {
-    "two PTQ": (lambda: [PostTrainingQuantization("int8_weight_only"), PostTrainingQuantization("int8_dynamic")], {}, {},
-                r"PostTrainingQuantization\('int8_weight_only'\) and PostTrainingQuantization\('int8_dynamic'\) do not"
-                r" compose: both quantize the model at the end of fit.*Instead, keep one of them\."),
-    "two QAT": (lambda: [QuantizationAwareTraining("intx4_weight_only", group_size=16),
-                 QuantizationAwareTraining("int8_weight_only", group_size=16)], {}, {},
-                r"QuantizationAwareTraining\('intx4_weight_only'\) and QuantizationAwareTraining\('int8_weight_only'\).*"
-                r"fake quantization"),
-    "two compressions": (lambda: [ActivationCompression("int8"), ActivationCompression("bf16")], {}, {},
-                         r"ActivationCompression\('int8'\) and ActivationCompression\('bf16'\) do not compose: both "
-                         r"pack"),
-    "strategy and callback optimizer": (lambda: [MemoryEfficientOptimizer("adafactor")], {"optimizer": "adamw"}, {},
-                                        r"MemoryEfficientOptimizer\('adafactor'\) and LowMemoryStrategy\(optimizer="
-                                        r"'adamw'\) do not compose.*set the optimizer in one place"),
-    "strategy and callback compression": (lambda: [ActivationCompression("int8")], {"activation_compression": "bf16"}, {},
-                                          r"ActivationCompression\('int8'\) and LowMemoryStrategy\(activation_"
-                                          r"compression='bf16'\) do not compose.*in one place"),
-    "strategy and callback checkpointing": (lambda: [ActivationCheckpointing("Block")], {"activation_checkpointing": "auto"},
-                                            {}, r"ActivationCheckpointing\('Block'\) and LowMemoryStrategy\("
-                                            r"activation_checkpointing='auto'\) do not compose"),
-    "strategy in-backward and accumulation": (lambda: [], {"optimizer": "adamw_in_backward"}, {"accumulate_grad_batches": 2},
-                                              r"LowMemoryStrategy\(optimizer='adamw_in_backward'\) and Trainer\("
-                                              r"accumulate_grad_batches=2\) do not compose.*e\.g\. 'adamw'"),
-    "strategy in-backward and clipping": (lambda: [], {"optimizer": "sgd_in_backward"}, {"gradient_clip_val": 0.5},
-                                          r"LowMemoryStrategy\(optimizer='sgd_in_backward'\) and Trainer\("
-                                          r"gradient_clip_val=0.5\) do not compose.*e\.g\. 'sgd'"),
-    "budget and optimizer callback": (lambda: [MemoryEfficientOptimizer("adafactor")], {"memory_budget": "1GiB"}, {},
-                                      r"LowMemoryStrategy\(memory_budget='1GiB'\) and MemoryEfficientOptimizer\("
-                                      r"'adafactor'\) do not compose: .* plans the optimizer itself.*set optimizer= on"),
-    "budget and compression callback": (lambda: [ActivationCompression("int8")], {"memory_budget": "1GiB"}, {},
-                                        r"plans activation compression itself.*set activation_compression= on"),
-    "budget and checkpointing callback": (lambda: [ActivationCheckpointing("Block")], {"memory_budget": "1GiB"}, {},
-                                          r"plans activation checkpointing itself"),
-    "budget and AutoMicrobatch": (lambda: [AutoMicrobatch()], {"memory_budget": "1GiB"}, {},
-                                  r"may plan micro-batches.*Instead, drop AutoMicrobatch"),
-    "budget and ChunkedCrossEntropy": (lambda: [ChunkedCrossEntropy(head="model.head")], {"memory_budget": "1GiB"}, {},
-                                       r"may plan the chunked cross-entropy itself.*Instead, drop ChunkedCrossEntropy"),
-}  # fmt: skip
+    "two PTQ": (
+        lambda: [PostTrainingQuantization("int8_weight_only"), PostTrainingQuantization("int8_dynamic")],
+        {},
+        {},
+        r"PostTrainingQuantization\('int8_weight_only'\) and PostTrainingQuantization\('int8_dynamic'\) do not"
+        r" compose: both quantize the model at the end of fit.*Instead, keep one of them\.",
+    ),
+    "two QAT": (
+        lambda: [
+            QuantizationAwareTraining("intx4_weight_only", group_size=16),
+            QuantizationAwareTraining("int8_weight_only", group_size=16),
+        ],
+        {},
+        {},
+        r"QuantizationAwareTraining\('intx4_weight_only'\) and QuantizationAwareTraining\('int8_weight_only'\).*"
+        r"fake quantization",
+    ),
+    "two compressions": (
+        lambda: [ActivationCompression("int8"), ActivationCompression("bf16")],
+        {},
+        {},
+        r"ActivationCompression\('int8'\) and ActivationCompression\('bf16'\) do not compose: both "
+        r"pack",
+    ),
+    "strategy and callback optimizer": (
+        lambda: [MemoryEfficientOptimizer("adafactor")],
+        {"optimizer": "adamw"},
+        {},
+        r"MemoryEfficientOptimizer\('adafactor'\) and LowMemoryStrategy\(optimizer="
+        r"'adamw'\) do not compose.*set the optimizer in one place",
+    ),
+    "strategy and callback compression": (
+        lambda: [ActivationCompression("int8")],
+        {"activation_compression": "bf16"},
+        {},
+        r"ActivationCompression\('int8'\) and LowMemoryStrategy\(activation_"
+        r"compression='bf16'\) do not compose.*in one place",
+    ),
+    "strategy and callback checkpointing": (
+        lambda: [ActivationCheckpointing("Block")],
+        {"activation_checkpointing": "auto"},
+        {},
+        r"ActivationCheckpointing\('Block'\) and LowMemoryStrategy\("
+        r"activation_checkpointing='auto'\) do not compose",
+    ),
+    "strategy in-backward and accumulation": (
+        lambda: [],
+        {"optimizer": "adamw_in_backward"},
+        {"accumulate_grad_batches": 2},
+        r"LowMemoryStrategy\(optimizer='adamw_in_backward'\) and Trainer\("
+        r"accumulate_grad_batches=2\) do not compose.*e\.g\. 'adamw'",
+    ),
+    "strategy in-backward and clipping": (
+        lambda: [],
+        {"optimizer": "sgd_in_backward"},
+        {"gradient_clip_val": 0.5},
+        r"LowMemoryStrategy\(optimizer='sgd_in_backward'\) and Trainer\("
+        r"gradient_clip_val=0.5\) do not compose.*e\.g\. 'sgd'",
+    ),
+    "budget and optimizer callback": (
+        lambda: [MemoryEfficientOptimizer("adafactor")],
+        {"memory_budget": "1GiB"},
+        {},
+        r"LowMemoryStrategy\(memory_budget='1GiB'\) and MemoryEfficientOptimizer\("
+        r"'adafactor'\) do not compose: .* plans the optimizer itself.*set optimizer= on",
+    ),
+    "budget and compression callback": (
+        lambda: [ActivationCompression("int8")],
+        {"memory_budget": "1GiB"},
+        {},
+        r"plans activation compression itself.*set activation_compression= on",
+    ),
+    "budget and checkpointing callback": (
+        lambda: [ActivationCheckpointing("Block")],
+        {"memory_budget": "1GiB"},
+        {},
+        r"plans activation checkpointing itself",
+    ),
+    "budget and AutoMicrobatch": (
+        lambda: [AutoMicrobatch()],
+        {"memory_budget": "1GiB"},
+        {},
+        r"may plan micro-batches.*Instead, drop AutoMicrobatch",
+    ),
+    "budget and ChunkedCrossEntropy": (
+        lambda: [ChunkedCrossEntropy(head="model.head")],
+        {"memory_budget": "1GiB"},
+        {},
+        r"may plan the chunked cross-entropy itself.*Instead, drop ChunkedCrossEntropy",
+    ),
+}
 
 
 def test_structural_pruning_composes_with_per_channel_qat(tiny_blocks, tiny_trainer_kwargs):
@@ -247,8 +319,13 @@ def test_twins_and_strategy_options_are_refused_before_training(case, tiny_block
     make_callbacks, options, settings, expected = TWINS[case]
     module = BlocksModule(tiny_blocks)
     before = {key: value.detach().clone() for key, value in module.state_dict().items()}
-    trainer = L.Trainer(max_steps=2, callbacks=make_callbacks(), strategy=LowMemoryStrategy(**options), **settings,
-                        **tiny_trainer_kwargs)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=2,
+        callbacks=make_callbacks(),
+        strategy=LowMemoryStrategy(**options),
+        **settings,
+        **tiny_trainer_kwargs,
+    )
     with pytest.raises(ValueError, match=expected) as raised:
         trainer.fit(module)
     assert "\n" not in str(raised.value)
@@ -262,12 +339,17 @@ def test_every_rule_is_tested():
     matrix = {frozenset({tags.get(rule.left, rule.left), tags.get(rule.right, rule.right)}) for rule in RULES}
     tested = {pair for pair, expected in REFUSED.items() if expected is not LIGHTNING}
     twins = {frozenset({tag}) for tag in ("ptq", "qat", "compression", "optimizer", "checkpointing")}  # TWINS
-    budget = {frozenset({f"plans_{axis}", axis}) for axis in ("optimizer", "compression", "checkpointing", "microbatch", "chunked_loss")}
+    budget = {
+        frozenset({f"plans_{axis}", axis})
+        for axis in ("optimizer", "compression", "checkpointing", "microbatch", "chunked_loss")
+    }
     assert matrix - tested == twins | budget
 
 
 def test_refusal_names_the_pair_in_one_line():
-    a = Technique("MemoryEfficientOptimizer('sgd_in_backward')", frozenset({"optimizer", "in_backward"}), "sgd_in_backward")
+    a = Technique(
+        "MemoryEfficientOptimizer('sgd_in_backward')", frozenset({"optimizer", "in_backward"}), "sgd_in_backward"
+    )
     b = Technique("Trainer(accumulate_grad_batches=4)", frozenset({"accumulation"}))
     assert refusal([a]) is None and refusal([b]) is None
     assert refusal([b, a]) == (

@@ -34,8 +34,16 @@ def test_default_targets_train_only_adapters_and_checkpoints_round_trip(hf_famil
     base = {k: v.clone() for k, v in module.state_dict().items()}
     callback = LowRankAdapters(r=4)
     saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
-    trainer = L.Trainer(max_steps=2, callbacks=[callback, saver], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, accelerator="cpu", default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=2,
+        callbacks=[callback, saver],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, hf_zoo.hf_data(hf_family, seq_len=16, batch_size=2))
 
     leaves, count = EXPECTED_LEAVES[hf_family]
@@ -47,9 +55,13 @@ def test_default_targets_train_only_adapters_and_checkpoints_round_trip(hf_famil
     in_optimizer = sum(p.numel() for group in trainer.optimizers[0].param_groups for p in group["params"])
     assert in_optimizer == expected_trainable
     state = module.state_dict()
-    transposed = {f"{name}.weight" for name, layer in lora_layers(module).items() if layer.fan_in_fan_out}  # GPT-2 Conv1D
+    transposed = {
+        f"{name}.weight" for name, layer in lora_layers(module).items() if layer.fan_in_fan_out
+    }  # GPT-2 Conv1D
     for key, value in base.items():
-        assert torch.equal(state[key], value.t() if key in transposed else value), f"{hf_family}: base tensor {key} changed"
+        assert torch.equal(state[key], value.t() if key in transposed else value), (
+            f"{hf_family}: base tensor {key} changed"
+        )
     assert any(layer.lora_B.abs().sum() > 0 for layer in lora_layers(module).values())  # adapters trained
 
     path = next(tmp_path.glob("*.ckpt"))
@@ -65,10 +77,16 @@ def test_default_targets_train_only_adapters_and_checkpoints_round_trip(hf_famil
 
 def test_a_target_that_matches_nothing_lists_the_real_layer_names(hf_family):
     module = hf_zoo.hf_module(hf_family)
-    leaves = sorted(EXPECTED_LEAVES[hf_family][0] | {"lm_head", "decoder"} & {"gpt2": {"lm_head"}, "llama": {"lm_head"},
-                    "bert": {"decoder"}, "t5": {"lm_head"}}[hf_family])  # fmt: skip
+    leaves = sorted(
+        EXPECTED_LEAVES[hf_family][0]
+        | {"lm_head", "decoder"}
+        & {"gpt2": {"lm_head"}, "llama": {"lm_head"}, "bert": {"decoder"}, "t5": {"lm_head"}}[hf_family]
+    )
     wrong = "c_attn" if hf_family != "gpt2" else "q_proj"
-    with pytest.raises(ValueError, match=rf"pattern '{wrong}' matches no nn.Linear / Conv1D / nn.Conv2d / nn.MultiheadAttention "
-                                         rf"layer of HFLanguageModel; its layers end in: {leaves}".replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ValueError,
+        match=rf"pattern '{wrong}' matches no nn.Linear / Conv1D / nn.Conv2d / nn.MultiheadAttention "
+        rf"layer of HFLanguageModel; its layers end in: {leaves}".replace("[", r"\[").replace("]", r"\]"),
+    ):
         apply_lora_(module, target=[wrong])
     assert not lora_layers(module)  # nothing wrapped

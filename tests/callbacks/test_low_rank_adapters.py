@@ -72,8 +72,13 @@ def test_checkpoint_holds_adapters_only_and_resume_equals_uninterrupted(tiny_tra
     assert saved["callbacks"]["LowRankAdapters"]["lora_config"]["r"] == 4
 
     resumed = _charlm()
-    trainer = L.Trainer(**tiny_trainer_kwargs, callbacks=[LowRankAdapters(r=4)], max_epochs=2, limit_train_batches=3,
-                        limit_val_batches=0)  # fmt: skip
+    trainer = L.Trainer(
+        **tiny_trainer_kwargs,
+        callbacks=[LowRankAdapters(r=4)],
+        max_epochs=2,
+        limit_train_batches=3,
+        limit_val_batches=0,
+    )
     trainer.fit(resumed, train_dataloaders=_loader(), ckpt_path=path)
     assert trainer.global_step == 6
     for key, value in lora_state_dict(uninterrupted).items():
@@ -129,7 +134,9 @@ def test_hf_gpt2_conv1d_in_lightning_module(tiny_trainer_kwargs, quantize_base):
     callback = LowRankAdapters(r=4, target=["c_attn", "c_proj", "c_fc"], quantize_base=quantize_base)
     _fit(module, tiny_trainer_kwargs, [callback], max_steps=3)
     assert len(lora_layers(module)) == 8
-    assert type(module.model.transformer.h[0].attn.c_attn.weight).__name__ == ("Int8Tensor" if quantize_base else "Parameter")
+    assert type(module.model.transformer.h[0].attn.c_attn.weight).__name__ == (
+        "Int8Tensor" if quantize_base else "Parameter"
+    )
     assert module.model.transformer.h[1].mlp.c_fc.lora_B.abs().sum() > 0
     for key in ("model.transformer.wte.weight", "model.transformer.h.0.ln_1.weight"):
         assert torch.equal(module.state_dict()[key], base_before[key])
@@ -144,8 +151,11 @@ def test_bad_arguments_and_mismatched_resume(tiny_trainer_kwargs):
         LowRankAdapters(target=5)
     with pytest.raises(ValueError, match="`target` must be a non-empty list"):
         LowRankAdapters(target=[])
-    with pytest.raises(ValueError, match=r"pattern 'q_proj' matches no .*end in: \['c_attn', 'c_fc', 'c_proj', 'lm_head'\]"
-                                         r".*layer names are: \[model\.h\.0\.attn\.c_attn"):
+    with pytest.raises(
+        ValueError,
+        match=r"pattern 'q_proj' matches no .*end in: \['c_attn', 'c_fc', 'c_proj', 'lm_head'\]"
+        r".*layer names are: \[model\.h\.0\.attn\.c_attn",
+    ):
         _fit(_charlm(), tiny_trainer_kwargs, [LowRankAdapters(target=["q_proj"])], max_steps=1)
     with pytest.raises(ValueError, match="trained with r=8 but this LowRankAdapters has r=4"):
         LowRankAdapters(r=4).load_state_dict({"lora_config": {"r": 8, "alpha": 16.0, "quantize_base": None}})
@@ -155,7 +165,9 @@ def test_base_weights_path_loads_pretrained_weights_before_wrapping(tiny_trainer
     pretrained = _charlm(seed=3)
     torch.save({"state_dict": pretrained.state_dict()}, tmp_path / "base.ckpt")
     model = _charlm(seed=0)
-    LowRankAdapters(r=4, base_weights_path=str(tmp_path / "base.ckpt")).setup(L.Trainer(**tiny_trainer_kwargs), model, "fit")
+    LowRankAdapters(r=4, base_weights_path=str(tmp_path / "base.ckpt")).setup(
+        L.Trainer(**tiny_trainer_kwargs), model, "fit"
+    )
     assert torch.equal(model.model.h[1].mlp.c_fc.weight, pretrained.model.h[1].mlp.c_fc.weight)
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(model(tokens), pretrained(tokens), atol=0, rtol=0)  # B = 0: pretrained output
@@ -181,13 +193,28 @@ def test_adapters_only_checkpoint_without_the_callback_names_it_before_loading(t
     model = _charlm()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     # another lowmem component is there: the check runs before Lightning loads any weight
-    with pytest.raises(CheckpointMismatchError, match=r"written with LowRankAdapters \(format 'adapters-only', version 1\), "
-                                                      r"which the loading side lacks: add callbacks=\[LowRankAdapters\(r=4\)\]"):
-        _fit(model, tiny_trainer_kwargs, [MemoryEfficientOptimizer("adamw")], max_epochs=2, limit_train_batches=2,
-             ckpt_path=path)  # fmt: skip
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"written with LowRankAdapters \(format 'adapters-only', version 1\), "
+        r"which the loading side lacks: add callbacks=\[LowRankAdapters\(r=4\)\]",
+    ):
+        _fit(
+            model,
+            tiny_trainer_kwargs,
+            [MemoryEfficientOptimizer("adamw")],
+            max_epochs=2,
+            limit_train_batches=2,
+            ckpt_path=path,
+        )
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-    with pytest.raises(CheckpointMismatchError, match=r"its adapters have r=4 but this Trainer's LowRankAdapters has r=8"):
-        _fit(_charlm(), tiny_trainer_kwargs, [LowRankAdapters(r=8)], max_epochs=2, limit_train_batches=2, ckpt_path=path)
+    with pytest.raises(
+        CheckpointMismatchError, match=r"its adapters have r=4 but this Trainer's LowRankAdapters has r=8"
+    ):
+        _fit(
+            _charlm(), tiny_trainer_kwargs, [LowRankAdapters(r=8)], max_epochs=2, limit_train_batches=2, ckpt_path=path
+        )
     # no lowmem component at all: nothing of ours runs before Lightning's strict weight load (documented limit)
-    with pytest.raises(RuntimeError, match=r"(?s)Missing key\(s\) in state_dict.*Unexpected key\(s\) in state_dict: .*lora_A"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)Missing key\(s\) in state_dict.*Unexpected key\(s\) in state_dict: .*lora_A"
+    ):
         _fit(_charlm(), tiny_trainer_kwargs, [], max_epochs=2, limit_train_batches=2, ckpt_path=path)

@@ -17,8 +17,14 @@ def test_bad_name_raises():
 def test_swaps_and_resumes(tmp_path, name):
     torch.manual_seed(0)
     model = DigitsClassifier()
-    kw = dict(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              limit_val_batches=0, default_root_dir=tmp_path)
+    kw = dict(
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     trainer = L.Trainer(callbacks=[MemoryEfficientOptimizer(name)], **kw)
     before = [p.detach().clone() for p in model.parameters()]
     trainer.fit(model, DigitsDataModule())
@@ -39,8 +45,15 @@ def test_swaps_and_resumes(tmp_path, name):
 
 def test_bf16_true_stochastic_rounding_resume_keeps_float32_state(tmp_path):
     torch.manual_seed(0)
-    kw = dict(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              limit_val_batches=0, default_root_dir=tmp_path, precision="bf16-true")
+    kw = dict(
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        precision="bf16-true",
+    )
     callback = MemoryEfficientOptimizer("adafactor_bf16_sr_in_backward", lr=0.05)
     model = DigitsClassifier()
     trainer = L.Trainer(callbacks=[callback], **kw)
@@ -68,23 +81,38 @@ class _Scheduled(DigitsClassifier):
 
 
 def test_explicit_lr_overrides_the_group_lr_and_the_schedule_follows(tmp_path):
-    trainer = L.Trainer(callbacks=[MemoryEfficientOptimizer("adamw", lr=0.04)], max_epochs=2, limit_train_batches=2,
-                        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        callbacks=[MemoryEfficientOptimizer("adamw", lr=0.04)],
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(_Scheduled(), DigitsDataModule())
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.04 * 0.5**2)  # 2 epochs of StepLR
 
 
 def test_typo_fails_at_construction_with_did_you_mean():
     # failed before: accepted, then TypeError from the optimizer inside configure_optimizers
-    with pytest.raises(ValueError, match=r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\? "
-                                         r"'adamw8bit' accepts: lr, betas, eps, weight_decay, amsgrad, block_size"):
+    with pytest.raises(
+        ValueError,
+        match=r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\? "
+        r"'adamw8bit' accepts: lr, betas, eps, weight_decay, amsgrad, block_size",
+    ):
         MemoryEfficientOptimizer("adamw8bit", betaz=(0.9, 0.99))
     with pytest.raises(ValueError, match=r"`momentum` is not an argument of optimizer 'adafactor_in_backward'"):
         MemoryEfficientOptimizer("adafactor_in_backward", momentum=0.9)
-    with pytest.raises(ValueError, match=r"`optimizer`='adamw_8bit' is unknown; choose one of .*did you mean 'adamw8bit'\?"):
+    with pytest.raises(
+        ValueError, match=r"`optimizer`='adamw_8bit' is unknown; choose one of .*did you mean 'adamw8bit'\?"
+    ):
         MemoryEfficientOptimizer("adamw_8bit")
-    with pytest.raises(ValueError, match=r"`betas` must be two numbers in \[0, 1\), e.g. \[0.9, 0.999\], got \(0.9, 1.5\)"):
+    with pytest.raises(
+        ValueError, match=r"`betas` must be two numbers in \[0, 1\), e.g. \[0.9, 0.999\], got \(0.9, 1.5\)"
+    ):
         MemoryEfficientOptimizer("adamw8bit", betas=(0.9, 1.5))
     with pytest.raises(ValueError, match=r"OptimizerConfig\('sgd'\) refuses \{.*'nesterov': True.*Nesterov"):
         MemoryEfficientOptimizer("sgd", momentum=0.0, optimizer_kwargs={"nesterov": True})
@@ -94,8 +122,16 @@ def test_typo_fails_at_construction_with_did_you_mean():
 
 def test_named_and_extra_hyperparameters_reach_the_optimizer(tmp_path):
     callback = MemoryEfficientOptimizer("adamw", betas=(0.8, 0.9), eps=1e-6, optimizer_kwargs={"amsgrad": True})
-    trainer = L.Trainer(callbacks=[callback], max_steps=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        callbacks=[callback],
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(DigitsClassifier(), DigitsDataModule())
     group = trainer.optimizers[0].param_groups[0]
     assert (group["betas"], group["eps"], group["amsgrad"]) == ((0.8, 0.9), 1e-6, True)
@@ -111,8 +147,16 @@ def _yaml_cli(tmp_path, init_args: str):
         "trainer:\n  callbacks:\n    - class_path: lightning_lowmem.MemoryEfficientOptimizer\n      init_args:\n"
         + "".join(f"        {line}\n" for line in init_args.strip().splitlines())
     )
-    return lightning_cli(["--config", str(config), "--trainer.fast_dev_run=true", "--trainer.logger=false",
-                           f"--trainer.default_root_dir={tmp_path}"], run=False)  # fmt: skip
+    return lightning_cli(
+        [
+            "--config",
+            str(config),
+            "--trainer.fast_dev_run=true",
+            "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        run=False,
+    )
 
 
 def test_hyperparameters_from_yaml(tmp_path):
@@ -126,7 +170,9 @@ def test_hyperparameters_from_yaml(tmp_path):
 
 
 def test_yaml_typo_in_optimizer_kwargs_names_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\?"):
+    with pytest.raises(
+        ValueError, match=r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\?"
+    ):
         _yaml_cli(tmp_path, "optimizer: adamw8bit\noptimizer_kwargs:\n  betaz: [0.9, 0.99]")
 
 

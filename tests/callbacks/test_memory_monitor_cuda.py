@@ -36,9 +36,17 @@ def _loader() -> torch.utils.data.DataLoader:
 
 
 def _trainer(tmp_path, monitor: MemoryMonitor) -> L.Trainer:
-    return L.Trainer(accelerator="cuda", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                     callbacks=[monitor])  # fmt: skip
+    return L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[monitor],
+    )
 
 
 def test_memory_monitor_logs_the_allocator_figures(tmp_path):

@@ -40,13 +40,23 @@ class _Net(L.LightningModule):
 
     def train_dataloader(self):
         generator = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(16, 64, generator=generator), torch.rand(16, 64, generator=generator))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(16, 64, generator=generator), torch.rand(16, 64, generator=generator)
+        )
         return torch.utils.data.DataLoader(data, batch_size=8)  # 2 steps per epoch, fixed order
 
 
 def _trainer(tmp_path, callbacks, max_epochs, **kwargs):
-    return L.Trainer(max_epochs=max_epochs, callbacks=callbacks, default_root_dir=tmp_path, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", **kwargs)  # fmt: skip
+    return L.Trainer(
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        **kwargs,
+    )
 
 
 def _fit_two_epochs_saving_the_first(tmp_path, name, **kwargs):
@@ -99,8 +109,11 @@ def test_in_backward_checkpoint_into_a_plain_trainer_names_the_callback(tmp_path
     with force_eager():
         _, path = _fit_two_epochs_saving_the_first(tmp_path, "adamw_in_backward")
     # failed before: KeyError: 'betas' in the first step of the plain AdamW
-    with pytest.raises(ValueError, match=r"written by MemoryEfficientOptimizer\('adamw_in_backward'\).*add "
-                                         r"callbacks=\[MemoryEfficientOptimizer\('adamw_in_backward'\)\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"written by MemoryEfficientOptimizer\('adamw_in_backward'\).*add "
+        r"callbacks=\[MemoryEfficientOptimizer\('adamw_in_backward'\)\]",
+    ):
         _trainer(tmp_path / "plain", [], max_epochs=2).fit(_Net(), ckpt_path=path)
 
 
@@ -109,8 +122,11 @@ def test_adamw_state_into_adafactor_fails_before_loading(tmp_path):
     model = _Net()
     trainer = _trainer(tmp_path / "adafactor", [MemoryEfficientOptimizer("adafactor")], max_epochs=2)
     # failed before: loaded silently, then AssertionError: row_var and col_var should be defined
-    with pytest.raises(ValueError, match=r"does not fit optimizer 'adafactor': parameter 0 holds "
-                                         r"\['exp_avg', 'exp_avg_sq', 'step'\] \(adam state\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit optimizer 'adafactor': parameter 0 holds "
+        r"\['exp_avg', 'exp_avg_sq', 'step'\] \(adam state\)",
+    ):
         trainer.fit(model, ckpt_path=path)
     assert trainer.global_step == 0
 
@@ -120,8 +136,11 @@ def test_another_memory_efficient_optimizer_refuses_before_the_weights_load(tmp_
         _, path = _fit_two_epochs_saving_the_first(tmp_path, "adamw8bit")
     model = _Net()
     before = model.layer.weight.detach().clone()
-    with pytest.raises(CheckpointMismatchError, match=r"MemoryEfficientOptimizer \(format 'adamw8bit', version 1\): "
-                       r"its AdamW state in 8-bit cannot be continued by this Trainer's MemoryEfficientOptimizer\('adamw'\)"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"MemoryEfficientOptimizer \(format 'adamw8bit', version 1\): "
+        r"its AdamW state in 8-bit cannot be continued by this Trainer's MemoryEfficientOptimizer\('adamw'\)",
+    ):
         _trainer(tmp_path / "other", [MemoryEfficientOptimizer("adamw")], max_epochs=2).fit(model, ckpt_path=path)
     assert torch.equal(model.layer.weight, before)  # nothing applied
 
@@ -130,5 +149,7 @@ def test_same_state_layout_resumes_across_names(tmp_path):
     with force_eager():
         uninterrupted, path = _fit_two_epochs_saving_the_first(tmp_path, "adamw8bit")
         resumed = _Net()
-        _trainer(tmp_path / "ib", [MemoryEfficientOptimizer("adamw8bit_in_backward")], max_epochs=2).fit(resumed, ckpt_path=path)
+        _trainer(tmp_path / "ib", [MemoryEfficientOptimizer("adamw8bit_in_backward")], max_epochs=2).fit(
+            resumed, ckpt_path=path
+        )
     assert torch.equal(resumed.layer.weight, uninterrupted.layer.weight)

@@ -199,8 +199,9 @@ class LoadsQuantized(ErrorModule):
 
 
 def test_load_from_checkpoint_with_quantize_like_checkpoint(tiny_trainer_kwargs, tmp_path):
-    trainer, module = fit(PostTrainingQuantization("int8_weight_only", latency_batches=0), tiny_trainer_kwargs,
-                          module=LoadsQuantized())  # fmt: skip
+    trainer, module = fit(
+        PostTrainingQuantization("int8_weight_only", latency_batches=0), tiny_trainer_kwargs, module=LoadsQuantized()
+    )
     path = str(tmp_path / "quantized.ckpt")
     trainer.save_checkpoint(path)
     inputs = torch.randn(4, 64)
@@ -209,7 +210,10 @@ def test_load_from_checkpoint_with_quantize_like_checkpoint(tiny_trainer_kwargs,
         assert type(loaded.fc2.weight).__name__ == "Int8Tensor"
         assert torch.equal(loaded(inputs), module(inputs))
         again = torch.load(ckpt_path, weights_only=True)
-        assert quantize_like_checkpoint(loaded, again) == ["fc1", "fc2"]  # quantized layers take the checkpoint's tensors
+        assert quantize_like_checkpoint(loaded, again) == [
+            "fc1",
+            "fc2",
+        ]  # quantized layers take the checkpoint's tensors
         loaded.load_state_dict(again["state_dict"])
         assert torch.equal(loaded(inputs), module(inputs))
     float_checkpoint = {"state_dict": ErrorModule().state_dict()}
@@ -262,8 +266,11 @@ def test_int8_static_compile_wraps_graph_and_bad_module_name(tiny_trainer_kwargs
 
 
 def test_int8_static_checkpoint_is_refused_by_loader(tiny_trainer_kwargs, tmp_path):
-    trainer, _ = fit(PostTrainingQuantization("int8_static", module_name="model", latency_batches=0), tiny_trainer_kwargs,
-                     module=WrapsModel())  # fmt: skip
+    trainer, _ = fit(
+        PostTrainingQuantization("int8_static", module_name="model", latency_batches=0),
+        tiny_trainer_kwargs,
+        module=WrapsModel(),
+    )
     path = str(tmp_path / "static.ckpt")
     trainer.save_checkpoint(path)
     with pytest.raises(ValueError, match="int8_static.*Load the float checkpoint"):
@@ -335,9 +342,13 @@ def test_table_says_when_quantized_is_slower():
     """Issue 20: eager int8_dynamic measured 14.7x slower than float with nothing said."""
     from lightning_lowmem.functional.quantization.report import comparison_table
 
-    table = comparison_table("int8_dynamic", {"bytes": 4000, "latency_s": 0.22e-3}, {"bytes": 1000, "latency_s": 3.2e-3}, [])
+    table = comparison_table(
+        "int8_dynamic", {"bytes": 4000, "latency_s": 0.22e-3}, {"bytes": 1000, "latency_s": 3.2e-3}, []
+    )
     assert "14.5x SLOWER than float" in table and "int8_static" in table and "compile=True" in table
-    faster = comparison_table("int8_dynamic", {"bytes": 4000, "latency_s": 2e-3}, {"bytes": 1000, "latency_s": 1e-3}, [])
+    faster = comparison_table(
+        "int8_dynamic", {"bytes": 4000, "latency_s": 2e-3}, {"bytes": 1000, "latency_s": 1e-3}, []
+    )
     assert "SLOWER" not in faster
 
 

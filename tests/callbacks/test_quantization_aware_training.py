@@ -157,7 +157,13 @@ def test_resume_past_start_step_keeps_fake_quantization_bit_identical(tiny_train
     a run resumed past start_step trained in float from the crash on."""
 
     def trainer(callbacks, **kwargs):
-        return L.Trainer(callbacks=callbacks, max_steps=12, num_sanity_val_steps=0, limit_val_batches=0, **{**tiny_trainer_kwargs, **kwargs})
+        return L.Trainer(
+            callbacks=callbacks,
+            max_steps=12,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            **{**tiny_trainer_kwargs, **kwargs},
+        )
 
     def weights(module):
         return {name: p.detach().clone() for name, p in module.net.named_parameters()}
@@ -168,7 +174,11 @@ def test_resume_past_start_step_keeps_fake_quantization_bit_identical(tiny_train
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)  # 4 batches per epoch: step 4, 8
     crashed = OneBatchRepeated()
     with pytest.raises(RuntimeError, match="simulated crash"):
-        callbacks = [QuantizationAwareTraining("int8_weight_only", start_step=2, convert_on_fit_end=False), checkpoint, CrashAt(10)]
+        callbacks = [
+            QuantizationAwareTraining("int8_weight_only", start_step=2, convert_on_fit_end=False),
+            checkpoint,
+            CrashAt(10),
+        ]
         trainer(callbacks, enable_checkpointing=True).fit(crashed)
     resumed = OneBatchRepeated()
     callback = QuantizationAwareTraining("int8_weight_only", start_step=2, convert_on_fit_end=False)

@@ -80,7 +80,9 @@ def test_batch_the_model_cannot_take_skips_latency_with_the_override_hint(tiny_t
     torch.manual_seed(0)
     with pytest.warns(LowMemWarning, match="latency column is not timed.*forward_batch\\(self, batch\\)"):
         fit(PositionalOnly(), [callback], tiny_trainer_kwargs)
-    assert callback.quantized and callback.summary["after"]["latency_s"] != callback.summary["after"]["latency_s"]  # nan
+    assert (
+        callback.quantized and callback.summary["after"]["latency_s"] != callback.summary["after"]["latency_s"]
+    )  # nan
 
 
 def test_int8_static_with_a_batch_the_model_cannot_take_fails_at_the_first_batch(tiny_trainer_kwargs):
@@ -114,13 +116,17 @@ def test_forward_batch_override_is_used_for_latency_and_calibration(tiny_trainer
 def test_int4_weight_only_without_cuda_fails_at_setup(tiny_trainer_kwargs):
     """Issue 20: accepted, then failed only after the whole fit."""
     trainer = L.Trainer(callbacks=[PostTrainingQuantization("int4_weight_only")], max_steps=2, **tiny_trainer_kwargs)
-    with pytest.raises(ValueError, match="`mode`='int4_weight_only' cannot run on this Trainer's device 'cpu'.*intx4_weight_only"):
+    with pytest.raises(
+        ValueError, match="`mode`='int4_weight_only' cannot run on this Trainer's device 'cpu'.*intx4_weight_only"
+    ):
         trainer.fit(hf_module("llama"), data("llama"))
     assert trainer.global_step == 0
 
 
 def test_skip_modules_naming_nothing_fails_at_setup(tiny_trainer_kwargs):
-    trainer = L.Trainer(callbacks=[PostTrainingQuantization(skip_modules=["lm_haed"])], max_steps=2, **tiny_trainer_kwargs)
+    trainer = L.Trainer(
+        callbacks=[PostTrainingQuantization(skip_modules=["lm_haed"])], max_steps=2, **tiny_trainer_kwargs
+    )
     with pytest.raises(ValueError, match="'lm_haed' matches no submodule of HFLanguageModel \\(did you mean 'lm_head'"):
         trainer.fit(hf_module("gpt2"), data("gpt2"))
     assert trainer.global_step == 0
@@ -130,9 +136,14 @@ def test_skip_modules_naming_nothing_fails_at_setup(tiny_trainer_kwargs):
 def test_int8_static_exports_gpt2_with_keyword_batches_and_conv1d(tiny_trainer_kwargs):
     module = hf_module("gpt2")
     callback = PostTrainingQuantization(
-        "int8_static", module_name="model", latency_batches=0, calibration_batches=2, monitor="val_loss",
-        monitor_mode="min", tolerance=0.05,
-    )  # fmt: skip
+        "int8_static",
+        module_name="model",
+        latency_batches=0,
+        calibration_batches=2,
+        monitor="val_loss",
+        monitor_mode="min",
+        tolerance=0.05,
+    )
     fit(module, [callback], tiny_trainer_kwargs)
     assert "model.transformer.h.0.attn.c_attn" in callback.quantized and len(callback.quantized) == 8
     assert "model.lm_head" not in callback.quantized  # tied to the float table: stays float, stored once
@@ -177,13 +188,17 @@ class TiedLM(L.LightningModule):
 
 
 def test_tolerance_search_treats_a_tied_group_as_one_candidate(tiny_trainer_kwargs):
-    callback = PostTrainingQuantization("int8_dynamic", monitor="val_err", monitor_mode="min", tolerance=0.0, latency_batches=0)
+    callback = PostTrainingQuantization(
+        "int8_dynamic", monitor="val_err", monitor_mode="min", tolerance=0.0, latency_batches=0
+    )
     module = TiedLM()
     with pytest.warns(LowMemWarning, match="no configuration keeps 'val_err'.*per-layer drops: wte: .*, mid: "):
         L.Trainer(callbacks=[callback], max_steps=1, num_sanity_val_steps=0, **tiny_trainer_kwargs).fit(module)
     assert set(callback.summary["kept_float"]) == {"wte", "mid", "head"}
     assert module.head.weight is module.wte.weight and type(module.wte.weight) is nn.Parameter  # put back tied
-    callback = PostTrainingQuantization("int8_dynamic", monitor="val_err", monitor_mode="min", tolerance=1.0, latency_batches=0)
+    callback = PostTrainingQuantization(
+        "int8_dynamic", monitor="val_err", monitor_mode="min", tolerance=1.0, latency_batches=0
+    )
     module = TiedLM()
     L.Trainer(callbacks=[callback], max_steps=1, num_sanity_val_steps=0, **tiny_trainer_kwargs).fit(module)
     assert callback.quantized == ["head", "mid", "wte"] and callback.tied == [["wte", "head"]]
@@ -204,19 +219,25 @@ def test_quantized_checkpoint_without_the_callback_says_what_to_add(gpt2_checkpo
     _, path = gpt2_checkpoint
     instruction = r"written by lightning_lowmem PostTrainingQuantization\(mode='int8_dynamic'\): add it to the Trainer's callbacks"
     with pytest.raises(RuntimeError, match=instruction):
-        L.Trainer(limit_val_batches=1, **tiny_trainer_kwargs).validate(hf_module("gpt2"), data("gpt2"), ckpt_path=path, verbose=False)
+        L.Trainer(limit_val_batches=1, **tiny_trainer_kwargs).validate(
+            hf_module("gpt2"), data("gpt2"), ckpt_path=path, verbose=False
+        )
     with pytest.raises(RuntimeError, match=instruction):
         HFLanguageModel.load_from_checkpoint(path)
 
 
-def test_quantized_checkpoint_back_through_ckpt_path_and_load_quantized_checkpoint(gpt2_checkpoint, tiny_trainer_kwargs):
+def test_quantized_checkpoint_back_through_ckpt_path_and_load_quantized_checkpoint(
+    gpt2_checkpoint, tiny_trainer_kwargs
+):
     module, path = gpt2_checkpoint
     data("gpt2").setup("fit")
     batch = next(iter(data("gpt2").val_dataloader()))
     expected = logits(module, batch)
     fresh = hf_module("gpt2", seed=1)
     callback = PostTrainingQuantization("intx4_weight_only")  # another mode: the checkpoint says what it holds
-    L.Trainer(callbacks=[callback], limit_val_batches=1, **tiny_trainer_kwargs).validate(fresh, data("gpt2"), ckpt_path=path, verbose=False)
+    L.Trainer(callbacks=[callback], limit_val_batches=1, **tiny_trainer_kwargs).validate(
+        fresh, data("gpt2"), ckpt_path=path, verbose=False
+    )
     fresh.eval()
     assert type(fresh.model.transformer.h[0].attn.c_attn).__name__ == "Linear"
     assert type(fresh.model.transformer.h[0].attn.c_attn.weight).__name__ == "Int8Tensor"
@@ -250,16 +271,26 @@ def test_qat_on_gpt2_trains_conv1d_fake_quantized_and_converts_tied_head_once(ti
     assert ["model.transformer.wte", "model.lm_head"] in report.tied
     assert module.model.lm_head.weight is module.model.transformer.wte.weight
     assert type(module.model.transformer.h[0].mlp.c_fc.weight).__name__ == "IntxUnpackedToInt8Tensor"
-    assert size_ratio(report.bytes_before, report.bytes_after, module) > 2.6  # QAT leaves the untied position table (wpe) float
+    assert (
+        size_ratio(report.bytes_before, report.bytes_after, module) > 2.6
+    )  # QAT leaves the untied position table (wpe) float
     path = str(tmp_path / "qat.ckpt")
     trainer.save_checkpoint(path)
-    with pytest.raises(RuntimeError, match=r"written by lightning_lowmem QuantizationAwareTraining\(mode='int8_weight_only'\)"):
-        L.Trainer(limit_val_batches=1, **tiny_trainer_kwargs).validate(hf_module("gpt2"), data("gpt2"), ckpt_path=path, verbose=False)
+    with pytest.raises(
+        RuntimeError, match=r"written by lightning_lowmem QuantizationAwareTraining\(mode='int8_weight_only'\)"
+    ):
+        L.Trainer(limit_val_batches=1, **tiny_trainer_kwargs).validate(
+            hf_module("gpt2"), data("gpt2"), ckpt_path=path, verbose=False
+        )
     fresh = hf_module("gpt2", seed=1)
-    tester = L.Trainer(callbacks=[QuantizationAwareTraining("int8_weight_only")], limit_val_batches=1, **tiny_trainer_kwargs)
+    tester = L.Trainer(
+        callbacks=[QuantizationAwareTraining("int8_weight_only")], limit_val_batches=1, **tiny_trainer_kwargs
+    )
     tester.validate(fresh, data("gpt2"), ckpt_path=path, verbose=False)
     assert fresh.model.lm_head.weight is fresh.model.transformer.wte.weight
-    assert torch.equal(fresh.model.transformer.h[0].mlp.c_fc.weight.qdata, module.model.transformer.h[0].mlp.c_fc.weight.qdata)
+    assert torch.equal(
+        fresh.model.transformer.h[0].mlp.c_fc.weight.qdata, module.model.transformer.h[0].mlp.c_fc.weight.qdata
+    )
 
 
 def test_qat_on_t5_converts_the_four_way_tie_once(tiny_trainer_kwargs):
@@ -271,7 +302,9 @@ def test_qat_on_t5_converts_the_four_way_tie_once(tiny_trainer_kwargs):
     assert callback.report.size_ratio > 3.0
 
 
-def test_weights_only_lightning_checkpoint_of_quantized_gpt2_loads_through_the_callback(gpt2_checkpoint, tiny_trainer_kwargs, tmp_path):
+def test_weights_only_lightning_checkpoint_of_quantized_gpt2_loads_through_the_callback(
+    gpt2_checkpoint, tiny_trainer_kwargs, tmp_path
+):
     """`save_checkpoint(weights_only=True)` skips callbacks' hooks: no record, torchao's own pickling."""
     module, path = gpt2_checkpoint
     trainer = L.Trainer(callbacks=[PostTrainingQuantization()], limit_val_batches=1, **tiny_trainer_kwargs)

@@ -26,14 +26,21 @@ class TinyModule(L.LightningModule):
         torch.manual_seed(0)
         if conv:
             self.net = nn.Sequential(
-                nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
-                nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+                nn.Conv2d(1, 8, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(8, 16, 3, padding=1),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(16, 4),
             )
         else:
             self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
         generator = torch.Generator().manual_seed(1)
         shape = (64, 1, 4, 4) if conv else (64, 16)
-        self.data = TensorDataset(torch.randn(shape, generator=generator), torch.randint(0, 4, (64,), generator=generator))
+        self.data = TensorDataset(
+            torch.randn(shape, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -73,8 +80,13 @@ def test_migration_grid_sparsity_matches_amount(tiny_trainer_kwargs, pruning_fn,
     model = TinyModule()
     targets = [(m, "weight") for m in model.net if isinstance(m, nn.Linear)] if explicit else ()
     callback = ScheduledPruning(
-        pruning_fn, parameters_to_prune=targets, parameter_names=["weight"], use_global_unstructured=use_global,
-        amount=0.5, pruning_dim=0 if "structured" in pruning_fn and "unstructured" not in pruning_fn else None, pruning_norm=2,
+        pruning_fn,
+        parameters_to_prune=targets,
+        parameter_names=["weight"],
+        use_global_unstructured=use_global,
+        amount=0.5,
+        pruning_dim=0 if "structured" in pruning_fn and "unstructured" not in pruning_fn else None,
+        pruning_norm=2,
     )
     _, trainer = _fit(callback, tiny_trainer_kwargs, model)
     trainer.test(model, verbose=False)
@@ -84,14 +96,20 @@ def test_migration_grid_sparsity_matches_amount(tiny_trainer_kwargs, pruning_fn,
         assert zeros / sum(w.numel() for w in weights) == pytest.approx(0.5, abs=1e-3)
     else:  # structured: amount is the fraction of output channels
         rows = torch.cat([(w == 0).all(dim=1) for w in weights])
-        assert int(rows.sum()) == round(0.5 * rows.numel()) if use_global else int(rows.sum()) == sum(round(0.5 * w.shape[0]) for w in weights)
+        assert (
+            int(rows.sum()) == round(0.5 * rows.numel())
+            if use_global
+            else int(rows.sum()) == sum(round(0.5 * w.shape[0]) for w in weights)
+        )
     assert get_mask(model.net[0]) is None  # make_pruning_permanent (default) dropped the masks
     assert trainer.callback_metrics["test_loss"] > 0
 
 
 @pytest.mark.parametrize(("pruning_fn", "use_global"), [("l1_unstructured", True), ("ln_structured", False)])
 def test_same_zeros_as_lightning_model_pruning(tiny_trainer_kwargs, pruning_fn, use_global):
-    args = dict(parameter_names=["weight"], use_global_unstructured=use_global, amount=0.5, use_lottery_ticket_hypothesis=False)
+    args = dict(
+        parameter_names=["weight"], use_global_unstructured=use_global, amount=0.5, use_lottery_ticket_hypothesis=False
+    )
     if pruning_fn == "ln_structured":
         args.update(pruning_dim=0, pruning_norm=1)
     ours, _ = _fit(ScheduledPruning(pruning_fn, **args), tiny_trainer_kwargs)
@@ -110,7 +128,9 @@ def test_same_zeros_as_lightning_model_pruning(tiny_trainer_kwargs, pruning_fn, 
 
 
 def test_torch_prune_function_and_callable_amount(tiny_trainer_kwargs):
-    callback = ScheduledPruning(torch_prune.l1_unstructured, parameter_names=["weight"], amount=lambda epoch: 0.3 if epoch == 1 else 0.0)
+    callback = ScheduledPruning(
+        torch_prune.l1_unstructured, parameter_names=["weight"], amount=lambda epoch: 0.3 if epoch == 1 else 0.0
+    )
     model, _ = _fit(callback, tiny_trainer_kwargs, max_epochs=2)
     weights = _linear_weights(model)
     assert sum(int((w == 0).sum()) for w in weights) == round(0.3 * sum(w.numel() for w in weights))
@@ -126,7 +146,14 @@ def test_cubic_schedule_exact_at_every_step(tiny_trainer_kwargs):
             masks = [get_mask(m) for m in pl_module.net if isinstance(m, nn.Linear)]
             seen[trainer.global_step] = sum(int((~mask).sum()) for mask in masks)
 
-    pruning = ScheduledPruning(schedule="cubic", target_sparsity=final, start_step=1, end_step=end, parameter_names=["weight"], make_pruning_permanent=False)
+    pruning = ScheduledPruning(
+        schedule="cubic",
+        target_sparsity=final,
+        start_step=1,
+        end_step=end,
+        parameter_names=["weight"],
+        make_pruning_permanent=False,
+    )
     _fit(pruning, tiny_trainer_kwargs, max_epochs=3, callbacks=[pruning, Recorder()])
     for step, pruned in seen.items():
         t = min(step, end)
@@ -139,7 +166,9 @@ def test_logs_total_and_per_layer_sparsity(tiny_trainer_kwargs):
     from lightning.pytorch.loggers import CSVLogger
 
     pruning = ScheduledPruning(schedule="linear", target_sparsity=0.5, end_step=2, parameter_names=["weight"])
-    _, trainer = _fit(pruning, tiny_trainer_kwargs, logger=CSVLogger(tiny_trainer_kwargs["default_root_dir"]), log_every_n_steps=1)
+    _, trainer = _fit(
+        pruning, tiny_trainer_kwargs, logger=CSVLogger(tiny_trainer_kwargs["default_root_dir"]), log_every_n_steps=1
+    )
     assert float(trainer.callback_metrics["lowmem/sparsity/total"]) == pytest.approx(0.5, abs=1e-3)
     assert "lowmem/sparsity/net.2.weight" in trainer.callback_metrics
 
@@ -147,7 +176,11 @@ def test_logs_total_and_per_layer_sparsity(tiny_trainer_kwargs):
 def test_lottery_ticket_rewinds_unpruned_weights_to_their_initial_values(tiny_trainer_kwargs):
     model = TinyModule()
     initial = [w.detach().clone() for w in _linear_weights(model)]
-    _fit(ScheduledPruning(parameter_names=["weight"], amount=0.5, use_lottery_ticket_hypothesis=True), tiny_trainer_kwargs, model)
+    _fit(
+        ScheduledPruning(parameter_names=["weight"], amount=0.5, use_lottery_ticket_hypothesis=True),
+        tiny_trainer_kwargs,
+        model,
+    )
     for weight, start in zip(_linear_weights(model), initial, strict=True):
         kept = weight != 0
         assert torch.equal(weight[kept], start[kept])
@@ -156,8 +189,16 @@ def test_lottery_ticket_rewinds_unpruned_weights_to_their_initial_values(tiny_tr
 @pytest.mark.parametrize("pruning_fn", ["l1_unstructured", "random_unstructured"])
 def test_resume_mid_schedule_ends_with_identical_masks_and_weights(tiny_trainer_kwargs, tmp_path, pruning_fn):
     def pruning():
-        return ScheduledPruning(pruning_fn, schedule="cubic", target_sparsity=0.8, start_step=1, end_step=9, frequency=2,
-                                parameter_names=["weight"], make_pruning_permanent=False)
+        return ScheduledPruning(
+            pruning_fn,
+            schedule="cubic",
+            target_sparsity=0.8,
+            start_step=1,
+            end_step=9,
+            frequency=2,
+            parameter_names=["weight"],
+            make_pruning_permanent=False,
+        )
 
     full, _ = _fit(pruning(), tiny_trainer_kwargs, max_epochs=3)  # 12 steps
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
@@ -173,7 +214,9 @@ def test_resume_mid_schedule_ends_with_identical_masks_and_weights(tiny_trainer_
 
 
 def test_nm_method_through_the_callback(tiny_trainer_kwargs):
-    callback = ScheduledPruning(method="nm", n=2, m=4, schedule="constant", target_sparsity=0.5, end_step=2, parameter_names=["weight"])
+    callback = ScheduledPruning(
+        method="nm", n=2, m=4, schedule="constant", target_sparsity=0.5, end_step=2, parameter_names=["weight"]
+    )
     model, _ = _fit(callback, tiny_trainer_kwargs)
     for weight in _linear_weights(model):
         assert ((weight.reshape(-1, 4) == 0).sum(dim=1) >= 2).all()
@@ -182,8 +225,16 @@ def test_nm_method_through_the_callback(tiny_trainer_kwargs):
 def test_structural_removal_rebinds_the_trainer_optimizer(tiny_trainer_kwargs):
     model = TinyModule(conv=True)
     before = sum(p.numel() for p in model.parameters())
-    callback = ScheduledPruning("ln_structured", schedule="linear", target_sparsity=0.5, end_step=4, structural=True,
-                                parameter_names=["weight"], use_global_unstructured=False, pruning_norm=2)
+    callback = ScheduledPruning(
+        "ln_structured",
+        schedule="linear",
+        target_sparsity=0.5,
+        end_step=4,
+        structural=True,
+        parameter_names=["weight"],
+        use_global_unstructured=False,
+        pruning_norm=2,
+    )
     _, trainer = _fit(callback, tiny_trainer_kwargs, model, max_epochs=2)  # 8 steps: 4 after the removal
     assert model.net[0].out_channels == 4 and model.net[2].out_channels == 8
     assert sum(p.numel() for p in model.parameters()) < 0.4 * before
@@ -197,8 +248,16 @@ def test_structural_removal_rebinds_the_trainer_optimizer(tiny_trainer_kwargs):
     [
         (dict(amount=1.5), ValueError, r"`amount`=1.5 must be in \[0, 1\] when a float; allowed"),
         (dict(amount=-2), ValueError, r"`amount`=-2 must be >= 0 when an int"),
-        (dict(target_sparsity=0.5, start_step=10, end_step=5), ValueError, r"`end_step`=5 must be an int > `start_step`=10"),
-        (dict(pruning_fn="l3_magic"), ValueError, r"`pruning_fn`='l3_magic' is unknown; choose one of \['l1_unstructured'"),
+        (
+            dict(target_sparsity=0.5, start_step=10, end_step=5),
+            ValueError,
+            r"`end_step`=5 must be an int > `start_step`=10",
+        ),
+        (
+            dict(pruning_fn="l3_magic"),
+            ValueError,
+            r"`pruning_fn`='l3_magic' is unknown; choose one of \['l1_unstructured'",
+        ),
         (dict(method="nm", n=4, m=2), ValueError, r"`n`=4, `m`=2: N:M pruning needs ints with 1 <= n < m"),
         (dict(schedule="cosine"), ValueError, r"`schedule`='cosine' is unknown; choose one of \['constant'"),
         (dict(pruning_fn=print), TypeError, r"`pruning_fn`=<built-in function print> must be one of"),
@@ -210,7 +269,10 @@ def test_bad_input(kwargs, error, match):
 
 
 def test_unknown_parameter_name_fails_at_setup(tiny_trainer_kwargs):
-    with pytest.raises(ValueError, match=r"`parameter_names` contains \['kernel'\], which no module has; parameter names present: \['bias', 'weight'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"`parameter_names` contains \['kernel'\], which no module has; parameter names present: \['bias', 'weight'\]",
+    ):
         _fit(ScheduledPruning(parameter_names=["kernel"]), tiny_trainer_kwargs)
 
 
@@ -226,11 +288,25 @@ class _SaveMasks(L.Callback):
 
 
 def test_ddp_two_cpu_processes_have_identical_masks(tmp_path):
-    pruning = ScheduledPruning("random_unstructured", schedule="linear", target_sparsity=0.6, end_step=2,
-                               parameter_names=["weight"], make_pruning_permanent=False, seed=0)
+    pruning = ScheduledPruning(
+        "random_unstructured",
+        schedule="linear",
+        target_sparsity=0.6,
+        end_step=2,
+        parameter_names=["weight"],
+        make_pruning_permanent=False,
+        seed=0,
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, limit_train_batches=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_epochs=1,
+        limit_train_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[pruning, _SaveMasks(str(tmp_path))],
     )
     fit_saving_results(lambda: trainer.fit(TinyModule()), [tmp_path / "rank0.pt", tmp_path / "rank1.pt"])

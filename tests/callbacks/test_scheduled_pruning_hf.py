@@ -29,7 +29,9 @@ class Classifier(L.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 4))
         generator = torch.Generator().manual_seed(1)
-        self.data = TensorDataset(torch.randn(64, 64, generator=generator), torch.randint(0, 4, (64,), generator=generator))
+        self.data = TensorDataset(
+            torch.randn(64, 64, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -134,7 +136,9 @@ def test_hf_step_schedule_exact_sparsity_embeddings_untouched(family, tiny_train
 
 def test_hf_gpt2_tied_head_pruned_once_when_embeddings_asked(tiny_trainer_kwargs):
     model = hf_module("gpt2", **NO_DROPOUT["gpt2"])
-    pruning = ScheduledPruning(parameter_names=["weight"], amount=0.5, prune_embeddings=True, make_pruning_permanent=False)
+    pruning = ScheduledPruning(
+        parameter_names=["weight"], amount=0.5, prune_embeddings=True, make_pruning_permanent=False
+    )
     L.Trainer(**{**tiny_trainer_kwargs, "max_epochs": 1, "callbacks": [pruning]}).fit(model, _hf_loaders("gpt2", 2))
 
     wte, head = model.model.transformer.wte, model.model.lm_head
@@ -167,8 +171,11 @@ def test_hf_structured_prunes_output_channels_along_the_right_dim(family):
 def test_parameters_to_prune_string_naming_nothing_lists_real_names(tiny_trainer_kwargs):
     model = hf_module("gpt2")
     pruning = ScheduledPruning(parameters_to_prune=["model.transformer.h.0.mlp.fc.weight"])
-    with pytest.raises(ValueError, match=r"names no submodule of HFLanguageModel; entries are 'module.path.param' "
-                                         r"strings such as \['model.transformer.h.0.mlp.c_fc.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"names no submodule of HFLanguageModel; entries are 'module.path.param' "
+        r"strings such as \['model.transformer.h.0.mlp.c_fc.weight'",
+    ):
         L.Trainer(**{**tiny_trainer_kwargs, "max_steps": 1, "callbacks": [pruning]}).fit(model, _hf_loaders("gpt2", 1))
 
 
@@ -192,8 +199,16 @@ trainer.fit(hf_module("gpt2", **NO_DROPOUT["gpt2"]), _hf_loaders("gpt2", 2))
 
 
 def _pruning() -> ScheduledPruning:
-    return ScheduledPruning(schedule="cubic", target_sparsity=0.8, start_step=1, end_step=7, frequency=3,
-                            parameter_names=["weight"], prune_embeddings=True, make_pruning_permanent=False)
+    return ScheduledPruning(
+        schedule="cubic",
+        target_sparsity=0.8,
+        start_step=1,
+        end_step=7,
+        frequency=3,
+        parameter_names=["weight"],
+        prune_embeddings=True,
+        make_pruning_permanent=False,
+    )
 
 
 def test_kill_9_then_resume_matches_an_uninterrupted_run_bit_for_bit(tiny_trainer_kwargs, tmp_path):
@@ -222,20 +237,32 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run_bit_for_bit(tiny_traine
     assert all(torch.equal(full_state[k], resumed_state[k]) for k in full_state)
     full_masks = {n: b for n, b in full.named_buffers() if n.endswith("_mask")}
     resumed_masks = {n: b for n, b in resumed.named_buffers() if n.endswith("_mask")}
-    assert full_masks.keys() == resumed_masks.keys() and len(full_masks) == 15  # 8 Conv1D, 5 LayerNorm, wte (+ tied head), wpe
+    assert (
+        full_masks.keys() == resumed_masks.keys() and len(full_masks) == 15
+    )  # 8 Conv1D, 5 LayerNorm, wte (+ tied head), wpe
     assert all(torch.equal(full_masks[n], resumed_masks[n]) for n in full_masks)
     assert get_mask(resumed.model.lm_head) is get_mask(resumed.model.transformer.wte)  # still one shared mask
 
 
 def test_hf_gpt2_structural_removal_through_the_callback(tiny_trainer_kwargs):
     model = hf_module("gpt2", **NO_DROPOUT["gpt2"])
-    pruning = ScheduledPruning("ln_structured", schedule="linear", target_sparsity=0.5, end_step=2, structural=True,
-                               parameter_names=["weight"], use_global_unstructured=False, pruning_norm=2)
+    pruning = ScheduledPruning(
+        "ln_structured",
+        schedule="linear",
+        target_sparsity=0.5,
+        end_step=2,
+        structural=True,
+        parameter_names=["weight"],
+        use_global_unstructured=False,
+        pruning_norm=2,
+    )
     trainer = L.Trainer(**{**tiny_trainer_kwargs, "max_steps": 4, "callbacks": [pruning]})
     trainer.fit(model, _hf_loaders("gpt2"))  # 2 steps after the removal, on the smaller model
     for block in model.model.transformer.h:
         assert block.mlp.c_fc.nf == 128 and block.mlp.c_proj.weight.shape == (128, 64)  # 256 FFN units -> 128
         assert block.attn.c_attn.weight.shape == (64, 192)
-    assert pruning.structural_done and pruning.state_dict()["structural_shapes"]["model.transformer.h.0.mlp.c_fc.weight"] == [64, 128]
+    assert pruning.structural_done and pruning.state_dict()["structural_shapes"][
+        "model.transformer.h.0.mlp.c_fc.weight"
+    ] == [64, 128]
     opt_params = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
     assert opt_params == {id(p) for p in model.parameters()}

@@ -31,8 +31,9 @@ class KeepLastLayer(ScheduledPruning):
 
 def test_overridden_targets_and_pruning_hooks_are_used_at_each_event(tiny_trainer_kwargs):
     model = TinyModule()
-    pruning = KeepLastLayer(schedule="linear", target_sparsity=0.5, start_step=0, end_step=4, frequency=2,
-                            parameter_names=["weight"])
+    pruning = KeepLastLayer(
+        schedule="linear", target_sparsity=0.5, start_step=0, end_step=4, frequency=2, parameter_names=["weight"]
+    )
     L.Trainer(max_steps=4, callbacks=[pruning], **tiny_trainer_kwargs).fit(model)
     assert pruning.events == [0.25, 0.5]  # linear, at steps 2 and 4 (a batch end is step >= 1)
     assert get_mask(model.net[4]) is None and int((model.net[4].weight == 0).sum()) == 0  # excluded: untouched

@@ -34,12 +34,24 @@ def _checkpoint():
     torch.manual_seed(0)
     sparse = torch.randn(128, 64) * (torch.rand(128, 64) > 0.9)
     return {
-        "state_dict": {"w_sparse": sparse, "w_dense": torch.randn(32, 32), "tied": sparse,
-                       "bf16": (torch.randn(64, 64) * (torch.rand(64, 64) > 0.5)).bfloat16(),
-                       "count": torch.tensor(5, dtype=torch.int64), "mask": torch.rand(40, 40) > 0.5},
-        "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": sparse * 0.1}},
-                              "param_groups": [{"lr": 1e-3, "params": [0]}]}],
-        "epoch": 2, "global_step": 40, "pytorch-lightning_version": "2.6.6", "callbacks": {"x": {"best": None}},
+        "state_dict": {
+            "w_sparse": sparse,
+            "w_dense": torch.randn(32, 32),
+            "tied": sparse,
+            "bf16": (torch.randn(64, 64) * (torch.rand(64, 64) > 0.5)).bfloat16(),
+            "count": torch.tensor(5, dtype=torch.int64),
+            "mask": torch.rand(40, 40) > 0.5,
+        },
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(3.0), "exp_avg": sparse * 0.1}},
+                "param_groups": [{"lr": 1e-3, "params": [0]}],
+            }
+        ],
+        "epoch": 2,
+        "global_step": 40,
+        "pytorch-lightning_version": "2.6.6",
+        "callbacks": {"x": {"best": None}},
     }
 
 
@@ -150,8 +162,9 @@ def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
     good = {"state_dict": {"w": torch.arange(10.0)}, "epoch": 1}
     CompressedCheckpointIO().save_checkpoint(good, path)
     before = path.read_bytes()
-    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_WRITER), str(path)],
-                              stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    writer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_WRITER), str(path)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
     try:
         assert writer.stdout.readline().strip() == "HALF"
         temporary = list(tmp_path.glob("last.tmp-*.framed"))
@@ -198,8 +211,9 @@ def _fit_and_resume(kwargs, plugins):
 def test_trainer_checkpoints_and_resume_match_torch_checkpoint_io(tmp_path, tiny_trainer_kwargs):
     kwargs = dict(tiny_trainer_kwargs, enable_checkpointing=True)
     plain_path, plain = _fit_and_resume({**kwargs, "default_root_dir": str(tmp_path / "plain")}, [])
-    packed_path, packed = _fit_and_resume({**kwargs, "default_root_dir": str(tmp_path / "packed")},
-                                          [CompressedCheckpointIO()])
+    packed_path, packed = _fit_and_resume(
+        {**kwargs, "default_root_dir": str(tmp_path / "packed")}, [CompressedCheckpointIO()]
+    )
     with open(packed_path, "rb") as handle:  # 2x64 weights, mostly zero-free: chunks stored, some compressed
         assert handle.read(len(file_format.PREFIX) + 8) == file_format.PREFIX + b"LOWMEMCK"
     expected = _tensors(torch.load(plain_path, weights_only=True))
@@ -267,7 +281,10 @@ def test_without_lightning_lowmem_imported_torch_names_the_plugin(tmp_path):
     CompressedCheckpointIO().save_checkpoint(_checkpoint(), path)
     code = f"import torch\ntry:\n    torch.load({str(path)!r})\nexcept Exception as err:\n    print(err)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
-    assert "Unsupported global: GLOBAL lightning_lowmem.plugins.compressed_checkpoint_io.written_by_CompressedCheckpointIO" in out
+    assert (
+        "Unsupported global: GLOBAL lightning_lowmem.plugins.compressed_checkpoint_io.written_by_CompressedCheckpointIO"
+        in out
+    )
 
 
 def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):
@@ -278,7 +295,9 @@ def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):
     checkpoint_io = CompressedCheckpointIO()
     checkpoint_io.save_checkpoint(dense, tmp_path / "dense.ckpt")
     stats = checkpoint_io.last_save_stats
-    assert stats["chunks"] == 6 and stats["chunks_compressed"] <= 1  # 1 MiB chunks of mantissas raw (the tail: zip index)
+    assert (
+        stats["chunks"] == 6 and stats["chunks_compressed"] <= 1
+    )  # 1 MiB chunks of mantissas raw (the tail: zip index)
     assert (tmp_path / "dense.ckpt").read_bytes() == plain  # the very same bytes: loads without the plugin
     loaded = checkpoint_io.load_checkpoint(tmp_path / "dense.ckpt")
     assert all(torch.equal(loaded["state_dict"][k], v) for k, v in dense["state_dict"].items())
@@ -287,7 +306,9 @@ def test_dense_checkpoint_is_stored_raw_and_never_larger(tmp_path):
     checkpoint_io.save_checkpoint(mixed, tmp_path / "mixed.ckpt")
     assert checkpoint_io.last_save_stats["sparse_tensors"] == 1
     assert (tmp_path / "mixed.ckpt").read_bytes().startswith(file_format.PREFIX)
-    assert torch.equal(checkpoint_io.load_checkpoint(tmp_path / "mixed.ckpt")["state_dict"]["w3"], dense["state_dict"]["w3"])
+    assert torch.equal(
+        checkpoint_io.load_checkpoint(tmp_path / "mixed.ckpt")["state_dict"]["w3"], dense["state_dict"]["w3"]
+    )
 
 
 def test_damaged_chunk_table_raises(tmp_path):
@@ -334,8 +355,12 @@ def test_one_class_behind_every_import_path():
     from lightning_lowmem import checkpoints, plugins
     from lightning_lowmem.plugins import compressed_checkpoint_io as old_module
 
-    assert lightning_lowmem.CompressedCheckpointIO is checkpoints.CompressedCheckpointIO is plugins.CompressedCheckpointIO
+    assert (
+        lightning_lowmem.CompressedCheckpointIO is checkpoints.CompressedCheckpointIO is plugins.CompressedCheckpointIO
+    )
     assert old_module.CompressedCheckpointIO is compressed_io.CompressedCheckpointIO
-    assert lightning_lowmem.CheckpointCorruptError is plugins.CheckpointCorruptError is file_format.CheckpointCorruptError
+    assert (
+        lightning_lowmem.CheckpointCorruptError is plugins.CheckpointCorruptError is file_format.CheckpointCorruptError
+    )
     # what a plain torch.load of a compressed file calls, by the path written in the file's first bytes
     assert old_module.written_by_CompressedCheckpointIO is file_format.written_by_CompressedCheckpointIO

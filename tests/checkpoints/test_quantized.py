@@ -82,7 +82,9 @@ def test_load_quantized_checkpoint_reads_a_compressed_file(tiny_trainer_kwargs, 
         assert torch.equal(loaded.sparse, module.sparse)  # the packed sparse buffer, rebuilt
 
 
-def test_load_quantized_checkpoint_reads_a_torchao_pickled_file_under_a_callable_map_location(tiny_trainer_kwargs, tmp_path):
+def test_load_quantized_checkpoint_reads_a_torchao_pickled_file_under_a_callable_map_location(
+    tiny_trainer_kwargs, tmp_path
+):
     """Files written before the portable format: torchao tensors pickled the torchao way."""
     module = _quantized_checkpoint(tiny_trainer_kwargs, tmp_path / "q.ckpt", [])
     legacy = tmp_path / "legacy.ckpt"
@@ -147,15 +149,18 @@ def test_qat_resume_is_bit_identical_and_converted_checkpoint_tests(plugins, tin
     trainer.fit(Net())
     trainer.save_checkpoint(tmp_path / "converted.ckpt")
     fresh = Net()
-    _trainer(tiny_trainer_kwargs, [qat()], PLUGINS[plugins]()).validate(fresh, ckpt_path=str(tmp_path / "converted.ckpt"),
-                                                                      verbose=False)  # fmt: skip
+    _trainer(tiny_trainer_kwargs, [qat()], PLUGINS[plugins]()).validate(
+        fresh, ckpt_path=str(tmp_path / "converted.ckpt"), verbose=False
+    )
     inputs = torch.randn(4, 32)
     assert is_quantized_tensor(fresh.net[2].weight) and torch.equal(fresh(inputs), resumed(inputs))
 
 
 def test_read_checkpoint_refuses_an_unknown_map_location(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "a.ckpt")
-    with pytest.raises(TypeError, match=r"`map_location`=3 is not supported: pass None, a device, a string, a dict or a"):
+    with pytest.raises(
+        TypeError, match=r"`map_location`=3 is not supported: pass None, a device, a string, a dict or a"
+    ):
         read_checkpoint(tmp_path / "a.ckpt", map_location=3)
 
 

@@ -31,4 +31,6 @@ def test_sparse_and_dense_tensors_follow_map_location(tmp_path, map_location, ex
     assert checkpoint_io.last_save_stats["sparse_tensors"] == 1
     loaded = checkpoint_io.load_checkpoint(tmp_path / "a.ckpt", map_location=map_location)["state_dict"]
     assert {name: tensor.device.type for name, tensor in loaded.items()} == {"sparse": expected, "dense": expected}
-    assert torch.equal(loaded["sparse"].cpu(), sparse.cpu()) and torch.equal(loaded["dense"].cpu(), checkpoint["state_dict"]["dense"].cpu())
+    assert torch.equal(loaded["sparse"].cpu(), sparse.cpu()) and torch.equal(
+        loaded["dense"].cpu(), checkpoint["state_dict"]["dense"].cpu()
+    )

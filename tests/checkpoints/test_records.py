@@ -16,10 +16,15 @@ def test_record_and_check():
     assert records(checkpoint)["Lora"] == {"format": "adapters-only", "version": 2, "needs": "Lora", "r": 4}
     check(checkpoint, {"Opt": None, "Lora": None})
     check(checkpoint, {"Lora": None}, stage="validate")  # the optimizer record matters to fit only
-    with pytest.raises(CheckpointMismatchError, match=r"written with Opt \(format 'adamw8bit', version 1\), which the "
-                                                      r"loading side lacks: add callbacks=\[Opt\('adamw8bit'\)\]\."):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"written with Opt \(format 'adamw8bit', version 1\), which the "
+        r"loading side lacks: add callbacks=\[Opt\('adamw8bit'\)\]\.",
+    ):
         check(checkpoint, {"Lora": None}, stage="fit")
-    with pytest.raises(CheckpointMismatchError, match=r"written with Lora \(format 'adapters-only', version 2\): too new"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"written with Lora \(format 'adapters-only', version 2\): too new"
+    ):
         check(checkpoint, {"Opt": None, "Lora": lambda entry: "too new" if entry["version"] > 1 else None})
     check({}, {})  # a checkpoint without records: nothing to check
     with pytest.raises(TypeError, match=r"`format` must be a non-empty string, got ''"):

@@ -27,9 +27,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def tiny_settings(*_: object, **__: object) -> demo.DemoSettings:
     return demo.DemoSettings(
-        quick=True, charlm_steps=6, digits_epochs=1, bf16_short=True, bf16_reason="forced by the test",
-        charlm_model=dict(n_layer=2, n_head=2, n_embd=64, block_size=32), charlm_batch_size=8,
-        charlm_chars=60_000, val_batches=2,
+        quick=True,
+        charlm_steps=6,
+        digits_epochs=1,
+        bf16_short=True,
+        bf16_reason="forced by the test",
+        charlm_model=dict(n_layer=2, n_head=2, n_embd=64, block_size=32),
+        charlm_batch_size=8,
+        charlm_chars=60_000,
+        val_batches=2,
     )
 
 
@@ -97,8 +103,15 @@ def test_step_progress_counts_steps_across_epochs(capsys):
 
     progress = StepProgress("1/1 digits")
     assert not progress.interactive  # pytest's stderr is not a terminal: plain lines
-    trainer = L.Trainer(max_epochs=2, limit_train_batches=4, limit_val_batches=0, callbacks=[progress], logger=False,
-                        enable_checkpointing=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_epochs=2,
+        limit_train_batches=4,
+        limit_val_batches=0,
+        callbacks=[progress],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     trainer.fit(DigitsClassifier(arch="mlp", hidden=16), DigitsDataModule(batch_size=64))
     lines = [line.split("(")[0].strip() for line in capsys.readouterr().out.splitlines() if "step " in line]
     assert lines == ["step 2/8", "step 4/8", "step 6/8", "step 8/8"]  # 8 = 2 epochs x 4 batches, not "Epoch 1"
@@ -138,7 +151,9 @@ def test_one_signal_stops_the_whole_demo_and_keeps_finished_runs(signum, tmp_pat
     script = SIGNAL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     stderr = (tmp_path / "stderr.txt").open("w")  # a file: an unread pipe could fill up and block the demo
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+    )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True)
     reader.start()

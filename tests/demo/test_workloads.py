@@ -32,7 +32,11 @@ def test_digits_split_sizes():
 
 
 def test_models_shapes_and_bad_input():
-    assert CharLM(n_layer=1, n_embd=32, n_head=2, block_size=8)(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 256)
+    assert CharLM(n_layer=1, n_embd=32, n_head=2, block_size=8)(torch.zeros(2, 8, dtype=torch.long)).shape == (
+        2,
+        8,
+        256,
+    )
     assert DigitsClassifier(arch="cnn", hidden=8)(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
     with pytest.raises(ValueError, match=r"`n_embd`=30 must be divisible by `n_head`=4"):
         GPTConfig(n_embd=30, n_head=4)

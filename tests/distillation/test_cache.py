@@ -59,7 +59,9 @@ def test_stale_cache_is_refused(tmp_path):
     build_teacher_cache(teacher(), dataset(40), tmp_path / "c.npy")
     with pytest.raises(StaleCacheError, match=r"stale teacher cache .*built for 40 samples, the training set has 30"):
         TeacherCache.load(tmp_path / "c.npy", dataset(30))
-    with pytest.raises(StaleCacheError, match=r"stale teacher cache .*fingerprint .* differs .*same size, different samples"):
+    with pytest.raises(
+        StaleCacheError, match=r"stale teacher cache .*fingerprint .* differs .*same size, different samples"
+    ):
         TeacherCache.load(tmp_path / "c.npy", dataset(40, seed=1))
 
 

@@ -23,10 +23,16 @@ from tests.hf_zoo import constant_bytes, hf_batch, hf_data  # noqa: E402
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*self.log.*")
 
-SMALL = {"gpt2": dict(n_embd=32, n_layer=1), "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1),
-         "bert": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)}
-NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {},
-              "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)}  # so calls can be compared
+SMALL = {
+    "gpt2": dict(n_embd=32, n_layer=1),
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1),
+    "bert": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1),
+}
+NO_DROPOUT = {
+    "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama": {},
+    "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+}  # so calls can be compared
 
 
 def teacher_and_student(teacher_family: str, student_family: str) -> tuple[nn.Module, nn.Module]:
@@ -39,8 +45,10 @@ def teacher_and_student(teacher_family: str, student_family: str) -> tuple[nn.Mo
 def loaders(family: str, train: int = 12, val: int = 8) -> tuple[DataLoader, DataLoader]:
     data = hf_data(family, seq_len=16, batch_size=4)
     data.setup("fit")
-    return (DataLoader(Subset(data.train_set, range(train)), batch_size=4, shuffle=True),
-            DataLoader(Subset(data.val_set, range(val)), batch_size=4))
+    return (
+        DataLoader(Subset(data.train_set, range(train)), batch_size=4, shuffle=True),
+        DataLoader(Subset(data.val_set, range(val)), batch_size=4),
+    )
 
 
 @pytest.mark.parametrize("student_family", ["gpt2", "llama"])
@@ -123,8 +131,11 @@ def test_dict_cache_matches_the_live_teacher_and_releases_it(tmp_path, tiny_trai
 
 def test_cache_refuses_samples_of_different_lengths(tmp_path):
     samples = [{"input_ids": torch.arange(n), "attention_mask": torch.ones(n, dtype=torch.long)} for n in (8, 8, 6)]
-    with pytest.raises(ValueError, match=r"samples of one shape: sample 0 is dict\(input_ids: \(8,\) int64.*sample 2 is "
-                                         r"dict\(input_ids: \(6,\) int64.*pad every sample to one length"):
+    with pytest.raises(
+        ValueError,
+        match=r"samples of one shape: sample 0 is dict\(input_ids: \(8,\) int64.*sample 2 is "
+        r"dict\(input_ids: \(6,\) int64.*pad every sample to one length",
+    ):
         build_teacher_cache(build_hf_model("gpt2"), samples, tmp_path / "c.npy")
 
 
@@ -139,7 +150,11 @@ def test_call_model_and_batch_targets_map_a_custom_batch(tiny_trainer_kwargs):
         def batch_targets(self, batch, logits, output=None):
             return None, batch["keep"].bool()
 
-    data = [{"tokens": b["input_ids"][i], "keep": b["attention_mask"][i]} for b in [hf_batch("gpt2", 16, 8)] for i in range(8)]
+    data = [
+        {"tokens": b["input_ids"][i], "keep": b["attention_mask"][i]}
+        for b in [hf_batch("gpt2", 16, 8)]
+        for i in range(8)
+    ]
     teacher, student = teacher_and_student("gpt2", "llama")
     module = CustomBatches(student, teacher, alpha=1.0)
     trainer = L.Trainer(**{**tiny_trainer_kwargs, "max_steps": 2, "limit_val_batches": 0})
@@ -149,8 +164,11 @@ def test_call_model_and_batch_targets_map_a_custom_batch(tiny_trainer_kwargs):
 
 def test_a_batch_the_model_cannot_take_names_call_model():
     module = DistillationModule(nn.Linear(16, 264), build_hf_model("gpt2"))
-    with pytest.raises(BatchCallError, match=r"could not call Linear.forward.*override `call_model\(self, model, batch, "
-                                             r"role\)` to call the student \(Linear\)"):
+    with pytest.raises(
+        BatchCallError,
+        match=r"could not call Linear.forward.*override `call_model\(self, model, batch, "
+        r"role\)` to call the student \(Linear\)",
+    ):
         module.training_step(hf_batch("gpt2", 16), 0)
 
 
@@ -161,8 +179,11 @@ def test_hint_layers_on_conv1d_and_close_names():
     assert (adapter.in_features, adapter.out_features) == (128, 256)
     loss = module.training_step(hf_batch("gpt2", 16), 0)
     assert torch.isfinite(loss)
-    with pytest.raises(ValueError, match=r"hint layer 'transformer.h.0.mlp.fc' does not exist in the student; close "
-                                         r"names: \[.*'transformer.h.0.mlp.c_fc'"):
+    with pytest.raises(
+        ValueError,
+        match=r"hint layer 'transformer.h.0.mlp.fc' does not exist in the student; close "
+        r"names: \[.*'transformer.h.0.mlp.c_fc'",
+    ):
         DistillationModule(student, teacher, hint_layers={"transformer.h.0.mlp.fc": "transformer.h.0.mlp.c_fc"})
 
 
@@ -230,14 +251,20 @@ def test_chunked_cross_entropy_distils_to_the_same_weights_without_the_students_
     no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "vocab_size": 4096}
     results = []
     for chunked in (False, True):
-        module = DistillationModule(student=hf_zoo.hf_module("gpt2", n_embd=32, **no_dropout).model,
-                                    teacher=hf_zoo.hf_module("gpt2", seed=1, **no_dropout).model, alpha=alpha)  # fmt: skip
+        module = DistillationModule(
+            student=hf_zoo.hf_module("gpt2", n_embd=32, **no_dropout).model,
+            teacher=hf_zoo.hf_module("gpt2", seed=1, **no_dropout).model,
+            alpha=alpha,
+        )
         monitor = MemoryMonitor(summary=False)
         callbacks = [MemoryEfficientOptimizer("sgd", lr=0.5), monitor, *([ChunkedCrossEntropy()] if chunked else [])]
-        trainer = L.Trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, callbacks=callbacks,
-                            **tiny_trainer_kwargs)  # fmt: skip
+        trainer = L.Trainer(
+            max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, callbacks=callbacks, **tiny_trainer_kwargs
+        )
         trainer.fit(module, hf_zoo.hf_data("gpt2", seq_len=64, batch_size=4))
-        results.append(({n: p.detach().clone() for n, p in module.student.named_parameters()}, monitor.last_report.peak_bytes))
+        results.append(
+            ({n: p.detach().clone() for n, p in module.student.named_parameters()}, monitor.last_report.peak_bytes)
+        )
     (plain, plain_peak), (ours, chunked_peak) = results
     for name, reference in plain.items():
         torch.testing.assert_close(ours[name], reference, rtol=1e-4, atol=1e-6, msg=name)

@@ -90,7 +90,10 @@ def test_shape_mismatch_names_both_shapes():
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"temperature": 0.0}, r"`temperature` must be > 0, got 0.0"), ({"alpha": 1.5}, r"`alpha` must be in \[0, 1\].*1.5")],
+    [
+        ({"temperature": 0.0}, r"`temperature` must be > 0, got 0.0"),
+        ({"alpha": 1.5}, r"`alpha` must be in \[0, 1\].*1.5"),
+    ],
 )
 def test_bad_kd_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -128,7 +131,9 @@ def test_unknown_hint_layer_lists_close_names():
     model = nn.Sequential()
     model.add_module("encoder_fc1", nn.Linear(2, 2))
     model.add_module("encoder_fc2", nn.Linear(2, 2))
-    with pytest.raises(ValueError, match=r"'encoder_fc3' does not exist in the student; close names: \[.*'encoder_fc1'.*\]"):
+    with pytest.raises(
+        ValueError, match=r"'encoder_fc3' does not exist in the student; close names: \[.*'encoder_fc1'.*\]"
+    ):
         find_module(model, "encoder_fc3", "student")
 
 
@@ -162,6 +167,8 @@ def test_kd_loss_mask_selects_positions_in_both_terms():
     torch.testing.assert_close(kd_loss(student, teacher, targets, temperature=2.0, alpha=0.5, mask=mask), kept)
     hard = torch.tensor(3.0)
     soft = kd_loss(student, teacher, targets, alpha=1.0, mask=mask)
-    torch.testing.assert_close(kd_loss(student, teacher, None, alpha=0.25, mask=mask, hard_loss=hard), 0.25 * soft + 0.75 * hard)
+    torch.testing.assert_close(
+        kd_loss(student, teacher, None, alpha=0.25, mask=mask, hard_loss=hard), 0.25 * soft + 0.75 * hard
+    )
     with pytest.raises(ValueError, match=r"`mask` shape \(2, 4\) does not match the positions \(2, 5\)"):
         kd_loss(student, teacher, targets, mask=mask[:, :4])

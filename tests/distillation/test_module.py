@@ -105,7 +105,9 @@ def test_lightning_teacher_from_checkpoint(tmp_path, tiny_trainer_kwargs):
     trainer = L.Trainer(max_steps=1, **tiny_trainer_kwargs)
     trainer.strategy.connect(trained)
     trainer.save_checkpoint(tmp_path / "teacher.ckpt")
-    module = DistillationModule(digits_mlp(16, 1), DigitsClassifier(hidden=32, depth=1), teacher_checkpoint=str(tmp_path / "teacher.ckpt"))
+    module = DistillationModule(
+        digits_mlp(16, 1), DigitsClassifier(hidden=32, depth=1), teacher_checkpoint=str(tmp_path / "teacher.ckpt")
+    )
     x = torch.rand(3, 1, 8, 8)
     torch.testing.assert_close(module.teacher_logits(x), trained(x))
 
@@ -164,7 +166,9 @@ def test_missing_teacher():
 
 def test_unmatchable_output_shapes_name_both(tiny_mlp, tiny_trainer_kwargs):
     module = DistillationModule(tiny_mlp, Wide(classes=6))
-    with pytest.raises(ValueError, match=r"student output shape \(16, 4\) cannot be matched to teacher output shape \(16, 6\)"):
+    with pytest.raises(
+        ValueError, match=r"student output shape \(16, 4\) cannot be matched to teacher output shape \(16, 6\)"
+    ):
         fit(module, tiny_trainer_kwargs, steps=1, num_sanity_val_steps=0)
 
 
@@ -176,13 +180,21 @@ def test_unknown_hint_layer_lists_close_names(tiny_mlp):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"teacher_precision": "fp8"}, ValueError, r"`teacher_precision`='fp8' is unknown; choose from \['32', 'bf16', 'int8'\]"),
+        (
+            {"teacher_precision": "fp8"},
+            ValueError,
+            r"`teacher_precision`='fp8' is unknown; choose from \['32', 'bf16', 'int8'\]",
+        ),
         ({"temperature": -1.0}, ValueError, r"`temperature` must be > 0, got -1.0"),
         ({"alpha": 2.0}, ValueError, r"`alpha` must be in \[0, 1\].*got 2.0"),
         ({"loss": "unknown"}, ValueError, r"`loss`='unknown' is not registered"),
         ({"teacher": 3}, TypeError, r"`teacher` must be an nn.Module or a callable returning one, got int"),
         ({"hint_layers": {"fc1": "fc1"}, "teacher_cache": "x.npy"}, ValueError, r"`hint_layers` need the live teacher"),
-        ({"cache_top_k": 0, "teacher_cache": "x.npy"}, ValueError, r"`cache_top_k` must be a positive int or None, got 0"),
+        (
+            {"cache_top_k": 0, "teacher_cache": "x.npy"},
+            ValueError,
+            r"`cache_top_k` must be a positive int or None, got 0",
+        ),
     ],
 )
 def test_bad_arguments(tiny_mlp, kwargs, error, match):
@@ -206,8 +218,10 @@ class _SaveStudent(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         state = {k: v.clone() for k, v in pl_module.student.state_dict().items()}
-        torch.save({"student": state, "teacher_held": pl_module.teacher is not None},
-                   f"{self.directory}/rank{trainer.global_rank}.pt")
+        torch.save(
+            {"student": state, "teacher_held": pl_module.teacher is not None},
+            f"{self.directory}/rank{trainer.global_rank}.pt",
+        )
 
 
 def test_ddp_two_cpu_processes_with_cached_teacher(tmp_path):
@@ -217,8 +231,15 @@ def test_ddp_two_cpu_processes_with_cached_teacher(tmp_path):
     options = {"teacher_cache": str(tmp_path / "cache.npy")} if cached else {}
     module = DistillationModule(nn.Linear(16, 4), Wide(), **options)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[_SaveStudent(str(tmp_path))],
     )
     trainer.fit(module, loaders()[0])
@@ -251,6 +272,8 @@ def test_teacher_from_a_compressed_checkpoint(tmp_path, tiny_trainer_kwargs):
     trainer = L.Trainer(max_steps=1, plugins=[CompressedCheckpointIO()], **tiny_trainer_kwargs)
     trainer.strategy.connect(trained)
     trainer.save_checkpoint(tmp_path / "teacher.ckpt")
-    module = DistillationModule(digits_mlp(16, 1), DigitsClassifier(hidden=32, depth=1), teacher_checkpoint=str(tmp_path / "teacher.ckpt"))
+    module = DistillationModule(
+        digits_mlp(16, 1), DigitsClassifier(hidden=32, depth=1), teacher_checkpoint=str(tmp_path / "teacher.ckpt")
+    )
     x = torch.rand(3, 1, 8, 8)
     torch.testing.assert_close(module.teacher_logits(x), trained(x))

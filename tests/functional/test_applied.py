@@ -31,12 +31,19 @@ def test_apply_then_undo_gives_the_module_back_exactly():
 
     model = CharLM(n_layer=2, n_embd=32, n_head=2, block_size=16)
     before = _snapshot(model)
-    config = TrainingConfig(activation_checkpointing="auto", activation_compression="int8", compression_min_bytes=0,
-                            lora={"r": 4, "target": ["c_attn", "c_proj"]}, optimizer="sgd")  # fmt: skip
+    config = TrainingConfig(
+        activation_checkpointing="auto",
+        activation_compression="int8",
+        compression_min_bytes=0,
+        lora={"r": 4, "target": ["c_attn", "c_proj"]},
+        optimizer="sgd",
+    )
     applied = apply(model, config)
     assert applied.checkpointed == ["model.h.0", "model.h.1"]
     assert applied.lora.wrapped and sorted(type(m).__name__ for m in model.modules()).count("LoraLinear") == 6
-    assert _snapshot(model)[1] != before[1] and [n for n, p in model.named_parameters() if p.requires_grad][0].endswith("lora_A")
+    assert _snapshot(model)[1] != before[1] and [n for n, p in model.named_parameters() if p.requires_grad][0].endswith(
+        "lora_A"
+    )
 
     optimizer = applied.build_optimizer()  # the config's optimizer over the adapters only
     assert type(optimizer).__name__ == "SGD" and len(optimizer.param_groups[0]["params"]) == 12

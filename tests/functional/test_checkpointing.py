@@ -187,7 +187,9 @@ def test_keyword_arguments_pass_through():
 
 def test_policy_matching_nothing_is_an_error_listing_the_classes():
     model = _gpt()
-    with pytest.raises(ValueError, match=r"'Blok' matched no submodule of CharGPT\. Did you mean 'Block'\? .*classes.*Block"):
+    with pytest.raises(
+        ValueError, match=r"'Blok' matched no submodule of CharGPT\. Did you mean 'Block'\? .*classes.*Block"
+    ):
         checkpoint_(model, "Blok")
     with pytest.raises(ValueError, match="Conv2d matched no submodule"):
         checkpoint_(model, nn.Conv2d)

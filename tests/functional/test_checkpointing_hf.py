@@ -89,7 +89,9 @@ def test_a_fit_that_raises_hands_the_model_back_as_it_came(callback, tiny_traine
 def test_checkpointing_a_model_that_checkpoints_itself_warns(tiny_trainer_kwargs):
     module = hf_zoo.hf_module("llama")
     module.model.gradient_checkpointing_enable()
-    trainer = L.Trainer(max_steps=1, limit_val_batches=0, callbacks=[ActivationCheckpointing("auto")], **tiny_trainer_kwargs)
+    trainer = L.Trainer(
+        max_steps=1, limit_val_batches=0, callbacks=[ActivationCheckpointing("auto")], **tiny_trainer_kwargs
+    )
     with pytest.warns(LowMemWarning, match=r"already checkpoints its layers .*gradient_checkpointing_enable"):
         trainer.fit(module, hf_zoo.hf_data("llama"))
 

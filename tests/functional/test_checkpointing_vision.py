@@ -56,8 +56,10 @@ def test_auto_wraps_the_encoder_and_the_decoder_of_nn_transformer(caplog):
     with caplog.at_level(logging.INFO, logger="lightning_lowmem.functional.checkpointing"):
         wrapped = checkpoint_(model, "auto").wrapped
     assert wrapped == [f"transformer.{part}.layers.{i}" for part in ("encoder", "decoder") for i in (0, 1)]
-    assert "wrapped 2 x TransformerEncoderLayer (transformer.encoder.layers.0, transformer.encoder.layers.1), " \
-        "2 x TransformerDecoderLayer" in caplog.text  # fmt: skip
+    assert (
+        "wrapped 2 x TransformerEncoderLayer (transformer.encoder.layers.0, transformer.encoder.layers.1), "
+        "2 x TransformerDecoderLayer" in caplog.text
+    )
 
 
 def test_auto_takes_a_sequential_of_sequential_blocks_and_refuses_a_flat_one():

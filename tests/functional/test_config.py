@@ -20,28 +20,88 @@ from lightning_lowmem.functional.config import (
 @pytest.mark.parametrize(
     ("build", "error", "match"),
     [
-        (lambda: PrecisionConfig("bf16"), ValueError, r"`precision`='bf16' is not a known preset; choose one of .*Did you mean 'bf16-true'\?"),
+        (
+            lambda: PrecisionConfig("bf16"),
+            ValueError,
+            r"`precision`='bf16' is not a known preset; choose one of .*Did you mean 'bf16-true'\?",
+        ),
         (lambda: CheckpointingConfig(0), ValueError, r"`policy`=0 must be >= 1"),
-        (lambda: CheckpointingConfig("auto", nested="yes"), TypeError, r"`nested` must be True or False, got str: 'yes'"),
-        (lambda: CompressionConfig("int4"), ValueError, r"`mode`='int4' is unknown; choose one of \['bf16', 'int8', 'cpu'\].*Did you mean 'int8'\?"),
+        (
+            lambda: CheckpointingConfig("auto", nested="yes"),
+            TypeError,
+            r"`nested` must be True or False, got str: 'yes'",
+        ),
+        (
+            lambda: CompressionConfig("int4"),
+            ValueError,
+            r"`mode`='int4' is unknown; choose one of \['bf16', 'int8', 'cpu'\].*Did you mean 'int8'\?",
+        ),
         (lambda: CompressionConfig("int8", min_bytes=-1), ValueError, r"`min_bytes`=-1 must be >= 0"),
-        (lambda: CompressionConfig("int8", min_bytes="64KiB"), TypeError, r"`min_bytes` must be an int \(bytes\), got str"),
-        (lambda: OptimizerConfig("adamw_8bit"), ValueError, r"`optimizer`='adamw_8bit' is unknown; choose one of .*did you mean 'adamw8bit'\?"),
-        (lambda: OptimizerConfig("adamw8bit", betaz=(0.9, 0.99)), ValueError, r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\?"),
-        (lambda: OptimizerConfig("adamw", betas=[0.9, 1.5]), ValueError, r"`betas` must be two numbers in \[0, 1\), e.g. \[0.9, 0.999\], got \(0.9, 1.5\)"),
-        (lambda: OptimizerConfig("adamw", {"lr": 0.1}, lr=0.2), ValueError, r"`lr` is given twice \(0.1 in optimizer_kwargs, 0.2\)"),
-        (lambda: OptimizerConfig("sgd", momentum=0.0, nesterov=True), ValueError, r"OptimizerConfig\('sgd'\) refuses .*Nesterov"),
-        (lambda: OptimizerConfig("adamw", [("lr", 1)]), ValueError, r"`optimizer_kwargs`=\[\('lr', 1\)\] must be a mapping"),
+        (
+            lambda: CompressionConfig("int8", min_bytes="64KiB"),
+            TypeError,
+            r"`min_bytes` must be an int \(bytes\), got str",
+        ),
+        (
+            lambda: OptimizerConfig("adamw_8bit"),
+            ValueError,
+            r"`optimizer`='adamw_8bit' is unknown; choose one of .*did you mean 'adamw8bit'\?",
+        ),
+        (
+            lambda: OptimizerConfig("adamw8bit", betaz=(0.9, 0.99)),
+            ValueError,
+            r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\?",
+        ),
+        (
+            lambda: OptimizerConfig("adamw", betas=[0.9, 1.5]),
+            ValueError,
+            r"`betas` must be two numbers in \[0, 1\), e.g. \[0.9, 0.999\], got \(0.9, 1.5\)",
+        ),
+        (
+            lambda: OptimizerConfig("adamw", {"lr": 0.1}, lr=0.2),
+            ValueError,
+            r"`lr` is given twice \(0.1 in optimizer_kwargs, 0.2\)",
+        ),
+        (
+            lambda: OptimizerConfig("sgd", momentum=0.0, nesterov=True),
+            ValueError,
+            r"OptimizerConfig\('sgd'\) refuses .*Nesterov",
+        ),
+        (
+            lambda: OptimizerConfig("adamw", [("lr", 1)]),
+            ValueError,
+            r"`optimizer_kwargs`=\[\('lr', 1\)\] must be a mapping",
+        ),
         (lambda: MicrobatchConfig(0), ValueError, r"`micro_batch_size` must be a positive int or None, got 0"),
         (lambda: MicrobatchConfig(True), ValueError, r"`micro_batch_size` must be a positive int or None, got True"),
         (lambda: LoRAConfig(r=0), ValueError, r"`r` \(adapter rank\) must be an int > 0, got 0"),
         (lambda: LoRAConfig(quantize_base="fp4"), ValueError, r"`quantize_base` must be one of .*got 'fp4'"),
         (lambda: LoRAConfig(target=[]), ValueError, r"`target` must be a non-empty list"),
-        (lambda: LoRAConfig(quantize_frozen=True), ValueError, r"`quantize_frozen`=True must be a bool and needs `quantize_base`"),
-        (lambda: QuantizationConfig("int9_weight_only"), ValueError, r"`mode`='int9_weight_only' is not a known quantization mode.*Did you mean 'int8_weight_only'\?"),
-        (lambda: QuantizationConfig(8), TypeError, r"`quantization` must be a mode name or a torchao config object.*got int: 8"),
-        (lambda: QuantizationConfig("int8_weight_only", group_size=0), ValueError, r"`group_size` must be a positive int \(e.g. 32, 64, 128\), got 0"),
-        (lambda: ShardingConfig("fdsp"), ValueError, r"`sharding`='fdsp' is unknown; choose None, 'ddp', 'zero1' or 'fsdp'. Did you mean 'fsdp'\?"),
+        (
+            lambda: LoRAConfig(quantize_frozen=True),
+            ValueError,
+            r"`quantize_frozen`=True must be a bool and needs `quantize_base`",
+        ),
+        (
+            lambda: QuantizationConfig("int9_weight_only"),
+            ValueError,
+            r"`mode`='int9_weight_only' is not a known quantization mode.*Did you mean 'int8_weight_only'\?",
+        ),
+        (
+            lambda: QuantizationConfig(8),
+            TypeError,
+            r"`quantization` must be a mode name or a torchao config object.*got int: 8",
+        ),
+        (
+            lambda: QuantizationConfig("int8_weight_only", group_size=0),
+            ValueError,
+            r"`group_size` must be a positive int \(e.g. 32, 64, 128\), got 0",
+        ),
+        (
+            lambda: ShardingConfig("fdsp"),
+            ValueError,
+            r"`sharding`='fdsp' is unknown; choose None, 'ddp', 'zero1' or 'fsdp'. Did you mean 'fsdp'\?",
+        ),
         (lambda: ShardingConfig("fsdp", world_size=0), ValueError, r"`world_size`=0 must be an int >= 1"),
     ],
 )
@@ -55,14 +115,34 @@ def test_each_config_refuses_bad_input(build, error, match):
     [
         # a shorthand's error names the argument the user wrote
         ({"activation_compression": "zip"}, ValueError, r"`activation_compression`='zip' is unknown"),
-        ({"activation_compression": "int8", "compression_min_bytes": -1}, ValueError, r"`compression_min_bytes`=-1 must be >= 0"),
+        (
+            {"activation_compression": "int8", "compression_min_bytes": -1},
+            ValueError,
+            r"`compression_min_bytes`=-1 must be >= 0",
+        ),
         ({"activation_checkpointing": 0}, ValueError, r"`activation_checkpointing`=0 must be >= 1"),
-        ({"activation_checkpointing": "auto", "nested_checkpointing": 1}, TypeError, r"`nested_checkpointing` must be True or False"),
+        (
+            {"activation_checkpointing": "auto", "nested_checkpointing": 1},
+            TypeError,
+            r"`nested_checkpointing` must be True or False",
+        ),
         ({"nested_checkpointing": True}, ValueError, r"`nested_checkpointing`=True needs `activation_checkpointing`"),
-        ({"micro_batch_size": 4, "microbatch": 2}, ValueError, r"`micro_batch_size`=4 and `microbatch`=2 set the same technique"),
-        ({"optimizer": None, "optimizer_kwargs": {"lr": 1}}, ValueError, r"`optimizer_kwargs`=\{'lr': 1\} needs `optimizer` as a name"),
+        (
+            {"micro_batch_size": 4, "microbatch": 2},
+            ValueError,
+            r"`micro_batch_size`=4 and `microbatch`=2 set the same technique",
+        ),
+        (
+            {"optimizer": None, "optimizer_kwargs": {"lr": 1}},
+            ValueError,
+            r"`optimizer_kwargs`=\{'lr': 1\} needs `optimizer` as a name",
+        ),
         ({"lora": "r8"}, TypeError, r"`lora`='r8' must be a LoRAConfig, a mapping of apply_lora_ arguments"),
-        ({"sharding": ShardingConfig("fsdp", 8), "world_size": 4}, ValueError, r"`world_size`=4 disagrees with `sharding`"),
+        (
+            {"sharding": ShardingConfig("fsdp", 8), "world_size": 4},
+            ValueError,
+            r"`world_size`=4 disagrees with `sharding`",
+        ),
     ],
 )
 def test_training_config_shorthands_refuse_bad_input(kwargs, error, match):
@@ -72,10 +152,16 @@ def test_training_config_shorthands_refuse_bad_input(kwargs, error, match):
 
 def test_shorthands_build_the_per_technique_configs_and_compare_by_value():
     config = TrainingConfig(
-        precision="bf16-true", activation_checkpointing=["Block", "*.attn"], nested_checkpointing=True,
-        activation_compression="int8", compression_min_bytes=0, optimizer="AdamW8bit",
-        optimizer_kwargs={"betas": [0.9, 0.99]}, micro_batch_size=4, lora={"r": 4, "target": ["c_attn"]},
-    )  # fmt: skip
+        precision="bf16-true",
+        activation_checkpointing=["Block", "*.attn"],
+        nested_checkpointing=True,
+        activation_compression="int8",
+        compression_min_bytes=0,
+        optimizer="AdamW8bit",
+        optimizer_kwargs={"betas": [0.9, 0.99]},
+        micro_batch_size=4,
+        lora={"r": 4, "target": ["c_attn"]},
+    )
     assert config.precision == PrecisionConfig("bf16-true") and config.precision.true_dtype is not None
     assert config.checkpointing == CheckpointingConfig(("Block", "*.attn"), nested=True)
     assert config.compression == CompressionConfig("int8", min_bytes=0)

@@ -39,15 +39,18 @@ def _grads(loss, tensors, grad_output):
 def test_loss_and_gradients_equal_the_unchunked_expression(reduction, smoothing, bias):
     h, w, b, targets = _inputs(bias=bias)
     loss = linear_cross_entropy(h, w, targets, bias=b, reduction=reduction, label_smoothing=smoothing, chunk_size=7)
-    reference = F.cross_entropy(F.linear(h, w, b).flatten(0, 1), targets.flatten(), reduction=reduction,
-                                label_smoothing=smoothing)  # fmt: skip
+    reference = F.cross_entropy(
+        F.linear(h, w, b).flatten(0, 1), targets.flatten(), reduction=reduction, label_smoothing=smoothing
+    )
     if reduction == "none":
         reference = reference.view(targets.shape)
         assert loss.view(-1)[:5].abs().max() == 0  # ignored targets add nothing
     grad_output = torch.randn_like(reference) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
     assert loss.shape == reference.shape
     torch.testing.assert_close(loss, reference, rtol=1e-12, atol=1e-12)
-    for ours, theirs in zip(_grads(loss, (h, w, b), grad_output), _grads(reference, (h, w, b), grad_output), strict=True):
+    for ours, theirs in zip(
+        _grads(loss, (h, w, b), grad_output), _grads(reference, (h, w, b), grad_output), strict=True
+    ):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
 
 
@@ -75,13 +78,19 @@ def test_bf16_gradients_as_accurate_as_the_unchunked_bf16_step(mode):
     """fp32 loss and fp32 accumulation: no less accurate (vs float64) than the unchunked bf16 expression."""
     h0, w0, _, targets = _inputs(dtype=torch.float32, tokens=(300,), hidden=64, vocab=5000)
     exact_h, exact_w = h0.detach().double().requires_grad_(), w0.detach().double().requires_grad_()
-    exact = _grads(F.cross_entropy(exact_h @ exact_w.T, targets), (exact_h, exact_w), torch.tensor(1.0, dtype=torch.float64))
+    exact = _grads(
+        F.cross_entropy(exact_h @ exact_w.T, targets), (exact_h, exact_w), torch.tensor(1.0, dtype=torch.float64)
+    )
 
     def run(chunked: bool):
         cast = (lambda t: t.detach().bfloat16()) if mode == "bf16 inputs" else (lambda t: t.detach().clone())
         h, w = cast(h0).requires_grad_(), cast(w0).requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16 autocast"):
-            loss = linear_cross_entropy(h, w, targets, chunk_size=64) if chunked else F.cross_entropy((h @ w.T).float(), targets)
+            loss = (
+                linear_cross_entropy(h, w, targets, chunk_size=64)
+                if chunked
+                else F.cross_entropy((h @ w.T).float(), targets)
+            )
         assert loss.dtype == torch.float32
         grads = _grads(loss, (h, w), torch.tensor(1.0))
         assert grads[1].dtype == w.dtype
@@ -187,8 +196,12 @@ def test_deferred_logits_used_as_a_tensor_name_the_one_line_change():
     chunk_cross_entropy_(model)
     logits = model(ids)
     assert logits.shape == (2, 9, 50)
-    for use in (lambda: logits.argmax(-1), lambda: F.cross_entropy(logits, ids), lambda: logits[..., 3],
-                lambda: torch.softmax(logits, -1)):  # fmt: skip
+    for use in (
+        lambda: logits.argmax(-1),
+        lambda: F.cross_entropy(logits, ids),
+        lambda: logits[..., 3],
+        lambda: torch.softmax(logits, -1),
+    ):
         with pytest.raises(LogitsNotComputedError, match=r"chunked_cross_entropy\(logits, targets\)"):
             use()
 

@@ -15,8 +15,12 @@ from lightning_lowmem.planning.estimate import _train_step
 def _batch() -> dict:
     """A dict batch with a ragged key: token rows, a 0-dim scalar and per-sample strings of different lengths."""
     generator = torch.Generator().manual_seed(0)
-    return {"x": torch.randn(5, 4, generator=generator), "y": torch.randn(5, 1, generator=generator),
-            "temperature": torch.tensor(0.5), "names": ["a", "bb", "ccc", "dddd", "eeeee"]}  # fmt: skip
+    return {
+        "x": torch.randn(5, 4, generator=generator),
+        "y": torch.randn(5, 1, generator=generator),
+        "temperature": torch.tensor(0.5),
+        "names": ["a", "bb", "ccc", "dddd", "eeeee"],
+    }
 
 
 def _loss(module: nn.Module, batch: dict) -> torch.Tensor:
@@ -60,8 +64,15 @@ def test_auto_microbatch_and_the_estimator_produce_the_same_micro_batches(monkey
     from_callback, calls[:] = list(calls), []
 
     layer = nn.Linear(4, 1)
-    _train_step(layer, _batch(), lambda m, b: _loss(m, b), torch.optim.SGD(layer.parameters(), lr=0.1),
-                TrainingConfig(micro_batch_size=2), None, loop="torch")  # fmt: skip
+    _train_step(
+        layer,
+        _batch(),
+        lambda m, b: _loss(m, b),
+        torch.optim.SGD(layer.parameters(), lr=0.1),
+        TrainingConfig(micro_batch_size=2),
+        None,
+        loop="torch",
+    )
     from_estimator = list(calls)
 
     assert [span for span, _ in from_callback] == [(0, 2), (2, 4), (4, 5)]  # failed before: two splitters

@@ -14,7 +14,9 @@ from lightning_lowmem.functional.pruning.masks import apply_masks_
 from lightning_lowmem.warnings import NoEffectWarning
 from tests.vision_zoo import mha_classifier, token_batch, transformer_seq2seq
 
-OUT_PROJ = r"left out 'encoder\.layers\.0\.self_attn\.out_proj', 'encoder\.layers\.1\.self_attn\.out_proj': the out_proj"
+OUT_PROJ = (
+    r"left out 'encoder\.layers\.0\.self_attn\.out_proj', 'encoder\.layers\.1\.self_attn\.out_proj': the out_proj"
+)
 
 
 def _train(model, steps=2):

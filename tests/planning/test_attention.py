@@ -29,8 +29,13 @@ def _hf(family: str, length: int, batch_size: int = 1, padded: bool = False, **o
     if family == "gpt2":
         config = dict(n_embd=128, n_layer=2, n_head=8, n_positions=length, attn_pdrop=0.0)
     else:
-        config = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-                      max_position_embeddings=length)  # fmt: skip
+        config = dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            max_position_embeddings=length,
+        )
         if family == "llama":
             config["num_key_value_heads"] = 8
         if family == "bert":  # dropout in attention runs the math path on CPU (as measured, but slow to measure)

@@ -97,7 +97,14 @@ def test_lowmem_estimate_reports_an_estimation_error_in_one_line(monkeypatch, ca
 
     monkeypatch.setattr(estimate, "estimate_memory", fails)
     monkeypatch.setattr(plan, "plan_memory", fails)
-    args = ["--model", "lightning_lowmem.demo.CharLM", "--data", "lightning_lowmem.demo.CharLMDataModule", "--device", "cpu"]
+    args = [
+        "--model",
+        "lightning_lowmem.demo.CharLM",
+        "--data",
+        "lightning_lowmem.demo.CharLMDataModule",
+        "--device",
+        "cpu",
+    ]
     for extra in ([], ["--budget", "1GiB"]):
         assert main(["estimate", *extra, *args]) == 1
         err = capsys.readouterr().err
@@ -113,7 +120,9 @@ def test_every_hugging_face_family_estimates_with_a_mask_without_one_and_on_meta
     module, batch_ = hf_zoo.hf_module(hf_family), hf_zoo.hf_batch(hf_family, seq_len=16)
     unmasked = {key: value for key, value in batch_.items() if key != "attention_mask"}
     on_meta = {key: value.to("meta") for key, value in batch_.items()}
-    unpadded = {key: torch.ones_like(value) if key.endswith("attention_mask") else value for key, value in batch_.items()}
+    unpadded = {
+        key: torch.ones_like(value) if key.endswith("attention_mask") else value for key, value in batch_.items()
+    }
     peaks = [estimate_memory(module, b, device="cpu").peak_bytes for b in (batch_, unmasked, on_meta, unpadded)]
     assert all(peak > 0 for peak in peaks)
     # a mask on meta has no values: it is taken as unpadded (planning.attention.batch_is_padded), as a packed batch

@@ -66,13 +66,19 @@ CASES = [
     ("charlm", 16, TrainingConfig(activation_checkpointing="auto")),
     ("charlm", 16, TrainingConfig(activation_compression="int8")),
     ("charlm", 32, TrainingConfig(activation_compression="int8")),  # several int8 chunks per saved tensor
-    ("charlm", 32, TrainingConfig(precision="bf16-true", activation_checkpointing="auto", activation_compression="bf16")),
+    (
+        "charlm",
+        32,
+        TrainingConfig(precision="bf16-true", activation_checkpointing="auto", activation_compression="bf16"),
+    ),
     ("digits", 32, TrainingConfig()),
     ("digits", 128, TrainingConfig(precision="bf16-true")),
 ]
 
 
-@pytest.mark.parametrize(("workload", "batch_size", "config"), CASES, ids=[f"{w}-{b}-{c.describe()}" for w, b, c in CASES])
+@pytest.mark.parametrize(
+    ("workload", "batch_size", "config"), CASES, ids=[f"{w}-{b}-{c.describe()}" for w, b, c in CASES]
+)
 def test_estimate_equals_the_measured_step(workload, batch_size, config):
     make_model, make_batch = {"charlm": (_charlm, _charlm_batch), "digits": (_digits, _digits_batch)}[workload]
     batch = make_batch(batch_size)
@@ -182,7 +188,9 @@ def test_low_bit_optimizer_estimate_after_a_compiled_real_step():
     assert low_bit.breakdown["parameters"] == full.breakdown["parameters"]
 
 
-@pytest.mark.parametrize("optimizer", ["adafactor", "adafactor_in_backward", "adafactor_bf16_sr", "adafactor_bf16_sr_in_backward"])
+@pytest.mark.parametrize(
+    "optimizer", ["adafactor", "adafactor_in_backward", "adafactor_bf16_sr", "adafactor_bf16_sr_in_backward"]
+)
 def test_adafactor_scalars_do_not_stop_the_estimate(optimizer):
     """Adafactor reads step counts and norms with ``.item()``; only values depend on them, not memory."""
     from lightning_lowmem.functional.optimizers.registry import build_optimizer
@@ -225,7 +233,9 @@ def test_state_created_once_per_shape_matches_stepping_every_parameter(optimizer
                 _fake_step.fake_gradients(params)
                 with _fake_step.OptimizerScalars():
                     opt.step()
-            tensors = [(key, t) for p in params for key, value in sorted(opt.state[p].items()) for t in iter_tensors(value)]
+            tensors = [
+                (key, t) for p in params for key, value in sorted(opt.state[p].items()) for t in iter_tensors(value)
+            ]
             storages = {id(t.untyped_storage()) for _, t in tensors}
             return [(k, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()) for k, t in tensors], len(storages)
 
@@ -246,15 +256,25 @@ def test_estimate_equals_the_peak_memory_monitor_measures_in_a_fit(tmp_path):
         loader = nano_loader(batches=2, batch_size=4, block_size=32, vocab_size=64)
         estimate = estimate_memory(model, next(iter(loader)), device="cpu", precision=precision, optimizer=optimizer)
         monitor = MemoryMonitor(summary=False)
-        trainer = L.Trainer(strategy=LowMemoryStrategy(precision=precision, optimizer=optimizer), max_steps=2,
-                            callbacks=[monitor], accelerator="cpu", logger=False, enable_progress_bar=False,
-                            enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+        trainer = L.Trainer(
+            strategy=LowMemoryStrategy(precision=precision, optimizer=optimizer),
+            max_steps=2,
+            callbacks=[monitor],
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(model, loader)
         assert estimate.peak_bytes == monitor.last_report.peak_bytes, precision
         assert estimate.breakdown == monitor.last_report.breakdown
 
 
-@pytest.mark.parametrize("kernel", [{"fused": True}, {"foreach": True}, {"foreach": False}], ids=["fused", "foreach", "for-loop"])
+@pytest.mark.parametrize(
+    "kernel", [{"fused": True}, {"foreach": True}, {"foreach": False}], ids=["fused", "foreach", "for-loop"]
+)
 def test_adamw_kernel_families_estimate_equals_the_measured_step(kernel):
     """AdamW's three kernels (fused, foreach, per-tensor loop) run on fake tensors as on real ones (CPU)."""
     from lightning_lowmem.functional.optimizers.registry import build_optimizer
@@ -268,5 +288,7 @@ def test_adamw_kernel_families_estimate_equals_the_measured_step(kernel):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _train_step(model, batch, default_loss, optimizer, config, None, loop="lightning")
-        measured = measure_memory(_train_step, model, batch, default_loss, optimizer, config, None, loop="lightning", module=model)
+        measured = measure_memory(
+            _train_step, model, batch, default_loss, optimizer, config, None, loop="lightning", module=model
+        )
     assert estimate.peak_bytes == measured.peak_bytes

@@ -12,7 +12,13 @@ from torch.utils._pytree import tree_map
 
 from lightning_lowmem.demo import CharLM
 from lightning_lowmem.functional.optimizers.registry import build_optimizer
-from lightning_lowmem.planning.estimate import TrainingConfig, _apply_model_techniques, _train_step, default_loss, estimate_memory
+from lightning_lowmem.planning.estimate import (
+    TrainingConfig,
+    _apply_model_techniques,
+    _train_step,
+    default_loss,
+    estimate_memory,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -75,7 +81,9 @@ def test_charlm_estimate_within_10_percent_of_the_allocator(name):
     model, batch = _charlm()
     predicted = _predicted(model, batch, config)
     measured = _allocator_peak(model, batch, config)
-    assert predicted == pytest.approx(measured, rel=0.10), f"{name}: estimated {predicted:,} B, allocator {measured:,} B"
+    assert predicted == pytest.approx(measured, rel=0.10), (
+        f"{name}: estimated {predicted:,} B, allocator {measured:,} B"
+    )
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16-true"])
@@ -84,7 +92,9 @@ def test_hf_gpt2_estimate_within_10_percent_of_the_allocator(name):
     model, batch = _gpt2()
     predicted = _predicted(model, batch, config)
     measured = _allocator_peak(model, batch, config)
-    assert predicted == pytest.approx(measured, rel=0.10), f"{name}: estimated {predicted:,} B, allocator {measured:,} B"
+    assert predicted == pytest.approx(measured, rel=0.10), (
+        f"{name}: estimated {predicted:,} B, allocator {measured:,} B"
+    )
 
 
 def _hf_long(family: str, length: int, **overrides):
@@ -96,10 +106,21 @@ def _hf_long(family: str, length: int, **overrides):
     if family == "gpt2":
         config = {"n_embd": 128, "n_layer": 2, "n_head": 8, "n_positions": length, **overrides}
     else:
-        config = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
-                  "num_key_value_heads": 8, "max_position_embeddings": length, **overrides}  # fmt: skip
+        config = {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": length,
+            **overrides,
+        }
     ids = torch.randint(0, 256, (2, length))
-    return HFLanguageModel(family, config=config), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return HFLanguageModel(family, config=config), {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": ids.clone(),
+    }
 
 
 @pytest.mark.parametrize(

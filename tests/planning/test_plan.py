@@ -46,7 +46,9 @@ def test_tight_budget_picks_a_fitting_mix_below_the_plain_peak(model_and_batch):
 
 def test_impossible_budget_names_the_smallest_peak(model_and_batch):
     model, batch = model_and_batch
-    with pytest.raises(ValueError, match=r"no configuration fits `budget`='100KiB'.*smallest predicted peak is [\d.]+ (KiB|MiB)"):
+    with pytest.raises(
+        ValueError, match=r"no configuration fits `budget`='100KiB'.*smallest predicted peak is [\d.]+ (KiB|MiB)"
+    ):
         plan_memory(model, batch, "100KiB", device="cpu", **AXES)
 
 
@@ -59,7 +61,9 @@ def test_budget_string_must_parse(model_and_batch):
 def test_slowdown_prior_orders_techniques():
     plain = expected_slowdown(TrainingConfig())
     assert plain < expected_slowdown(TrainingConfig(micro_batch_size=4), batch_size=16)
-    assert expected_slowdown(TrainingConfig(micro_batch_size=8), 16) < expected_slowdown(TrainingConfig(micro_batch_size=2), 16)
+    assert expected_slowdown(TrainingConfig(micro_batch_size=8), 16) < expected_slowdown(
+        TrainingConfig(micro_batch_size=2), 16
+    )
 
 
 # ----------------------------------------------------------------------------- the fast planner
@@ -68,7 +72,9 @@ def test_per_axis_predictions_equal_full_estimates(model_and_batch):
     from lightning_lowmem.planning._evaluate import CandidateEvaluator
 
     model, batch = model_and_batch
-    evaluator = CandidateEvaluator(model, batch, loss_fn=None, device="cpu", loop="auto", optimizer_kwargs=lambda name: {})
+    evaluator = CandidateEvaluator(
+        model, batch, loss_fn=None, device="cpu", loop="auto", optimizer_kwargs=lambda name: {}
+    )
     configs = [
         TrainingConfig(),
         TrainingConfig(optimizer="adafactor"),
@@ -90,7 +96,9 @@ def test_a_model_side_run_stops_once_it_passes_the_budget(model_and_batch):
     from lightning_lowmem.planning._evaluate import CandidateEvaluator
 
     model, batch = model_and_batch
-    evaluator = CandidateEvaluator(model, batch, loss_fn=None, device="cpu", loop="auto", optimizer_kwargs=lambda name: {})
+    evaluator = CandidateEvaluator(
+        model, batch, loss_fn=None, device="cpu", loop="auto", optimizer_kwargs=lambda name: {}
+    )
     full = estimate_memory(model, batch, device="cpu").peak_bytes
     limit = full // 3
     bound = evaluator.predict(TrainingConfig(), limit_bytes=limit)
@@ -104,8 +112,13 @@ def test_chosen_plan_is_re_estimated_in_full_and_reports_progress(model_and_batc
     plain = estimate_memory(model, batch, device="cpu").peak_bytes
     seen = []
     with caplog.at_level(logging.INFO, logger="lightning_lowmem.planning.plan"):
-        plan = plan_memory(model, batch, int(0.6 * plain), device="cpu",
-                           progress=lambda candidate, index, total: seen.append((candidate, index, total)))  # fmt: skip
+        plan = plan_memory(
+            model,
+            batch,
+            int(0.6 * plain),
+            device="cpu",
+            progress=lambda candidate, index, total: seen.append((candidate, index, total)),
+        )
     assert plan.chosen.method == "full"
     assert plan.predicted_peak_bytes == estimate_memory(model, batch, device="cpu", config=plan.config).peak_bytes
     assert abs(plan.chosen.per_axis_peak_bytes / plan.predicted_peak_bytes - 1) <= 0.02
@@ -125,8 +138,15 @@ def test_micro_batches_are_the_last_resort(model_and_batch):
     assert plan.config.micro_batch_size is None  # a whole-batch mix fits: no micro-batch was even tried
     assert all(c.config.micro_batch_size is None for c in plan.candidates)
     seen = []
-    tight = plan_memory(model, batch, int(0.8 * plain), device="cpu", margin=0.0, **AXES_PLAIN,
-                        progress=lambda candidate, index, total: seen.append((candidate.config, index, total)))
+    tight = plan_memory(
+        model,
+        batch,
+        int(0.8 * plain),
+        device="cpu",
+        margin=0.0,
+        **AXES_PLAIN,
+        progress=lambda candidate, index, total: seen.append((candidate.config, index, total)),
+    )
     assert tight.config.micro_batch_size == 8  # the whole batch does not fit: the largest micro-batch that does
     # over two stages, each configuration numbered once, in order, out of one total (the second stage restarted
     # at [1/N], and numbers of cached candidates were skipped)
@@ -146,8 +166,17 @@ def test_optimizer_stays_in_its_family_unless_listed(model_and_batch):
     assert {c.config.optimizer_name for c in plan.candidates} <= {"adamw", "adamw8bit"}
     assert plan.optimizer_kwargs == {}
     adafactor = estimate_memory(model, batch, device="cpu", optimizer="adafactor").peak_bytes
-    listed = plan_memory(model, batch, adafactor, device="cpu", margin=0.0, precisions=["32-true"], checkpointing=[None],
-                         compressions=[None], optimizers=["adamw", "adafactor"])  # fmt: skip
+    listed = plan_memory(
+        model,
+        batch,
+        adafactor,
+        device="cpu",
+        margin=0.0,
+        precisions=["32-true"],
+        checkpointing=[None],
+        compressions=[None],
+        optimizers=["adamw", "adafactor"],
+    )
     assert listed.config.optimizer_name == "adafactor"
     assert listed.optimizer_kwargs == {"lr": DEFAULT_LR["adafactor"]}  # a new family gets its own learning rate
 
@@ -183,8 +212,16 @@ def test_the_sharding_axis_picks_the_least_communication_that_fits_per_gpu():
         for kind in ("ddp", "zero1", "fsdp")
     }
     assert per_rank["fsdp"] < per_rank["zero1"] < per_rank["ddp"]
-    axes = dict(precisions=["32-true"], checkpointing=[None], compressions=[None], optimizers=["adamw"],
-                micro_batch_sizes=[None], margin=0.0, device="cpu", world_size=2)  # fmt: skip
+    axes = dict(
+        precisions=["32-true"],
+        checkpointing=[None],
+        compressions=[None],
+        optimizers=["adamw"],
+        micro_batch_sizes=[None],
+        margin=0.0,
+        device="cpu",
+        world_size=2,
+    )
     for kind in ("ddp", "zero1", "fsdp"):
         plan = plan_memory(model, batch, per_rank[kind], **axes)
         assert (plan.config.sharding.kind, plan.config.sharding.world_size) == (kind, 2)
@@ -219,13 +256,22 @@ def test_the_chunked_loss_is_planned_for_a_causal_lm_whose_logits_are_the_peak()
     chunked = estimate_memory(model, batch, device="cpu", cross_entropy="chunked")
     assert chunked.peak_bytes < 0.8 * plain.peak_bytes
     budget = int((chunked.peak_bytes + plain.peak_bytes) / 2 / 0.9)  # the chunked step fits, the plain one does not
-    plan = plan_memory(model, batch, budget, device="cpu", precisions=["32-true"], checkpointing=[None],
-                       compressions=[None], optimizers=["adamw"])  # fmt: skip
+    plan = plan_memory(
+        model,
+        batch,
+        budget,
+        device="cpu",
+        precisions=["32-true"],
+        checkpointing=[None],
+        compressions=[None],
+        optimizers=["adamw"],
+    )
     assert plan.config.cross_entropy is not None and plan.config.describe() == "32-true + chunked CE + adamw"
     assert plan.chosen.report.peak_bytes == chunked.peak_bytes
     assert [c.config.cross_entropy for c in plan.candidates][:2] == [None, plan.config.cross_entropy]
-    charlm = plan_memory(CharLM(n_layer=2, n_embd=32, block_size=16), (torch.zeros(4, 16, dtype=torch.long),) * 2,
-                         "1GiB", device="cpu")  # fmt: skip
+    charlm = plan_memory(
+        CharLM(n_layer=2, n_embd=32, block_size=16), (torch.zeros(4, 16, dtype=torch.long),) * 2, "1GiB", device="cpu"
+    )
     assert all(c.config.cross_entropy is None for c in charlm.candidates)
 
 
@@ -235,11 +281,23 @@ def test_a_half_precision_plan_without_master_weights_states_the_numerics_caveat
 
     model = CharLM(n_layer=2, n_embd=64, block_size=32)
     batch = (torch.zeros(8, 32, dtype=torch.long),) * 2
-    plan = plan_memory(model, batch, "1GiB", device="cpu", precisions=["bf16-true"], checkpointing=[None],
-                       compressions=[None], optimizers=["adamw"])  # fmt: skip
+    plan = plan_memory(
+        model,
+        batch,
+        "1GiB",
+        device="cpu",
+        precisions=["bf16-true"],
+        checkpointing=[None],
+        compressions=[None],
+        optimizers=["adamw"],
+    )
     caveats = [note for note in plan.notes if note.startswith("numerics:")]
     assert caveats == [numerics_caveat(plan.config)] and "adamw_bf16_sr" in caveats[0]
     assert numerics_caveat(TrainingConfig(precision="bf16-true", optimizer="adafactor_in_backward")).endswith(
-        "adafactor_bf16_sr (stochastic rounding, the same memory) or bf16-mixed (if it fits) keep them.")
-    for config in (TrainingConfig(precision="bf16-mixed"), TrainingConfig(precision="bf16-true", optimizer="adamw_bf16_sr")):
+        "adafactor_bf16_sr (stochastic rounding, the same memory) or bf16-mixed (if it fits) keep them."
+    )
+    for config in (
+        TrainingConfig(precision="bf16-mixed"),
+        TrainingConfig(precision="bf16-true", optimizer="adamw_bf16_sr"),
+    ):
         assert numerics_caveat(config) is None

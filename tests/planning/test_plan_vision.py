@@ -16,7 +16,9 @@ AUTO_MATCHES_NOTHING = "activation checkpointing policy 'auto' matched no submod
 
 
 def _peak(model, batch, precision):
-    return estimate_memory(model, batch, device="cpu", config=TrainingConfig(precision=precision, optimizer="adamw")).peak_bytes
+    return estimate_memory(
+        model, batch, device="cpu", config=TrainingConfig(precision=precision, optimizer="adamw")
+    ).peak_bytes
 
 
 def test_a_candidate_that_cannot_be_built_is_skipped_and_listed_not_fatal():
@@ -42,8 +44,11 @@ def test_a_candidate_that_cannot_be_built_is_skipped_and_listed_not_fatal():
 
 def test_nothing_fits_names_what_was_skipped_and_why():
     model, batch = sequential_cnn(), image_batch()
-    with pytest.raises(ValueError, match=r"no configuration fits .*Skipped \(cannot be built on this model\): \d+ x "
-                       r"ValueError: activation checkpointing policy 'auto' matched no submodule of Sequential"):
+    with pytest.raises(
+        ValueError,
+        match=r"no configuration fits .*Skipped \(cannot be built on this model\): \d+ x "
+        r"ValueError: activation checkpointing policy 'auto' matched no submodule of Sequential",
+    ):
         plan_memory(model, batch, 100_000, device="cpu", margin=0.0, micro_batch_sizes=[None])
 
 

@@ -29,7 +29,10 @@ def _model_and_batch():
     [
         ({"world_size": 0}, r"`world_size`=0 must be an int >= 1"),
         ({"world_size": True}, r"`world_size`=True must be an int >= 1"),
-        ({"world_size": 2, "sharding": "fdsp"}, r"`sharding`='fdsp' is unknown; choose None, 'ddp', 'zero1' or 'fsdp'. Did you mean 'fsdp'\?"),
+        (
+            {"world_size": 2, "sharding": "fdsp"},
+            r"`sharding`='fdsp' is unknown; choose None, 'ddp', 'zero1' or 'fsdp'. Did you mean 'fsdp'\?",
+        ),
     ],
 )
 def test_bad_input(kwargs, match):
@@ -70,14 +73,19 @@ def test_ddp_keeps_every_gradient_and_zero1_splits_the_state_by_its_partition(no
 
 
 def test_zero_partition_replays_the_greedy_largest_first_rule():
-    assert zero_partition([[10, 1, 7, 3]], 2) == [[(0, 0), (0, 1)], [(0, 2), (0, 3)]]  # 10 | 7, 3 | then 1 to the first of two equal ranks
+    assert zero_partition([[10, 1, 7, 3]], 2) == [
+        [(0, 0), (0, 1)],
+        [(0, 2), (0, 3)],
+    ]  # 10 | 7, 3 | then 1 to the first of two equal ranks
 
 
 def test_fsdp_estimate_inside_a_process_group_says_where_to_run_it(tmp_path, no_process_group):
     model, batch = _model_and_batch()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(EstimationError, match=r"already has one \(gloo, world size 1\).*lowmem estimate --devices N"):
+        with pytest.raises(
+            EstimationError, match=r"already has one \(gloo, world size 1\).*lowmem estimate --devices N"
+        ):
             estimate_memory(model, batch, device="cpu", world_size=2, sharding="fsdp")
     finally:
         dist.destroy_process_group()

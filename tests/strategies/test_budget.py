@@ -47,8 +47,9 @@ def test_nanogpt_fit_peak_stays_within_the_budget_and_equals_the_plan(tiny_train
     plain = estimate_memory(_nano(), nano_batch(8, 64, 96), device="cpu").peak_bytes
     budget = int(fraction * plain)
     strategy = LowMemoryStrategy(memory_budget=budget)
-    monitor = _fit(_nano(), nano_loader(batches=2, batch_size=8, block_size=64, vocab_size=96), strategy,
-                   tiny_trainer_kwargs)  # fmt: skip
+    monitor = _fit(
+        _nano(), nano_loader(batches=2, batch_size=8, block_size=64, vocab_size=96), strategy, tiny_trainer_kwargs
+    )
     plan = strategy.plan
     assert plan.config.micro_batch_size is None
     assert monitor.last_report.peak_bytes <= budget
@@ -61,7 +62,9 @@ def test_hugging_face_gpt2_fit_peak_stays_within_the_budget(tiny_trainer_kwargs)
     plain = estimate_memory(hf_zoo.hf_module("gpt2"), hf_zoo.hf_batch("gpt2", seq_len=32, batch_size=4), device="cpu")
     budget = int(0.7 * plain.peak_bytes)
     strategy = LowMemoryStrategy(memory_budget=budget)
-    monitor = _fit(hf_zoo.hf_module("gpt2"), hf_zoo.hf_data("gpt2", seq_len=32, batch_size=4), strategy, tiny_trainer_kwargs)
+    monitor = _fit(
+        hf_zoo.hf_module("gpt2"), hf_zoo.hf_data("gpt2", seq_len=32, batch_size=4), strategy, tiny_trainer_kwargs
+    )
     assert strategy.plan.config != plain.meta["config"]
     assert monitor.last_report.peak_bytes <= budget
     assert monitor.last_report.peak_bytes == strategy.plan.predicted_peak_bytes
@@ -88,10 +91,25 @@ def test_strategy_plan_memory_and_cli_choose_the_same_plan(tiny_trainer_kwargs, 
     )
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_lowmem.cli", "estimate", "--config", str(config), "--budget", str(budget),
-         "--device", "cpu", "--real-weights", "--json"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lightning_lowmem.cli",
+            "estimate",
+            "--config",
+            str(config),
+            "--budget",
+            str(budget),
+            "--device",
+            "cpu",
+            "--real-weights",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     chosen = json.loads(out.stdout[out.stdout.index("{") :])["chosen"]
     assert chosen["label"] == direct.config.describe()
@@ -107,9 +125,13 @@ def test_budget_plans_with_the_configured_optimizer(tiny_trainer_kwargs):
     """configure_optimizers returns SGD: the plan keeps SGD (never an 8-bit AdamW swap), as planned."""
     torch.manual_seed(0)
     model = _SGDNano(**NANO)
-    plain = estimate_memory(model, nano_batch(8, 64, 96), device="cpu", optimizer="sgd", optimizer_kwargs={"momentum": 0.9})
+    plain = estimate_memory(
+        model, nano_batch(8, 64, 96), device="cpu", optimizer="sgd", optimizer_kwargs={"momentum": 0.9}
+    )
     strategy = LowMemoryStrategy(memory_budget=int(0.7 * plain.peak_bytes))
-    monitor = _fit(model, nano_loader(batches=2, batch_size=8, block_size=64, vocab_size=96), strategy, tiny_trainer_kwargs)
+    monitor = _fit(
+        model, nano_loader(batches=2, batch_size=8, block_size=64, vocab_size=96), strategy, tiny_trainer_kwargs
+    )
     assert {c.config.optimizer_name for c in strategy.plan.candidates} == {"sgd"}
     assert type(monitor.last_report) and isinstance(model.trainer.optimizers[0], torch.optim.SGD)
 

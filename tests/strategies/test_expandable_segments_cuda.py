@@ -45,8 +45,9 @@ print("RESULT " + json.dumps({"initialised_before": initialised_before,
 def test_expandable_segments_setting_reaches_the_allocator(enabled, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # this checkout's package
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(enabled)], capture_output=True, text=True, timeout=300,
-                            env=env, cwd=tmp_path)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(enabled)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     found = json.loads(line.removeprefix("RESULT "))

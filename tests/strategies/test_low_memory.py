@@ -36,7 +36,9 @@ class _Wide(L.LightningModule):
 
     def train_dataloader(self):
         generator = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(512, 64, generator=generator), torch.randn(512, 64, generator=generator))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(512, 64, generator=generator), torch.randn(512, 64, generator=generator)
+        )
         extra = {"num_workers": self.num_workers, "prefetch_factor": 4} if self.num_workers else {}
         return torch.utils.data.DataLoader(data, batch_size=256, **extra)
 
@@ -79,7 +81,9 @@ def test_registered_names_resolve():
 def test_fit_with_checkpointing_and_compression(tiny_trainer_kwargs):
     from lightning_lowmem.demo import CharLM, CharLMDataModule
 
-    strategy = LowMemoryStrategy(activation_checkpointing="Block", activation_compression="int8", compression_min_bytes=0)
+    strategy = LowMemoryStrategy(
+        activation_checkpointing="Block", activation_compression="int8", compression_min_bytes=0
+    )
     model = CharLM(n_layer=2, n_embd=32, n_head=2, block_size=16)
     before = [p.detach().clone() for p in model.parameters()]
     trainer = L.Trainer(strategy=strategy, max_steps=2, limit_val_batches=0, **tiny_trainer_kwargs)
@@ -104,7 +108,9 @@ def test_nested_checkpointing_wraps_attention_inside_blocks_and_keeps_the_weight
         torch.manual_seed(0)
         model = CharLM(n_layer=2, n_embd=32, n_head=2, block_size=16)
         record = _RecordWrapped()
-        trainer = L.Trainer(strategy=strategy, max_steps=2, limit_val_batches=0, callbacks=[record], **tiny_trainer_kwargs)
+        trainer = L.Trainer(
+            strategy=strategy, max_steps=2, limit_val_batches=0, callbacks=[record], **tiny_trainer_kwargs
+        )
         trainer.fit(model, CharLMDataModule(block_size=16, batch_size=4, max_chars=20_000))
         return model, record.wrapped
 
@@ -126,8 +132,10 @@ def test_nested_checkpointing_wraps_attention_inside_blocks_and_keeps_the_weight
         ({"optimizer": "adamw9bit"}, r"`optimizer`='adamw9bit' is unknown; choose one of \['adafactor'"),
         ({"compression_min_bytes": -1}, r"`compression_min_bytes`=-1 must be >= 0"),
         # one validation, in functional.config: the optimizer's signature, with a did-you-mean
-        ({"optimizer": "adamw8bit", "optimizer_kwargs": {"betaz": [0.9, 0.99]}},
-         r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\?"),
+        (
+            {"optimizer": "adamw8bit", "optimizer_kwargs": {"betaz": [0.9, 0.99]}},
+            r"`betaz` is not an argument of optimizer 'adamw8bit'; did you mean 'betas'\?",
+        ),
         ({"activation_checkpointing": 0}, r"`activation_checkpointing`=0 must be >= 1"),
     ],
 )
@@ -139,7 +147,9 @@ def test_bad_input(kwargs, match):
 def test_bad_ddp_input():
     with pytest.raises(ValueError, match=r"`bucket_cap_mb` must be a positive number, got -1"):
         LowMemoryDDPStrategy(bucket_cap_mb=-1)
-    with pytest.raises(ValueError, match=r"`optimizer`='adamw_in_backward' steps inside backward and cannot be sharded"):
+    with pytest.raises(
+        ValueError, match=r"`optimizer`='adamw_in_backward' steps inside backward and cannot be sharded"
+    ):
         LowMemoryDDPStrategy(zero_optimizer=True, optimizer="adamw_in_backward")
     with pytest.raises(TypeError, match=r"`prefetch` must be True or False, got str: 'yes'"):
         LowMemoryDDPStrategy(prefetch="yes")
@@ -156,8 +166,9 @@ def test_bf16_true_preset_trains_in_bf16(tiny_trainer_kwargs):
     from lightning_lowmem.demo import CharLM, CharLMDataModule
 
     model = CharLM(n_layer=1, n_embd=32, n_head=2, block_size=16)
-    trainer = L.Trainer(strategy=LowMemoryStrategy(precision="bf16-true"), max_steps=1, limit_val_batches=0,
-                        **tiny_trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=LowMemoryStrategy(precision="bf16-true"), max_steps=1, limit_val_batches=0, **tiny_trainer_kwargs
+    )
     trainer.fit(model, CharLMDataModule(block_size=16, batch_size=4, max_chars=20_000))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
@@ -194,8 +205,9 @@ def test_memory_budget_below_the_plain_peak_plans_and_stays_under_it(tiny_traine
 def test_impossible_memory_budget_fails_before_training(tiny_trainer_kwargs):
     model = _Wide()
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = L.Trainer(strategy=LowMemoryStrategy(memory_budget="64KiB", optimizer="adamw"), max_steps=1,
-                        **tiny_trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=LowMemoryStrategy(memory_budget="64KiB", optimizer="adamw"), max_steps=1, **tiny_trainer_kwargs
+    )
     with pytest.raises(ValueError, match=r"memory_budget='64KiB'.*no configuration fits.*smallest predicted peak is"):
         trainer.fit(model)
     assert trainer.global_step == 0
@@ -208,7 +220,10 @@ def test_dataloader_queue_above_the_threshold_warns_on_the_first_batch(tiny_trai
     # 4 batches in flight x 128 KiB (256 x (64 + 64) floats) = 512 KiB: fine
     trainer.fit(_Wide(num_workers=1))
     trainer = L.Trainer(strategy=LowMemoryStrategy(), max_steps=1, **tiny_trainer_kwargs)
-    with pytest.warns(LowMemWarning, match=r"keeps about 1.00 MiB of batches in flight \(prefetch_factor=4 x num_workers=2 x 128.00 KiB per batch\), above 768.00 KiB"):
+    with pytest.warns(
+        LowMemWarning,
+        match=r"keeps about 1.00 MiB of batches in flight \(prefetch_factor=4 x num_workers=2 x 128.00 KiB per batch\), above 768.00 KiB",
+    ):
         trainer.fit(_Wide(num_workers=2))
 
 
@@ -267,7 +282,9 @@ class _ActivationHeavy(_Wide):
 
     def train_dataloader(self):
         generator = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(2048, 64, generator=generator), torch.randn(2048, 64, generator=generator))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(2048, 64, generator=generator), torch.randn(2048, 64, generator=generator)
+        )
         return torch.utils.data.DataLoader(data, batch_size=1024)
 
 
@@ -287,7 +304,9 @@ def test_memory_budget_falls_back_to_micro_batches_when_whole_batches_cannot_fit
     strategy = LowMemoryStrategy(memory_budget=budget, **fixed)
     tracker = _TrackTraining()
     seen: list[list[L.Callback]] = []
-    watch = L.pytorch.callbacks.LambdaCallback(on_train_batch_start=lambda trainer, *_: seen.append(list(trainer.callbacks)))
+    watch = L.pytorch.callbacks.LambdaCallback(
+        on_train_batch_start=lambda trainer, *_: seen.append(list(trainer.callbacks))
+    )
     trainer = L.Trainer(strategy=strategy, max_steps=2, callbacks=[tracker, watch], **tiny_trainer_kwargs)
     callbacks, before = trainer.callbacks, list(trainer.callbacks)
     with caplog.at_level(logging.INFO):
@@ -308,8 +327,11 @@ def test_memory_budget_falls_back_to_micro_batches_when_whole_batches_cannot_fit
 
 
 def test_memory_budget_with_optimizer_in_backward_does_not_try_micro_batches(tiny_trainer_kwargs):
-    trainer = L.Trainer(strategy=LowMemoryStrategy(memory_budget="64KiB", optimizer="adamw_in_backward"), max_steps=1,
-                        **tiny_trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=LowMemoryStrategy(memory_budget="64KiB", optimizer="adamw_in_backward"),
+        max_steps=1,
+        **tiny_trainer_kwargs,
+    )
     with pytest.raises(ValueError, match=r"Micro-batches are not tried with optimizer='adamw_in_backward'"):
         trainer.fit(_Wide())
 
@@ -324,7 +346,10 @@ def test_optimizer_is_one_optimizer_config_and_optimizer_kwargs_is_a_deprecated_
     with pytest.warns(DeprecationWarning, match=r"`optimizer_kwargs`=.* is deprecated: .*OptimizerConfig\('adamw8bit'"):
         old = LowMemoryStrategy(optimizer="adamw8bit", optimizer_kwargs={"lr": 1e-3, "betas": [0.9, 0.99]})
     assert old.config.optimizer == wanted
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"`optimizer_kwargs`=.* needs `optimizer` as"):
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match=r"`optimizer_kwargs`=.* needs `optimizer` as"),
+    ):
         LowMemoryDDPStrategy(optimizer=wanted, optimizer_kwargs={"lr": 1.0})
     # the configured optimizer's arguments for the planner: no warning (there is no config to give instead)
     import warnings
@@ -335,5 +360,7 @@ def test_optimizer_is_one_optimizer_config_and_optimizer_kwargs_is_a_deprecated_
     # YAML (LightningCLI reads the signature): a mapping of the config's arguments
     parser = ArgumentParser()
     parser.add_class_arguments(LowMemoryStrategy, "strategy", skip={"device"})
-    parsed = parser.parse_string("strategy: {optimizer: {name: adamw8bit, hyperparameters: {lr: 0.001, betas: [0.9, 0.99]}}}")
+    parsed = parser.parse_string(
+        "strategy: {optimizer: {name: adamw8bit, hyperparameters: {lr: 0.001, betas: [0.9, 0.99]}}}"
+    )
     assert parser.instantiate(parsed).strategy.config.optimizer == wanted

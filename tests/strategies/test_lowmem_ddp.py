@@ -35,7 +35,9 @@ class _Balanced(L.LightningModule):
     def train_dataloader(self):
         # the same global batches on any world size: rank r takes every world_size-th sample
         generator = torch.Generator().manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(16, 32, generator=generator), torch.randn(16, 32, generator=generator))
+        data = torch.utils.data.TensorDataset(
+            torch.randn(16, 32, generator=generator), torch.randn(16, 32, generator=generator)
+        )
         world_size, rank = self.trainer.world_size, self.trainer.global_rank
         sampler = torch.utils.data.DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False)
         return torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // world_size, sampler=sampler)
@@ -85,8 +87,15 @@ class _Record(_WatchBuckets):
 
 
 def _trainer_kwargs(tmp_path, **kwargs):
-    return dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                use_distributed_sampler=False, default_root_dir=str(tmp_path), **kwargs)
+    return dict(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=str(tmp_path),
+        **kwargs,
+    )
 
 
 @pytest.mark.slow
@@ -96,8 +105,13 @@ def test_zero1_two_processes_shard_state_and_resume_on_one(tmp_path):
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     strategy = LowMemoryDDPStrategy(zero_optimizer=True, start_method="spawn")
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
-    trainer = L.Trainer(devices=2, strategy=strategy, max_epochs=2, callbacks=[_Record(str(tmp_path)), checkpoints],
-                        **_trainer_kwargs(tmp_path / "two"))
+    trainer = L.Trainer(
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        callbacks=[_Record(str(tmp_path)), checkpoints],
+        **_trainer_kwargs(tmp_path / "two"),
+    )
     trainer.fit(model)
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
 
@@ -111,8 +125,14 @@ def test_zero1_two_processes_shard_state_and_resume_on_one(tmp_path):
     first_epoch = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
     assert len(torch.load(first_epoch, weights_only=False)["optimizer_states"][0]["state"]) == len(initial)
     resumed_model = _Balanced()
-    resumed = L.Trainer(devices=1, strategy="lowmem", max_epochs=2, callbacks=[_Record(str(tmp_path / "one"))],
-                        enable_checkpointing=False, **_trainer_kwargs(tmp_path / "one"))
+    resumed = L.Trainer(
+        devices=1,
+        strategy="lowmem",
+        max_epochs=2,
+        callbacks=[_Record(str(tmp_path / "one"))],
+        enable_checkpointing=False,
+        **_trainer_kwargs(tmp_path / "one"),
+    )
     (tmp_path / "one").mkdir(exist_ok=True)
     resumed.fit(resumed_model, ckpt_path=first_epoch)
     single = torch.load(tmp_path / "one" / "rank0.pt")
@@ -142,8 +162,14 @@ def test_gradients_are_views_into_ddp_buckets(tmp_path, bucket_view):
             seen["grad_and_bucket_bytes"] = sum({**grads, **BUCKETS}.values())
 
     kwargs = {} if bucket_view else {"gradient_as_bucket_view": False}
-    trainer = L.Trainer(devices=1, strategy=LowMemoryDDPStrategy(**kwargs), max_steps=1, callbacks=[Check()], enable_checkpointing=False,
-                        **_trainer_kwargs(tmp_path))
+    trainer = L.Trainer(
+        devices=1,
+        strategy=LowMemoryDDPStrategy(**kwargs),
+        max_steps=1,
+        callbacks=[Check()],
+        enable_checkpointing=False,
+        **_trainer_kwargs(tmp_path),
+    )
     trainer.fit(_Balanced())
     params = seen["memory_core"]["parameters"]
     assert seen["memory_core"]["gradients"] == params  # the memory core counts each gradient storage once
@@ -152,8 +178,13 @@ def test_gradients_are_views_into_ddp_buckets(tmp_path, bucket_view):
 
 
 def test_zero_with_one_process_warns_and_keeps_the_plain_optimizer(tmp_path):
-    trainer = L.Trainer(devices=1, strategy=LowMemoryDDPStrategy(zero_optimizer=True), max_steps=1,
-                        enable_checkpointing=False, **_trainer_kwargs(tmp_path))
+    trainer = L.Trainer(
+        devices=1,
+        strategy=LowMemoryDDPStrategy(zero_optimizer=True),
+        max_steps=1,
+        enable_checkpointing=False,
+        **_trainer_kwargs(tmp_path),
+    )
     with pytest.warns(LowMemWarning, match=r"world_size=1: zero_optimizer=True needs a distributed run.*falling back"):
         trainer.fit(_Balanced())
     assert type(trainer.optimizers[0]) is torch.optim.AdamW

@@ -42,7 +42,9 @@ class _Record(L.Callback):
     def on_train_start(self, trainer, pl_module):  # after a resumed checkpoint was loaded
         self.start = {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()}
         state = trainer.strategy.optimizer_state(trainer.optimizers[0])  # full, dequantized, on rank 0
-        self.start_optimizer = torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state)
+        self.start_optimizer = torch.utils._pytree.tree_map(
+            lambda v: v.clone() if isinstance(v, torch.Tensor) else v, state
+        )
 
     def on_train_end(self, trainer, pl_module):
         from torch.distributed.tensor import DTensor
@@ -59,8 +61,11 @@ class _Record(L.Callback):
                 "start_optimizer": self.start_optimizer,
                 "local_fraction": local / sum(p.numel() for p in params),
                 "optimizer": type(optimizer).__name__,
-                "quantized_state": [type(getattr(s["exp_avg"], "_local_tensor", s["exp_avg"])).__name__ for s in states],
-                "checkpointed": trainer.callbacks and [c.wrapped for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)],
+                "quantized_state": [
+                    type(getattr(s["exp_avg"], "_local_tensor", s["exp_avg"])).__name__ for s in states
+                ],
+                "checkpointed": trainer.callbacks
+                and [c.wrapped for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)],
                 "trainable": sorted(n for n, p in pl_module.named_parameters() if p.requires_grad),
             },
             f"{self.directory}/rank{trainer.global_rank}.pt",
@@ -90,15 +95,29 @@ def _callbacks(directory, save_base_weights: bool = False) -> list:
 
 def _trainer(tmp_path, devices, strategy, max_steps, callbacks, **kwargs):
     # whole epochs of 2 steps: Lightning resumes a map-style loader at an epoch boundary only
-    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=max_steps // 2, callbacks=callbacks,
-                     logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                     default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=0, **kwargs)  # fmt: skip
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=max_steps // 2,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **kwargs,
+    )
 
 
 def _assert_same_weights(left: dict, right: dict, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     assert left.keys() == right.keys()
     for key in left:  # the reduction order differs between world sizes: equal up to float rounding
-        torch.testing.assert_close(left[key], right[key], rtol=rtol, atol=atol, msg=lambda message, key=key: f"{key}: {message}")
+        torch.testing.assert_close(
+            left[key], right[key], rtol=rtol, atol=atol, msg=lambda message, key=key: f"{key}: {message}"
+        )
 
 
 def _resume_on_one(tmp_path, ckpt_path, name, save_base_weights: bool = False) -> dict:
@@ -196,8 +215,14 @@ def test_four_processes_train_save_consolidated_and_resume_on_one(tmp_path):
     ("kwargs", "match"),
     [
         ({"precision": "16-mixed"}, r"`precision`='16-mixed' is not supported with FSDP.*use 'bf16-mixed'"),
-        ({"optimizer": "adafactor"}, r"optimizer='adafactor' cannot step on FSDP's sharded \(DTensor\).*'adamw8bit'.*lowmem_ddp"),
-        ({"optimizer": "adamw4bit"}, r"optimizer='adamw4bit' cannot step.*Choose one of \['adam', 'adamw', 'adamw8bit'"),
+        (
+            {"optimizer": "adafactor"},
+            r"optimizer='adafactor' cannot step on FSDP's sharded \(DTensor\).*'adamw8bit'.*lowmem_ddp",
+        ),
+        (
+            {"optimizer": "adamw4bit"},
+            r"optimizer='adamw4bit' cannot step.*Choose one of \['adam', 'adamw', 'adamw8bit'",
+        ),
         ({"zero_optimizer": True}, r"`zero_optimizer`=True is for strategy='lowmem_ddp'.*FSDP already shards"),
         ({"wrap_policy": 0}, r"`policy`=0 must be >= 1"),
         ({"cpu_offload": "yes"}, r"`cpu_offload` must be True or False, got str"),
@@ -233,7 +258,10 @@ def test_one_process_trains_with_a_note_and_shards_the_blocks(tmp_path, caplog):
 
 def test_a_policy_that_matches_nothing_lists_the_module_classes(tmp_path):
     strategy = LowMemoryFSDPStrategy(wrap_policy="GPT2Block")
-    with pytest.raises(ValueError, match=r"FSDP wrap policy 'GPT2Block' matched no submodule of _TinyLM. Did you mean 'Block'\?.*\[Linear, LayerNorm.*Block, "):
+    with pytest.raises(
+        ValueError,
+        match=r"FSDP wrap policy 'GPT2Block' matched no submodule of _TinyLM. Did you mean 'Block'\?.*\[Linear, LayerNorm.*Block, ",
+    ):
         _trainer(tmp_path, 1, strategy, 1, [], enable_checkpointing=False).fit(_TinyLM())
 
 
@@ -248,7 +276,9 @@ def test_a_configured_optimizer_that_fails_on_dtensors_is_named(tmp_path):
 
 def test_a_quantized_lora_base_is_a_clear_error(tmp_path):
     callbacks = [LowRankAdapters(r=4, target=["c_fc"], quantize_base="int8")]
-    with pytest.raises(ValueError, match=r"FSDP cannot shard \d+ quantized parameter\(s\).*quantize_base=None.*lowmem_ddp"):
+    with pytest.raises(
+        ValueError, match=r"FSDP cannot shard \d+ quantized parameter\(s\).*quantize_base=None.*lowmem_ddp"
+    ):
         _trainer(tmp_path, 1, LowMemoryFSDPStrategy(), 1, callbacks, enable_checkpointing=False).fit(_TinyLM())
 
 
@@ -256,7 +286,10 @@ def test_a_sharded_checkpoint_loaded_without_the_strategy_says_how_to_consolidat
     folder = tmp_path / "step=2.ckpt"
     folder.mkdir()
     (folder / ".metadata").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"is a sharded FSDP checkpoint.*strategy='lowmem' cannot read.*consolidate_checkpoint.*dcp_to_torch_save"):
+    with pytest.raises(
+        ValueError,
+        match=r"is a sharded FSDP checkpoint.*strategy='lowmem' cannot read.*consolidate_checkpoint.*dcp_to_torch_save",
+    ):
         _trainer(tmp_path, 1, "lowmem", 1, []).fit(_TinyLM(), ckpt_path=folder)
 
 
@@ -268,5 +301,8 @@ def test_a_sharded_checkpoint_under_lightnings_own_strategy_says_how_to_consolid
     folder.mkdir()
     (folder / ".metadata").write_bytes(b"")
     callbacks = [MemoryEfficientOptimizer("adamw8bit")]
-    with pytest.raises(ValueError, match=r"sharded FSDP checkpoint.*strategy SingleDeviceStrategy cannot read.*consolidate_checkpoint.*dcp_to_torch_save"):
+    with pytest.raises(
+        ValueError,
+        match=r"sharded FSDP checkpoint.*strategy SingleDeviceStrategy cannot read.*consolidate_checkpoint.*dcp_to_torch_save",
+    ):
         _trainer(tmp_path, 1, "auto", 1, callbacks).fit(_TinyLM(), ckpt_path=folder)

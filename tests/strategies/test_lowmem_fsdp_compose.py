@@ -26,16 +26,20 @@ class _Save(L.Callback):
         linear.register_forward_hook(lambda module, args, out: self.compute_dtypes.add(module.weight.dtype))
 
     def on_train_end(self, trainer, pl_module):
-        torch.save({
-            "history": self.monitor.history,
-            "own_peak": self.monitor.last_report.peak_bytes,
-            "parameters_at_peak": self.monitor.last_report.breakdown["parameters"],
-            "packed": self.compression.stats.packed, "bytes_in": self.compression.stats.bytes_in,
-            "bytes_out": self.compression.stats.bytes_out,
-            "compute_dtypes": sorted(str(d) for d in self.compute_dtypes),
-            "master_dtypes": sorted({str(p.dtype) for p in pl_module.parameters()}),
-            "weights": {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()},
-        }, f"{self.directory}/rank{trainer.global_rank}.pt")  # fmt: skip
+        torch.save(
+            {
+                "history": self.monitor.history,
+                "own_peak": self.monitor.last_report.peak_bytes,
+                "parameters_at_peak": self.monitor.last_report.breakdown["parameters"],
+                "packed": self.compression.stats.packed,
+                "bytes_in": self.compression.stats.bytes_in,
+                "bytes_out": self.compression.stats.bytes_out,
+                "compute_dtypes": sorted(str(d) for d in self.compute_dtypes),
+                "master_dtypes": sorted({str(p.dtype) for p in pl_module.parameters()}),
+                "weights": {k: v.clone() for k, v in trainer.strategy.full_state_dict().items()},
+            },
+            f"{self.directory}/rank{trainer.global_rank}.pt",
+        )
 
 
 @pytest.mark.slow
@@ -46,8 +50,10 @@ def test_two_processes_monitor_compression_and_bf16_mixed(tmp_path):
     monitor, compression = MemoryMonitor(log_every_n_steps=1, summary=False), ActivationCompression("int8", min_bytes=1)
     strategy = LowMemoryFSDPStrategy(precision="bf16-mixed", start_method="spawn")
     callbacks = [monitor, compression, _Save(str(tmp_path), monitor, compression)]
-    fit_saving_results(lambda: _trainer(tmp_path, 2, strategy, 2, callbacks, enable_checkpointing=False).fit(_TinyLM()),
-                       [tmp_path / "rank0.pt", tmp_path / "rank1.pt"])
+    fit_saving_results(
+        lambda: _trainer(tmp_path, 2, strategy, 2, callbacks, enable_checkpointing=False).fit(_TinyLM()),
+        [tmp_path / "rank0.pt", tmp_path / "rank1.pt"],
+    )
     rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
 
     # MemoryMonitor: the deep step's peak of each rank, gathered on every rank, and the largest of them
@@ -81,11 +87,15 @@ def test_auto_microbatch_under_fsdp_matches_whole_batches(tmp_path):
     for (name, left), right in zip(micro.state_dict().items(), whole.state_dict().values(), strict=True):
         # float summation order only (lr=1e-2; a micro-batch weighted wrongly differs by ~1e-3)
         torch.testing.assert_close(left.full_tensor(), right.full_tensor(), rtol=0, atol=2e-4, msg=name)
-    assert not torch.equal(micro.state_dict()["model.wte.weight"].full_tensor(), _TinyLM().state_dict()["model.wte.weight"])
+    assert not torch.equal(
+        micro.state_dict()["model.wte.weight"].full_tensor(), _TinyLM().state_dict()["model.wte.weight"]
+    )
 
 
 def test_cpu_offload_on_a_cpu_run_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"`cpu_offload`=True keeps FSDP's shards in CPU memory.*accelerator='cpu'.*drop cpu_offload"):
+    with pytest.raises(
+        ValueError, match=r"`cpu_offload`=True keeps FSDP's shards in CPU memory.*accelerator='cpu'.*drop cpu_offload"
+    ):
         _trainer(tmp_path, 1, LowMemoryFSDPStrategy(cpu_offload=True), 1, [], enable_checkpointing=False).fit(_TinyLM())
 
 
@@ -95,6 +105,8 @@ def test_activation_checkpointing_names_the_users_block_class_under_fsdp(tmp_pat
 
     model = _TinyLM()
     checkpointing = ActivationCheckpointing("Block")
-    _trainer(tmp_path, 1, LowMemoryFSDPStrategy(wrap_policy="Block"), 2, [checkpointing], enable_checkpointing=False).fit(model)
+    _trainer(
+        tmp_path, 1, LowMemoryFSDPStrategy(wrap_policy="Block"), 2, [checkpointing], enable_checkpointing=False
+    ).fit(model)
     assert isinstance(model.model.h[0], FSDPModule) and type(model.model.h[0]).__name__ == "FSDPBlock"
     assert checkpointing.wrapped == ["model.h.0", "model.h.1"]

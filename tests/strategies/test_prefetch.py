@@ -56,9 +56,16 @@ def test_prefetch_strategy_trains_on_the_gpu(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=LowMemoryStrategy(prefetch=True), max_epochs=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy=LowMemoryStrategy(prefetch=True),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(Model(), _loader(pin_memory=True))
     assert isinstance(trainer.train_dataloader, CUDAPrefetchLoader)
     assert trainer.global_step == 3

@@ -138,7 +138,9 @@ class CompressionConfig:
                 + _did_you_mean(self.mode, COMPRESSION_MODES)
             )
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int):
-            raise TypeError(f"`min_bytes` must be an int (bytes), got {type(self.min_bytes).__name__}: {self.min_bytes!r}")
+            raise TypeError(
+                f"`min_bytes` must be an int (bytes), got {type(self.min_bytes).__name__}: {self.min_bytes!r}"
+            )
         if self.min_bytes < 0:
             raise ValueError(f"`min_bytes`={self.min_bytes} must be >= 0 (0 packs every float tensor)")
 
@@ -167,7 +169,9 @@ class OptimizerConfig:
     name: str
     hyperparameters: tuple[tuple[str, Any], ...] | Mapping[str, Any]  # a mapping given, stored as sorted pairs
 
-    def __init__(self, name: str = "adamw", hyperparameters: Mapping[str, Any] | tuple | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, name: str = "adamw", hyperparameters: Mapping[str, Any] | tuple | None = None, **kwargs: Any
+    ) -> None:
         from lightning_lowmem.functional.optimizers.registry import check_optimizer_name, check_optimizer_kwargs
 
         key = check_optimizer_name(name)
@@ -218,8 +222,10 @@ def _check_optimizer_values(name: str, kwargs: dict[str, Any]) -> None:
             raise ValueError(f"`{key}` must be a number >= 0, got {value!r}")
     betas = kwargs.get("betas")
     if betas is not None:
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(
-            isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas
+        if (
+            not isinstance(betas, (tuple, list))
+            or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
         ):
             raise ValueError(f"`betas` must be two numbers in [0, 1), e.g. [0.9, 0.999], got {betas!r}")
     if not kwargs or name.removesuffix("_in_backward") in _TORCHAO_BACKED:
@@ -293,7 +299,9 @@ class LoRAConfig:
         target = self.target
         if isinstance(target, (list, tuple)):
             if not target or not all(isinstance(t, (str, type)) for t in target):
-                raise ValueError(f"`target` must be a non-empty list of layer name patterns / class names, got {target!r}")
+                raise ValueError(
+                    f"`target` must be a non-empty list of layer name patterns / class names, got {target!r}"
+                )
             object.__setattr__(self, "target", tuple(target))
         elif not isinstance(target, (str, type)):
             raise ValueError(
@@ -484,4 +492,6 @@ class CrossEntropyConfig:
                 "(a chunk's logits at most 1/8 of the whole)"
             )
         if self.head is not None and (not isinstance(self.head, str) or not self.head):
-            raise ValueError(f"`head`={self.head!r} must be the output head's module name (e.g. 'model.lm_head') or None")
+            raise ValueError(
+                f"`head`={self.head!r} must be the output head's module name (e.g. 'model.lm_head') or None"
+            )

@@ -141,7 +141,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, vocab_size, columns):
             stop = min(start + columns, vocab_size)
             bias_slice = bias[start:stop] if bias is not None else None
-            logits = F.linear(hidden, weight[start:stop], bias_slice).to(accumulate)  # (N, columns): the only big tensor
+            logits = F.linear(hidden, weight[start:stop], bias_slice).to(
+                accumulate
+            )  # (N, columns): the only big tensor
             slice_max = torch.maximum(running_max, logits.amax(dim=-1))
             running_sum.mul_(torch.exp(running_max - slice_max))
             running_max = slice_max
@@ -260,7 +262,11 @@ def _check(
         raise ValueError(f"`bias` must be a ({weight.shape[0]},) tensor or None, got {shape}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"`reduction`={reduction!r} is not one of {list(REDUCTIONS)}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 <= label_smoothing <= 1:
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, (int, float))
+        or not 0 <= label_smoothing <= 1
+    ):
         raise ValueError(f"`label_smoothing`={label_smoothing!r} must be a number in [0, 1]")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(

@@ -145,19 +145,30 @@ def chunked_cross_entropy(
     if isinstance(logits, DeferredLogits):
         head = logits.head
         return linear_cross_entropy(
-            logits.hidden, head.weight, targets, bias=head.bias, ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, chunk_size=chunk_size,
-        )  # fmt: skip
+            logits.hidden,
+            head.weight,
+            targets,
+            bias=head.bias,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            chunk_size=chunk_size,
+        )
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"`logits` must be a tensor or DeferredLogits, got {type(logits).__name__}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"`reduction`={reduction!r} is not one of {list(REDUCTIONS)}")
     if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"`targets` {tuple(targets.shape)} must have the logits' leading shape {tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"`targets` {tuple(targets.shape)} must have the logits' leading shape {tuple(logits.shape[:-1])}"
+        )
     loss = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=ignore_index,
-        reduction=reduction, label_smoothing=label_smoothing,
-    )  # fmt: skip
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
     return loss.view(targets.shape) if reduction == "none" else loss
 
 
@@ -258,7 +269,11 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 
 def _named_heads(module: nn.Module) -> list[str]:
-    return [name for name, sub in module.named_modules() if name.rsplit(".", 1)[-1] in _HEAD_NAMES and isinstance(sub, nn.Linear)]
+    return [
+        name
+        for name, sub in module.named_modules()
+        if name.rsplit(".", 1)[-1] in _HEAD_NAMES and isinstance(sub, nn.Linear)
+    ]
 
 
 def _module(module: nn.Module, name: str) -> nn.Module:
@@ -266,7 +281,9 @@ def _module(module: nn.Module, name: str) -> nn.Module:
         return module.get_submodule(name)
     except AttributeError:
         linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)][-3:]
-        raise ValueError(f"`head`={name!r} names no submodule of {type(module).__name__} (its last linear layers: {linears})") from None
+        raise ValueError(
+            f"`head`={name!r} names no submodule of {type(module).__name__} (its last linear layers: {linears})"
+        ) from None
 
 
 def _name_of(module: nn.Module, target: nn.Module) -> str:
@@ -304,17 +321,34 @@ def _route_loss(name: str, model: nn.Module, chunk_size: int | None, report: Chu
     original = model.loss_function
 
     def causal_lm_loss(
-        logits: Any, labels: torch.Tensor, vocab_size: int | None = None, num_items_in_batch: Any = None,
-        ignore_index: int = -100, shift_labels: torch.Tensor | None = None, **kwargs: Any,
-    ) -> torch.Tensor:  # fmt: skip
+        logits: Any,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if not isinstance(logits, DeferredLogits):
-            return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
-                            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)  # fmt: skip
+            return original(
+                logits,
+                labels,
+                vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index,
+                shift_labels=shift_labels,
+                **kwargs,
+            )
         if shift_labels is None:  # tokens < n predict n, as ForCausalLMLoss
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = chunked_cross_entropy(logits, shift_labels.to(logits.hidden.device), ignore_index=ignore_index,
-                                     reduction=reduction, chunk_size=chunk_size)  # fmt: skip
+        loss = chunked_cross_entropy(
+            logits,
+            shift_labels.to(logits.hidden.device),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            chunk_size=chunk_size,
+        )
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -180,7 +180,9 @@ def apply_lora_(
     if not isinstance(quantize_frozen, bool):
         raise TypeError(f"`quantize_frozen` must be True or False, got {quantize_frozen!r}.")
     if quantize_frozen and quantize_base is None:
-        raise ValueError("`quantize_frozen`=True needs `quantize_base` ('int8' or 'int4'): the format to store them in.")
+        raise ValueError(
+            "`quantize_frozen`=True needs `quantize_base` ('int8' or 'int4'): the format to store them in."
+        )
     existing = lora_layers(module)
     if existing:
         raise ValueError(
@@ -189,7 +191,9 @@ def apply_lora_(
         )
     selected = select(module, target)
     trained = _train_modules(module, train_modules, selected)
-    report = wrap_layers(module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base)
+    report = wrap_layers(
+        module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base
+    )
     if quantize_frozen:
         quantize_frozen_(module, quantize_base, adapter_type=LoraLinear)  # type: ignore[arg-type]
     train_in_full_(module, trained)
@@ -198,7 +202,9 @@ def apply_lora_(
     return report
 
 
-def _train_modules(module: nn.Module, train_modules: str | Sequence[str] | None, adapted: dict[str, nn.Module]) -> list[str]:
+def _train_modules(
+    module: nn.Module, train_modules: str | Sequence[str] | None, adapted: dict[str, nn.Module]
+) -> list[str]:
     """The names ``train_modules`` chooses (see :func:`apply_lora_`), outermost only, in module order."""
     named = {name: sub for name, sub in module.named_modules() if name and next(sub.parameters(), None) is not None}
 
@@ -209,12 +215,19 @@ def _train_modules(module: nn.Module, train_modules: str | Sequence[str] | None,
         return []
     if train_modules == "auto":
         tied = {id(sub.weight) for sub in module.modules() if isinstance(sub, nn.Embedding)}
-        chosen = [name for name, sub in named.items() if name.rsplit(".", 1)[-1] in AUTO_TRAIN_NAMES
-                  and not holds_adapted(name) and not any(id(p) in tied for p in sub.parameters())]  # fmt: skip
+        chosen = [
+            name
+            for name, sub in named.items()
+            if name.rsplit(".", 1)[-1] in AUTO_TRAIN_NAMES
+            and not holds_adapted(name)
+            and not any(id(p) in tied for p in sub.parameters())
+        ]
     else:
         patterns = [train_modules] if isinstance(train_modules, str) else list(train_modules)
         if not all(isinstance(p, str) for p in patterns):
-            raise TypeError(f"`train_modules` must be 'auto', None or module name patterns (str), got {train_modules!r}")
+            raise TypeError(
+                f"`train_modules` must be 'auto', None or module name patterns (str), got {train_modules!r}"
+            )
         chosen = []
         for pattern in patterns:
             hits = [name for name, sub in named.items() if matches(name, pattern) or type(sub).__name__ == pattern]
@@ -304,9 +317,13 @@ def wrap_layers(
         quantize_base_layers_(module, {name: wrapped[name] for name in selected}, quantize_base)
     trainable, total = count_parameters(module)
     return LoraReport(
-        wrapped=list(selected), r=r, alpha=float(alpha), quantize_base=quantize_base,
-        trainable_params=trainable, total_params=total,
-    )  # fmt: skip
+        wrapped=list(selected),
+        r=r,
+        alpha=float(alpha),
+        quantize_base=quantize_base,
+        trainable_params=trainable,
+        total_params=total,
+    )
 
 
 def _attentions(module: nn.Module, selected: dict[str, nn.Module]) -> dict[str, bool]:

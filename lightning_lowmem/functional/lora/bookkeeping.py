@@ -103,7 +103,9 @@ def parameter_metrics(module: nn.Module, prefix: str = "lowmem/lora") -> dict[st
     }
 
 
-def checkpoint_record(settings: dict[str, Any], target: Any, *, save_base_weights: bool, version: int) -> dict[str, Any]:
+def checkpoint_record(
+    settings: dict[str, Any], target: Any, *, save_base_weights: bool, version: int
+) -> dict[str, Any]:
     """What a checkpoint records of an adapter run (besides its writer): the format, the ``settings``
     (``r``, ``alpha``, ``quantize_base``), the ``target`` layers, and the callback that loads it (``needs``).
 

@@ -46,8 +46,14 @@ def lora_config(module: nn.Module) -> dict[str, Any]:
     quantize_base = None
     if True in quantized:
         quantize_base = "int4" if "int4" in type(first.weight).__name__.lower() else "int8"
-    return {"target": list(layers), "r": first.r, "alpha": first.alpha, "dropout": dropout, "quantize_base": quantize_base,
-            "train_modules": trained_modules(module)}  # fmt: skip
+    return {
+        "target": list(layers),
+        "r": first.r,
+        "alpha": first.alpha,
+        "dropout": dropout,
+        "quantize_base": quantize_base,
+        "train_modules": trained_modules(module),
+    }
 
 
 def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -55,8 +61,11 @@ def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     modules trained in full (``train_modules``) and the running statistics of BatchNorm layers (which training
     updates), detached, keyed as in ``state_dict()``."""
     trained = tuple(f"{name}." for name in trained_modules(module))
-    return {key: value.detach() for key, value in module.state_dict().items()
-            if key.endswith(ADAPTER_SUFFIXES + RUNNING_STAT_SUFFIXES) or key.startswith(trained)}  # fmt: skip
+    return {
+        key: value.detach()
+        for key, value in module.state_dict().items()
+        if key.endswith(ADAPTER_SUFFIXES + RUNNING_STAT_SUFFIXES) or key.startswith(trained)
+    }
 
 
 def save_adapters(module: nn.Module, path: str | os.PathLike) -> None:
@@ -64,7 +73,9 @@ def save_adapters(module: nn.Module, path: str | os.PathLike) -> None:
     torch.save({"format": FILE_FORMAT, "lora_config": lora_config(module), "state_dict": lora_state_dict(module)}, path)
 
 
-def _read(source: str | os.PathLike | dict[str, Any], weights_only: bool) -> tuple[dict[str, torch.Tensor], dict | None]:
+def _read(
+    source: str | os.PathLike | dict[str, Any], weights_only: bool
+) -> tuple[dict[str, torch.Tensor], dict | None]:
     payload = source if isinstance(source, dict) else torch.load(source, map_location="cpu", weights_only=weights_only)
     config = payload.get("lora_config")
     state = payload.get("state_dict", payload)
@@ -137,9 +148,14 @@ def load_adapters(
         alpha = alpha if alpha is not None else config.get("alpha", 2 * r)
         check_lora_arguments(r, alpha, config.get("dropout", 0.0), quantize_base or config.get("quantize_base"))
         wrap_layers(
-            module, {mapping[p]: candidates[mapping[p]] for p in prefixes}, r=r, alpha=alpha,
-            dropout=config.get("dropout", 0.0), quantize_base=quantize_base or config.get("quantize_base"), freeze_base=True,
-        )  # fmt: skip
+            module,
+            {mapping[p]: candidates[mapping[p]] for p in prefixes},
+            r=r,
+            alpha=alpha,
+            dropout=config.get("dropout", 0.0),
+            quantize_base=quantize_base or config.get("quantize_base"),
+            freeze_base=True,
+        )
     layers = lora_layers(module)
     mapping = {p: _layer_name(p, layers) for p in prefixes}
     unmatched = sorted(set(layers) - set(mapping.values()))
@@ -155,7 +171,9 @@ def load_adapters(
                 tensor = adapters[f"{prefix}.{part}"]
                 param = getattr(layer, part)
                 if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"{prefix}.{part} has shape {tuple(tensor.shape)}, layer {name!r} needs {tuple(param.shape)}")
+                    raise ValueError(
+                        f"{prefix}.{part} has shape {tuple(tensor.shape)}, layer {name!r} needs {tuple(param.shape)}"
+                    )
                 param.copy_(tensor)
             if alpha is not None:
                 layer.alpha, layer.scaling = alpha, alpha / layer.r
@@ -164,9 +182,14 @@ def load_adapters(
     trainable, total = count_parameters(module)
     cfg = lora_config(module)
     return LoraReport(
-        wrapped=list(layers), trained=cfg["train_modules"], r=cfg["r"], alpha=float(cfg["alpha"]),
-        quantize_base=cfg["quantize_base"], trainable_params=trainable, total_params=total,
-    )  # fmt: skip
+        wrapped=list(layers),
+        trained=cfg["train_modules"],
+        r=cfg["r"],
+        alpha=float(cfg["alpha"]),
+        quantize_base=cfg["quantize_base"],
+        trainable_params=trainable,
+        total_params=total,
+    )
 
 
 def _load_trained(module: nn.Module, tensors: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -185,7 +208,7 @@ def _load_trained(module: nn.Module, tensors: dict[str, torch.Tensor], names: li
         for key, tensor in tensors.items():
             if not key.startswith(f"{name}."):
                 continue
-            dest = f"{target}.{key[len(name) + 1:]}" if target else key[len(name) + 1:]
+            dest = f"{target}.{key[len(name) + 1 :]}" if target else key[len(name) + 1 :]
             if dest not in own or tuple(own[dest].shape) != tuple(tensor.shape):
                 raise ValueError(f"{key} (shape {tuple(tensor.shape)}) fits no tensor of {target!r} in the module")
             with torch.no_grad():

@@ -53,7 +53,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], inner: str = "adamw", **kwargs: Any) -> None:
         if not isinstance(inner, str) or inner.lower() not in _INNER_BUILDERS:
-            raise ValueError(f"`inner`={inner!r} is not a plain optimizer name; choose one of {sorted(_INNER_BUILDERS)}")
+            raise ValueError(
+                f"`inner`={inner!r} is not a plain optimizer name; choose one of {sorted(_INNER_BUILDERS)}"
+            )
         self.inner_name = inner.lower()
         plain.check_arguments(
             self.inner_name, _INNER_ARGUMENTS[self.inner_name](), kwargs, owner=f"{self.inner_name}_in_backward"
@@ -68,7 +70,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 if not param.requires_grad:
                     continue
                 inner_opt = plain.build_from(
-                    _INNER_BUILDERS, _INNER_ARGUMENTS, self.inner_name, [{"params": [param], **options}], **self.inner_kwargs
+                    _INNER_BUILDERS,
+                    _INNER_ARGUMENTS,
+                    self.inner_name,
+                    [{"params": [param], **options}],
+                    **self.inner_kwargs,
                 )
                 if hasattr(inner_opt, "seed_offset"):  # stochastic rounding: one random stream per parameter
                     inner_opt.seed_offset = len(self.inner_optimizers)
@@ -130,7 +136,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 for key in inner_group.keys() & group.keys() - {"params", "lr"}:  # saved betas, eps... (lr: hook)
                     inner_group[key] = group[key]
                 saved_state = state_dict["state"].get(saved_id)
-                inner_opt.load_state_dict({"state": {0: saved_state} if saved_state else {}, "param_groups": [inner_group]})
+                inner_opt.load_state_dict(
+                    {"state": {0: saved_state} if saved_state else {}, "param_groups": [inner_group]}
+                )
                 self.state[param] = inner_opt.state[param]
                 # lr / weight_decay reach the inner group in the hook, before every inner step
 

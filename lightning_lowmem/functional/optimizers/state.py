@@ -92,8 +92,11 @@ def flatten_low_bit_state(state_dict: dict[str, Any]) -> dict[str, Any]:
             path = _class_path(value)
             if isinstance(value, torch.Tensor) and path in LOW_BIT_CLASSES:
                 names, attributes = value.__tensor_flatten__()
-                out[key] = {LOW_BIT_KEY: path, "tensors": {n: getattr(value, n) for n in names},
-                            "attributes": list(attributes)}  # fmt: skip
+                out[key] = {
+                    LOW_BIT_KEY: path,
+                    "tensors": {n: getattr(value, n) for n in names},
+                    "attributes": list(attributes),
+                }
             else:
                 out[key] = value
         return out
@@ -115,7 +118,9 @@ def unflatten_low_bit_state(state_dict: dict[str, Any]) -> dict[str, Any]:
             if isinstance(value, dict) and LOW_BIT_KEY in value:
                 path = value[LOW_BIT_KEY]
                 if path not in LOW_BIT_CLASSES:
-                    raise ValueError(f"optimizer state entry {key!r} names {path!r}; only {sorted(LOW_BIT_CLASSES)} are rebuilt")
+                    raise ValueError(
+                        f"optimizer state entry {key!r} names {path!r}; only {sorted(LOW_BIT_CLASSES)} are rebuilt"
+                    )
                 module_name, _, class_name = path.rpartition(".")
                 try:
                     cls = getattr(importlib.import_module(module_name), class_name)

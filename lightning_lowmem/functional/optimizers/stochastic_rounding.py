@@ -257,6 +257,8 @@ BUILDERS: dict[str, plain.Builder] = {
 """The stochastically rounded optimizers, by registry name."""
 
 ARGUMENTS: dict[str, Callable[[], Iterable[str]]] = {
-    "adamw_bf16_sr": lambda: [a for a in plain._TORCHAO_ADAMW_ARGUMENTS if a not in ("block_size", "bf16_stochastic_round")],
+    "adamw_bf16_sr": lambda: [
+        a for a in plain._TORCHAO_ADAMW_ARGUMENTS if a not in ("block_size", "bf16_stochastic_round")
+    ],
     "adafactor_bf16_sr": plain.ARGUMENTS["adafactor"],
 }

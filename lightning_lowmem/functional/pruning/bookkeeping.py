@@ -47,7 +47,9 @@ def restore_masks_(module: nn.Module, masks: dict[str, torch.Tensor]) -> None:
         )
 
 
-def sync_masks_(module: nn.Module, targets: Sequence[Target], broadcast: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def sync_masks_(
+    module: nn.Module, targets: Sequence[Target], broadcast: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
     """Give every process the masks of the source process: ``broadcast`` takes a CPU mask and returns the
     source's (e.g. ``lambda t: trainer.strategy.broadcast(t, src=0)``); the masks are then applied."""
     for _, sub, pname in targets:

@@ -256,7 +256,9 @@ def load_masks_(module: nn.Module, masks: dict[str, torch.Tensor]) -> list[str]:
 
 def layer_sparsity(module: nn.Module) -> dict[str, float]:
     """Fraction of zeros of each masked tensor (or, without masks, of each leaf module's ``weight``)."""
-    result = {mask_key(fqn, pname): float((getattr(sub, pname) == 0).float().mean()) for fqn, sub, pname, _ in _masked(module)}
+    result = {
+        mask_key(fqn, pname): float((getattr(sub, pname) == 0).float().mean()) for fqn, sub, pname, _ in _masked(module)
+    }
     if result:
         return result
     return {

@@ -171,7 +171,12 @@ def pack_sparse_tree(obj: Any, min_sparsity: float = 0.3, min_numel: int = 1024)
                 count += 1
             memo[key] = result
             return result
-        if isinstance(value, dict) and not is_packed_sparse(value) or isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+        if (
+            isinstance(value, dict)
+            and not is_packed_sparse(value)
+            or isinstance(value, list)
+            or (isinstance(value, tuple) and not hasattr(value, "_fields"))
+        ):
             return _rebuild(value, visit)
         return value
 
@@ -216,7 +221,11 @@ def unpack_sparse_tree(obj: Any, device: Callable[[str], torch.device] | None = 
             if id(value) not in memo:
                 memo[id(value)] = unpack_sparse(value, None if device is None else device(value.get("device", "cpu")))
             return memo[id(value)]
-        if isinstance(value, dict) or isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields")):
+        if (
+            isinstance(value, dict)
+            or isinstance(value, list)
+            or (isinstance(value, tuple) and not hasattr(value, "_fields"))
+        ):
             return _rebuild(value, visit)
         return value
 

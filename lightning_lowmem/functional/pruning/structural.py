@@ -183,7 +183,9 @@ def prune_structural_(
     else:
         layer_types = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
         candidates = [
-            (n, m) for n, m in model.named_modules() if (isinstance(m, layer_types) or _is_hf_conv1d(m)) and filter_fn(m, n)
+            (n, m)
+            for n, m in model.named_modules()
+            if (isinstance(m, layer_types) or _is_hf_conv1d(m)) and filter_fn(m, n)
         ]
     was_training = model.training
     model.eval()
@@ -191,10 +193,12 @@ def prune_structural_(
         # a Hugging Face ModelOutput also holds the KV cache (tuples without grad_fn): trace the logits only
         conv1d = {type(m) for m in model.modules() if _is_hf_conv1d(m)}
         graph = tp.DependencyGraph().build_dependency(
-            model, example_inputs=example_inputs if forward_fn else _trace_inputs(model, example_inputs),
-            forward_fn=forward_fn, output_transform=output_logits,
+            model,
+            example_inputs=example_inputs if forward_fn else _trace_inputs(model, example_inputs),
+            forward_fn=forward_fn,
+            output_transform=output_logits,
             customized_pruners={kind: _hf_conv1d_pruner(tp) for kind in conv1d},
-        )  # fmt: skip
+        )
     plans = []
     cut: set[int] = set()  # layers whose output channels an earlier plan already removes (coupled: Llama gate / up)
     for fqn, layer in candidates:
@@ -248,7 +252,9 @@ def _trace_parameters(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.T
     return saved
 
 
-def _restore_parameters(model: nn.Module, saved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _restore_parameters(
+    model: nn.Module, saved: dict[str, tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
     """Put real values back (gathered by the traced indices); return ``{name: kept flat indices}``."""
     kept: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
@@ -353,11 +359,16 @@ def shrink_to_state_dict_(module: nn.Module, state_dict: dict[str, Any], prefix:
         {'0.weight': [4, 8], '0.bias': [4]}
     """
     current = {name: list(t.shape) for name, t in [*module.named_parameters(), *module.named_buffers()]}
-    shapes = {key[len(prefix):]: list(value.shape) for key, value in state_dict.items()
-              if key.startswith(prefix) and isinstance(value, torch.Tensor)}  # fmt: skip
+    shapes = {
+        key[len(prefix) :]: list(value.shape)
+        for key, value in state_dict.items()
+        if key.startswith(prefix) and isinstance(value, torch.Tensor)
+    }
     changed = {name: shape for name, shape in shapes.items() if name in current and current[name] != shape}
-    shrunk = all(len(shape) == len(current[name]) and all(a <= b for a, b in zip(shape, current[name], strict=True))
-                 for name, shape in changed.items())  # fmt: skip
+    shrunk = all(
+        len(shape) == len(current[name]) and all(a <= b for a, b in zip(shape, current[name], strict=True))
+        for name, shape in changed.items()
+    )
     if changed and shrunk:
         restore_shapes_(module, changed)
         return changed

@@ -80,8 +80,7 @@ def resolve_targets(
         missing = [n for n in names if n not in present]
         if missing and names_given:
             raise ValueError(
-                f"`parameter_names` contains {missing}, which no module has;"
-                f" parameter names present: {sorted(present)}"
+                f"`parameter_names` contains {missing}, which no module has; parameter names present: {sorted(present)}"
             )
         names = [n for n in names if n in present]
     return collect_prunable(module, names, None, pairs or None, embeddings=embeddings)

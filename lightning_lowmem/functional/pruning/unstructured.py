@@ -239,16 +239,22 @@ def prune_(
 
     if not isinstance(method, str):  # a torch BasePruningMethod subclass
         if global_:
-            raise ValueError(f"`method`={method_name} (a custom pruning method) only supports local pruning (global_=False)")
+            raise ValueError(
+                f"`method`={method_name} (a custom pruning method) only supports local pruning (global_=False)"
+            )
         for i, weight in enumerate(weights):
-            kwargs = {"dim": dim if dim is not None else 0} if getattr(method, "PRUNING_TYPE", "") == "structured" else {}
+            kwargs = (
+                {"dim": dim if dim is not None else 0} if getattr(method, "PRUNING_TYPE", "") == "structured" else {}
+            )
             pruner = method(target_sparsity, **kwargs)
             masks[i] &= pruner.compute_mask(weight.detach(), default_mask=masks[i].to(weight.dtype)).bool()
     elif method == "nm":
         for i, ((fqn, sub, pname), weight) in enumerate(zip(targets, weights, strict=True)):
             nm = _nm_mask(weight, masks[i], weight_dims(sub, pname)[1] if weight.dim() > 1 else 0, n, m)
             if nm is None:
-                message = f"{mask_key(fqn, pname)} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
+                message = (
+                    f"{mask_key(fqn, pname)} {tuple(weight.shape)}: input dim not divisible by m={m}; left unpruned"
+                )
                 warnings.warn(message, NoEffectWarning, stacklevel=2)
                 continue
             masks[i] = nm

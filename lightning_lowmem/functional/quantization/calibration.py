@@ -37,7 +37,10 @@ def device_of(module: nn.Module) -> torch.device:
 
 
 def static_candidates(
-    pl_module: nn.Module, module_name: str, skip_modules: Sequence[str], filter_fn: Callable[[nn.Module, str], bool] | None
+    pl_module: nn.Module,
+    module_name: str,
+    skip_modules: Sequence[str],
+    filter_fn: Callable[[nn.Module, str], bool] | None,
 ) -> list[str]:
     """The child's Linear / Conv / Conv1D layers (qualified from ``pl_module``), except tied ones (they stay
     float with their embedding table: one stored copy) and those ``skip_modules`` / ``filter_fn`` leave out."""
@@ -81,7 +84,9 @@ def calibration_calls(pl_module: nn.Module, module_name: str, loader: Iterable[A
                 try:
                     forward_batch(pl_module, batch)
                 except BatchCallError as err:
-                    raise BatchCallError(f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}") from None
+                    raise BatchCallError(
+                        f"PostTrainingQuantization(mode='int8_static') calibrates by running the model: {err}"
+                    ) from None
     finally:
         handle.remove()
         pl_module.train(was_training)
@@ -136,7 +141,10 @@ class StaticChild:
         self._last: tuple[tuple[str, ...], QuantizationReport] | None = None
 
     def candidates(
-        self, module: nn.Module, skip_modules: Sequence[str] = (), filter_fn: Callable[[nn.Module, str], bool] | None = None
+        self,
+        module: nn.Module,
+        skip_modules: Sequence[str] = (),
+        filter_fn: Callable[[nn.Module, str], bool] | None = None,
     ) -> list[str]:
         """See :func:`static_candidates`."""
         return static_candidates(module, self.module_name, skip_modules, filter_fn)
@@ -145,7 +153,9 @@ class StaticChild:
         """See :func:`calibration_calls`."""
         return calibration_calls(module, self.module_name, batches, limit)
 
-    def build(self, module: nn.Module, names: Sequence[str], calls: list[Any], *, compile: bool | None = None) -> QuantizationReport:
+    def build(
+        self, module: nn.Module, names: Sequence[str], calls: list[Any], *, compile: bool | None = None
+    ) -> QuantizationReport:
         """The int8 graph of the child with exactly ``names`` quantized (``report.module``, to install); the
         graph :meth:`evaluating` built last for the same ``names`` is reused."""
         compile = self.compile if compile is None else compile

@@ -36,7 +36,10 @@ def is_conv1d(layer: nn.Module) -> bool:
     """``transformers.pytorch_utils.Conv1D`` (matched by name, so transformers stays optional)."""
     weight = getattr(layer, "weight", None)
     return (
-        type(layer).__name__ == "Conv1D" and hasattr(layer, "nf") and isinstance(weight, torch.Tensor) and weight.dim() == 2
+        type(layer).__name__ == "Conv1D"
+        and hasattr(layer, "nf")
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
     )
 
 
@@ -132,9 +135,7 @@ def matches_any(fqn: str, layer: nn.Module, patterns: Sequence[str]) -> bool:
     return any(type(layer).__name__ == pattern or any(_matches(p, pattern) for p in prefixes) for pattern in patterns)
 
 
-def check_patterns(
-    module: nn.Module, patterns: Sequence[str], argument: str, candidates: Sequence[str] = ()
-) -> None:
+def check_patterns(module: nn.Module, patterns: Sequence[str], argument: str, candidates: Sequence[str] = ()) -> None:
     """Raise when an entry of ``patterns`` names no submodule of ``module`` (see :func:`matches_any`).
 
     Args:
@@ -148,12 +149,16 @@ def check_patterns(
         ValueError: an entry matches nothing; the message lists the model's layer names and classes.
     """
     if isinstance(patterns, str):
-        raise TypeError(f"`{argument}` must be a list of module names, got the string {patterns!r}; wrap it: [{patterns!r}].")
+        raise TypeError(
+            f"`{argument}` must be a list of module names, got the string {patterns!r}; wrap it: [{patterns!r}]."
+        )
     names = [name for name, _ in module.named_modules() if name]
     classes = sorted({type(layer).__name__ for layer in module.modules()})
     for pattern in patterns:
         if not isinstance(pattern, str):
-            raise TypeError(f"`{argument}` entries must be module names (str), got {type(pattern).__name__}: {pattern!r}.")
+            raise TypeError(
+                f"`{argument}` entries must be module names (str), got {type(pattern).__name__}: {pattern!r}."
+            )
         if pattern in classes or any(_matches(name, pattern) for name in names):
             continue
         listed = list(candidates) or names

@@ -32,7 +32,6 @@ Modes (see :func:`available_modes` for what runs on a device):
   new exported module (``report.module``), the input module is left untouched.
 """
 
-
 from __future__ import annotations
 
 import copy
@@ -91,6 +90,7 @@ __all__ = [
     "search_float_fallback",
     "temporarily_quantized",
 ]
+
 
 def _eligible(layer: nn.Module, mode: str, with_embeddings: bool, group_size: int) -> bool:
     """A layer ``mode`` can quantize: Linear / Conv1D (/ Embedding without ``max_norm``, which renormalizes

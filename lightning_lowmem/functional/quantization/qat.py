@@ -42,6 +42,7 @@ from lightning_lowmem.memory.measure import state_bytes
 
 __all__ = ["QAT_MODES", "convert_qat_", "prepare_qat_", "qat_coverage_warning", "qat_layers", "set_fake_quant_enabled"]
 
+
 def qat_base_config(mode: str, group_size: int) -> Any:
     """Base config QAT trains for; int8 weight-only QAT goes through torchao's Intx config (QATConfig
     does not take Int8WeightOnlyConfig): int8 per row, the same format as an int8 embedding table."""

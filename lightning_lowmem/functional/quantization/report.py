@@ -116,7 +116,9 @@ def float_bytes_by_class(module: nn.Module, skip: Sequence[str] = ()) -> str:
         for tensor in layer.parameters(recurse=False):
             if id(tensor) not in seen and type(tensor.data) in (torch.Tensor, nn.Parameter):
                 seen.add(id(tensor))
-                by_class[type(layer).__name__] = by_class.get(type(layer).__name__, 0) + tensor.numel() * tensor.element_size()
+                by_class[type(layer).__name__] = (
+                    by_class.get(type(layer).__name__, 0) + tensor.numel() * tensor.element_size()
+                )
     biggest = sorted(by_class.items(), key=lambda item: -item[1])[:4]
     return ", ".join(f"{name} {format_bytes(size)}" for name, size in biggest)
 
@@ -154,7 +156,9 @@ def comparison_table(mode: str, before: dict[str, Any], after: dict[str, Any] | 
     return "\n".join(rows)
 
 
-def logged_metrics(before: dict[str, Any], after: dict[str, Any], kept: Sequence[str], report: QuantizationReport) -> dict[str, float]:
+def logged_metrics(
+    before: dict[str, Any], after: dict[str, Any], kept: Sequence[str], report: QuantizationReport
+) -> dict[str, float]:
     """What ``PostTrainingQuantization`` logs after quantizing: the size ratio (``before`` / ``after`` bytes),
     the number of layers kept in float and the share of the parameter bytes converted.
 

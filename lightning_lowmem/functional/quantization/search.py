@@ -23,8 +23,13 @@ from lightning_lowmem.memory.measure import state_bytes
 from lightning_lowmem.model_io import forward_batch
 
 __all__ = [
-    "ToleranceSearchResult", "expand_units", "measure_latency", "search_float_fallback", "size_and_latency", "tied_units"
-]  # fmt: skip
+    "ToleranceSearchResult",
+    "expand_units",
+    "measure_latency",
+    "search_float_fallback",
+    "size_and_latency",
+    "tied_units",
+]
 
 
 @torch.inference_mode()

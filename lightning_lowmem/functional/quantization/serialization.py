@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_quantized_tensor", "keep_portable_", "make_portable", "rebuild_quantized_tensor", "register_safe_globals"]
+__all__ = [
+    "is_quantized_tensor",
+    "keep_portable_",
+    "make_portable",
+    "rebuild_quantized_tensor",
+    "register_safe_globals",
+]
 
 _ALLOWED_ROOT = "torchao."
 
@@ -181,7 +187,9 @@ def keep_portable_(module: torch.nn.Module) -> None:
         module.__dict__["_lowmem_portable_state_dict"] = True
 
 
-def _make_state_dict_portable(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _make_state_dict_portable(
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     for key, value in state_dict.items():
         if key.startswith(prefix) and is_quantized_tensor(value) and not isinstance(value, torch.nn.Parameter):
             make_portable(value)

@@ -85,6 +85,7 @@ def split_reused_modules_(graph_module: torch.fx.GraphModule, module: nn.Module)
             renamed.add(fqn)
     return sorted(renamed)
 
+
 _STATIC_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d)
 
 
@@ -113,7 +114,9 @@ def cpu_has_vnni() -> bool:
 def _drop_unused_state(graph_module: torch.fx.GraphModule) -> None:
     """Delete parameters/buffers no graph node reads (convert leaves the float originals behind)."""
     used = {str(node.target) for node in graph_module.graph.nodes if node.op in ("get_attr", "call_module")}
-    for name in [name for name, _ in graph_module.named_parameters()] + [name for name, _ in graph_module.named_buffers()]:
+    for name in [name for name, _ in graph_module.named_parameters()] + [
+        name for name, _ in graph_module.named_buffers()
+    ]:
         if name not in used:
             owner_name, _, attribute = name.rpartition(".")
             delattr(graph_module.get_submodule(owner_name), attribute)
@@ -312,4 +315,6 @@ def quantize_static(
     notes = ["activations in 7 bits (reduce_range: this CPU has no VNNI)"] if reduce_range else []
     conv1d = [name for name in replaced if name in chosen]
     bytes_after = state_bytes(converted)["parameters"]
-    return QuantizationReport("int8_static", bytes_before, bytes_after, chosen, result, conv1d, [], converted_bytes, notes)
+    return QuantizationReport(
+        "int8_static", bytes_before, bytes_after, chosen, result, conv1d, [], converted_bytes, notes
+    )

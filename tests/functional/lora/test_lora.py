@@ -50,7 +50,9 @@ def test_output_unchanged_at_step_zero_and_only_adapters_trainable(tiny_gpt):
     reference = tiny_gpt(TOKENS)
     report = apply_lora_(tiny_gpt, r=4, alpha=8)
     assert torch.allclose(tiny_gpt(TOKENS), reference)
-    assert report.wrapped == [f"h.{i}.{n}" for i in range(2) for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert report.wrapped == [
+        f"h.{i}.{n}" for i in range(2) for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
     trainable = [name for name, p in tiny_gpt.named_parameters() if p.requires_grad]
     assert trainable and all(name.endswith((".lora_A", ".lora_B")) for name in trainable)
     # 2 blocks x r=4 x (in + out) summed over c_attn (32+96), attn.c_proj (32+32), c_fc (32+128), mlp.c_proj (128+32)
@@ -75,7 +77,9 @@ def test_backward_reaches_adapters_only(tiny_gpt):
     apply_lora_(tiny_gpt, r=4, target=["c_attn", "mlp.c_fc"])
     F.cross_entropy(tiny_gpt(TOKENS).flatten(0, 1), TOKENS.flatten()).backward()
     with_grad = {name for name, p in tiny_gpt.named_parameters() if p.grad is not None}
-    assert with_grad == {f"h.{i}.{layer}.lora_{ab}" for i in range(2) for layer in ("attn.c_attn", "mlp.c_fc") for ab in "AB"}
+    assert with_grad == {
+        f"h.{i}.{layer}.lora_{ab}" for i in range(2) for layer in ("attn.c_attn", "mlp.c_fc") for ab in "AB"
+    }
     assert tiny_gpt.h[0].attn.c_attn.lora_A.grad.abs().sum() == 0  # B = 0: A gets no signal at step 0
     assert tiny_gpt.h[0].attn.c_attn.lora_B.grad.abs().sum() > 0
 

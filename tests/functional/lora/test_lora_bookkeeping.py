@@ -38,7 +38,9 @@ def test_counts_metrics_summary_and_optimizer_after_wrapping():
         "lowmem/lora/total_params": float(total),
         "lowmem/lora/trainable_fraction": pytest.approx(trainable / total),
     }
-    assert wrap_summary(report).startswith("LowRankAdapters: 1 layers wrapped (r=4, alpha=16); trainable parameters 128 of ")
+    assert wrap_summary(report).startswith(
+        "LowRankAdapters: 1 layers wrapped (r=4, alpha=16); trainable parameters 128 of "
+    )
     optimizer = torch.optim.AdamW(model.parameters())
     assert drop_frozen_([optimizer]) == 4  # two weights, two biases
     assert sum(p.numel() for p in optimizer.param_groups[0]["params"]) == trainable
@@ -48,9 +50,14 @@ def test_checkpoint_record_and_adapter_entries():
     model, report = _wrapped()
     entry = checkpoint_record({**SETTINGS, "alpha": 8.0}, report.wrapped, save_base_weights=False, version=1)
     assert entry == {
-        "format": "adapters-only", "version": 1, "target": ["0"], "r": 4, "alpha": 8.0, "quantize_base": None,
+        "format": "adapters-only",
+        "version": 1,
+        "target": ["0"],
+        "r": 4,
+        "alpha": 8.0,
+        "quantize_base": None,
         "needs": "callbacks=[LowRankAdapters(r=4, alpha=8.0)] (same target layers)",
-    }  # fmt: skip
+    }
     assert checkpoint_record(SETTINGS, "all-linear", save_base_weights=True, version=1)["format"] == "full"
     assert sorted(adapter_entries(model.state_dict())) == ["0.lora_A", "0.lora_B"]
 

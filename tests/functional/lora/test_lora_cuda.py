@@ -15,7 +15,11 @@ pytestmark = pytest.mark.cuda
 
 def _model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024)).cuda().to(dtype)
+    return (
+        nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024))
+        .cuda()
+        .to(dtype)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -39,6 +43,7 @@ def test_qlora_int4_base_is_small_close_and_trains(dtype):
     assert 1e-3 < ((start - reference).norm() / reference.norm()).item() < 0.25  # int4: ~7% a layer, three layers
 
     frozen = [layer.weight for layer in (model[0], model[2], model[4])]
+
     def inner(weight: torch.Tensor) -> list[torch.Tensor]:
         return [getattr(weight, name).clone() for name in weight.__tensor_flatten__()[0]]
 

@@ -42,7 +42,9 @@ def test_train_modules_by_name_none_and_errors():
     assert apply_lora_(hf_vit(), r=4, train_modules=None).trained == []
     with pytest.raises(ValueError, match=r"`train_modules` pattern 'nohead' matches no module with parameters"):
         apply_lora_(mha_classifier(), target=["linear1"], train_modules=["nohead"])
-    with pytest.raises(ValueError, match=r"`train_modules` pattern 'linear1' matches .* a module is adapted or trained"):
+    with pytest.raises(
+        ValueError, match=r"`train_modules` pattern 'linear1' matches .* a module is adapted or trained"
+    ):
         apply_lora_(mha_classifier(), target=["linear1"], train_modules=["linear1"])
     with pytest.raises(ValueError, match=r"`train_modules` must be 'auto', None, a module name pattern"):
         LoRAConfig(train_modules=3)
@@ -105,5 +107,7 @@ def test_a_head_inside_a_container_is_a_head_and_all_linear_on_a_cnn_names_all_c
     from tests.vision_zoo import hf_resnet
 
     # HF ResNet's head is classifier = Sequential(Flatten, Linear): its Linear is no body layer to adapt
-    with pytest.raises(ValueError, match=r"found no linear layer in \w+; its \d+ nn.Conv2d layers get adapters with target='all-conv'"):
+    with pytest.raises(
+        ValueError, match=r"found no linear layer in \w+; its \d+ nn.Conv2d layers get adapters with target='all-conv'"
+    ):
         apply_lora_(hf_resnet())

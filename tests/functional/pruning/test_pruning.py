@@ -70,7 +70,14 @@ def test_ln_structured_removes_whole_output_channels_of_conv(tiny_convnet):
 
 def test_random_structured_with_dim_1_prunes_input_channels(tiny_convnet):
     gen = torch.Generator().manual_seed(0)
-    prune_(tiny_convnet, 0.25, "random_structured", dim=1, parameters_to_prune=[(tiny_convnet.conv2, "weight")], generator=gen)
+    prune_(
+        tiny_convnet,
+        0.25,
+        "random_structured",
+        dim=1,
+        parameters_to_prune=[(tiny_convnet.conv2, "weight")],
+        generator=gen,
+    )
     zero_inputs = (tiny_convnet.conv2.weight.transpose(0, 1).flatten(1) == 0).all(dim=1)
     assert int(zero_inputs.sum()) == 2  # a quarter of 8 input channels
 
@@ -163,9 +170,21 @@ def test_mask_overhead_at_most_1_1_bytes_per_weight_vs_torch_prune():
     [
         (dict(target_sparsity=1.5), ValueError, r"`amount`=1.5 must be in \[0, 1\]"),
         (dict(target_sparsity=-3), ValueError, r"`amount`=-3 must be >= 0"),
-        (dict(target_sparsity=0.5, method="l3"), ValueError, r"`method`='l3' is unknown; choose one of \['l1_unstructured'"),
-        (dict(target_sparsity=0.5, method="nm", n=4, m=4), ValueError, r"`n`=4, `m`=4: N:M pruning needs ints with 1 <= n < m"),
-        (dict(target_sparsity=0.5, parameter_names=("kernel",)), ValueError, r"\['kernel'\], which no .*present: \['bias', 'weight'\]"),
+        (
+            dict(target_sparsity=0.5, method="l3"),
+            ValueError,
+            r"`method`='l3' is unknown; choose one of \['l1_unstructured'",
+        ),
+        (
+            dict(target_sparsity=0.5, method="nm", n=4, m=4),
+            ValueError,
+            r"`n`=4, `m`=4: N:M pruning needs ints with 1 <= n < m",
+        ),
+        (
+            dict(target_sparsity=0.5, parameter_names=("kernel",)),
+            ValueError,
+            r"\['kernel'\], which no .*present: \['bias', 'weight'\]",
+        ),
         (dict(target_sparsity="half"), TypeError, r"`amount`='half' must be a float"),
     ],
 )
@@ -222,6 +241,9 @@ def test_parameters_held_by_a_module_with_children_are_found():
 
 
 def test_pair_outside_the_model_is_refused_with_the_real_names(tiny_mlp):
-    with pytest.raises(ValueError, match=r"entry \(Linear, 'weight'\) is not a parameter of the TinyMLP being pruned; "
-                                         r"pass modules of that model \(its 'weight' parameters: \['fc1.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"entry \(Linear, 'weight'\) is not a parameter of the TinyMLP being pruned; "
+        r"pass modules of that model \(its 'weight' parameters: \['fc1.weight'",
+    ):
         prune_(tiny_mlp, 0.5, parameters_to_prune=[(nn.Linear(2, 2), "weight")])

@@ -1,6 +1,5 @@
 """The pieces ``ScheduledPruning`` delegates to: the step schedule, target resolution, rewind, shrink-on-load."""
 
-
 import pytest
 import torch
 from torch import nn
@@ -27,7 +26,9 @@ def test_schedule_end_step_none_resolves_to_the_last_step():
     assert schedule.end_step is None and schedule.function is None
     schedule.resolve_last_step(10)
     assert schedule.end_step == 10 and schedule.sparsity_at(5) == pytest.approx(0.25)
-    with pytest.raises(ValueError, match=r"`end_step`=None resolves to the run's last step 3, which is not > `start_step`"):
+    with pytest.raises(
+        ValueError, match=r"`end_step`=None resolves to the run's last step 3, which is not > `start_step`"
+    ):
         PruningSchedule("linear", 0.5, start_step=3).resolve_last_step(3)
 
 

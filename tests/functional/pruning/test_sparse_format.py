@@ -105,8 +105,11 @@ def _old_layout(tensor):
     bits = torch.zeros(-(-flat.numel() // 8) * 8, dtype=torch.uint8)
     bits[: flat.numel()] = nonzero.to(torch.uint8)
     weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-    return {"shape": list(tensor.shape), "bitmask": (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8),
-            "values": flat[nonzero].clone()}
+    return {
+        "shape": list(tensor.shape),
+        "bitmask": (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8),
+        "values": flat[nonzero].clone(),
+    }
 
 
 def test_state_dict_export_writes_the_one_format_and_old_files_still_load(tmp_path):

@@ -87,7 +87,9 @@ def test_hf_ffn_units_halved_along_the_right_dim_and_reloaded(family):
     pytest.importorskip("transformers")
     from tests.hf_zoo import hf_batch, hf_module
 
-    model = hf_module(family, **({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if family == "gpt2" else {})).model
+    model = hf_module(
+        family, **({"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if family == "gpt2" else {})
+    ).model
     model.eval()
     batch = hf_batch(family, seq_len=16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -109,7 +111,10 @@ def test_hf_ffn_units_halved_along_the_right_dim_and_reloaded(family):
         assert model.transformer.h[0].attn.c_attn.weight.shape == (64, 192)  # attention untouched
     else:  # gate and up are one coupled group, cut once
         assert set(report.removed_channels) == {"model.layers.0.mlp.gate_proj", "model.layers.1.mlp.gate_proj"}
-        assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (64, 64) and mlp.down_proj.weight.shape == (64, 64)
+        assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (64, 64) and mlp.down_proj.weight.shape == (
+            64,
+            64,
+        )
         assert torch.equal(mlp.gate_proj.weight.detach(), rows[kept])
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
     loss = model(**batch).loss

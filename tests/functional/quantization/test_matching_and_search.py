@@ -63,8 +63,10 @@ def test_tied_units_make_a_tied_group_one_search_candidate():
     model = _gpt2()
     candidates = ["model.transformer.wte", "model.transformer.h.0.attn.c_attn", "model.lm_head"]
     units = tied_units(model, candidates)
-    assert units == {"model.transformer.wte": ["model.transformer.wte", "model.lm_head"],
-                     "model.transformer.h.0.attn.c_attn": ["model.transformer.h.0.attn.c_attn"]}
+    assert units == {
+        "model.transformer.wte": ["model.transformer.wte", "model.lm_head"],
+        "model.transformer.h.0.attn.c_attn": ["model.transformer.h.0.attn.c_attn"],
+    }
     assert expand_units(units, ["model.transformer.wte"]) == ["model.transformer.wte", "model.lm_head"]
 
 
@@ -73,7 +75,9 @@ def test_temporarily_quantized_gives_back_the_same_conv1d_layer_and_parameter():
     name = "model.transformer.h.0.mlp.c_fc"
     layer, weight = model.get_submodule(name), model.get_submodule(name).weight
     with temporarily_quantized(model, "int8_weight_only", [name]):
-        assert isinstance(model.get_submodule(name), nn.Linear) and is_quantized_tensor(model.get_submodule(name).weight)
+        assert isinstance(model.get_submodule(name), nn.Linear) and is_quantized_tensor(
+            model.get_submodule(name).weight
+        )
     assert model.get_submodule(name) is layer and layer.weight is weight
 
 
@@ -88,8 +92,12 @@ def test_size_and_latency_counts_the_quantized_bytes():
 
 
 def test_comparison_table_says_when_quantized_is_slower():
-    table = comparison_table("int8_dynamic", {"bytes": 4096, "latency_s": 0.001, "metric": 0.9},
-                             {"bytes": 1024, "latency_s": 0.003, "metric": 0.89}, ["lm_head"])
+    table = comparison_table(
+        "int8_dynamic",
+        {"bytes": 4096, "latency_s": 0.001, "metric": 0.9},
+        {"bytes": 1024, "latency_s": 0.003, "metric": 0.89},
+        ["lm_head"],
+    )
     rows = table.splitlines()
     assert rows[2].split() == ["float", "4.00", "KiB", "1.000", "ms", "0.9000"]
     assert rows[3].split() == ["quantized", "1.00", "KiB", "3.000", "ms", "0.8900"]

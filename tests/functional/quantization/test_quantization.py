@@ -83,7 +83,9 @@ def test_filter_fn_and_skip_modules_choose_layers():
     model = wide_mlp()
     assert quantize_(model, "int8_weight_only", skip_modules=["0"]).converted == ["2"]
     model = wide_mlp()
-    assert quantize_(model, "int8_weight_only", filter_fn=lambda layer, fqn: layer.out_features == 256).converted == ["0"]
+    assert quantize_(model, "int8_weight_only", filter_fn=lambda layer, fqn: layer.out_features == 256).converted == [
+        "0"
+    ]
     assert type(model[2].weight) is nn.Parameter
 
 
@@ -219,7 +221,9 @@ def test_compiled_int8_static_stays_close_to_float_for_any_batch():
     batches = [torch.randn(16, 256) for _ in range(4)]
     quantized = quantize_(model, "int8_static", calibration_data=batches).module
     fast = compile_inference(quantized, (batches[0],))  # the docstring example, compiled for real
-    assert isinstance(fast, CompiledInference) and set(fast.state_dict()) == {f"module.{k}" for k in quantized.state_dict()}
+    assert isinstance(fast, CompiledInference) and set(fast.state_dict()) == {
+        f"module.{k}" for k in quantized.state_dict()
+    }
     for inputs in (batches[1], torch.randn(3, 256)):  # a new batch size recompiles, still with frozen weights
         with torch.no_grad():
             reference = model(inputs)
@@ -236,9 +240,14 @@ def embedding_model() -> nn.Sequential:
     return nn.Sequential(nn.Embedding(256, 256), nn.Linear(256, 256))
 
 
-@pytest.mark.parametrize(("mode", "max_error", "min_ratio"), [
-    ("int8_dynamic", 0.03, 3.8), ("int8_weight_only", 0.03, 3.8), ("intx4_weight_only", 0.15, 3.3),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "max_error", "min_ratio"),
+    [
+        ("int8_dynamic", 0.03, 3.8),
+        ("int8_weight_only", 0.03, 3.8),
+        ("intx4_weight_only", 0.15, 3.3),
+    ],
+)
 def test_embeddings_are_quantized_by_default_stay_close_and_shrink(mode, max_error, min_ratio):
     model = embedding_model()
     tokens = torch.randint(0, 256, (4, 16))
@@ -258,7 +267,9 @@ def test_embeddings_false_keeps_table_float_and_static_refuses_true():
     assert type(model[0].weight) is nn.Parameter
     assert quantize_(embedding_model(), "int8_weight_only", skip_modules=["1"]).converted == ["0"]
     with pytest.raises(ValueError, match="`embeddings`=True is not supported with mode='int8_static'"):
-        quantize_(embedding_model(), "int8_static", embeddings=True, calibration_data=[torch.zeros(1, 4, dtype=torch.long)])
+        quantize_(
+            embedding_model(), "int8_static", embeddings=True, calibration_data=[torch.zeros(1, 4, dtype=torch.long)]
+        )
     with pytest.raises(TypeError, match="`embeddings` must be True, False or None.*got 'yes'"):
         quantize_(embedding_model(), "int8_dynamic", embeddings="yes")
 

@@ -41,5 +41,7 @@ def test_check_ptq_arguments_accepts_valid_combinations():
 def test_check_submodule_returns_the_child_or_lists_children():
     model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
     assert check_submodule(model, "0").out_features == 3
-    with pytest.raises(ValueError, match=r"`module_name`='body' is not a submodule of Sequential; its children are \['0', '1'\]"):
+    with pytest.raises(
+        ValueError, match=r"`module_name`='body' is not a submodule of Sequential; its children are \['0', '1'\]"
+    ):
         check_submodule(model, "body")

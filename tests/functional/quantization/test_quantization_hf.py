@@ -144,8 +144,11 @@ def test_tied_group_is_quantized_whole_or_not_at_all():
 
 def test_skip_modules_naming_nothing_lists_real_layers():
     module = hf_module("gpt2")
-    with pytest.raises(ValueError, match=r"`skip_modules` entry 'lm_haed' matches no submodule of HFLanguageModel.*"
-                       r"model.transformer.h.0.attn.c_attn.*layer classes: \[.*'Conv1D'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"`skip_modules` entry 'lm_haed' matches no submodule of HFLanguageModel.*"
+        r"model.transformer.h.0.attn.c_attn.*layer classes: \[.*'Conv1D'",
+    ):
         quantize_(module, "int8_dynamic", skip_modules=["lm_haed"])
     assert all(type(p) is nn.Parameter for p in module.parameters())  # nothing happened
     report = quantize_(module, "int8_dynamic", skip_modules=["*.mlp.*", "Embedding"])  # a glob and a class name
@@ -155,8 +158,11 @@ def test_skip_modules_naming_nothing_lists_real_layers():
 
 def test_warns_when_less_than_half_of_the_bytes_are_converted():
     module = hf_module("gpt2")
-    with pytest.warns(LowMemWarning, match=r"converted 1 layers holding only \d+% of HFLanguageModel's parameter bytes.*"
-                      r"float parameters remain in: (Conv1D|Linear)"):  # fmt: skip
+    with pytest.warns(
+        LowMemWarning,
+        match=r"converted 1 layers holding only \d+% of HFLanguageModel's parameter bytes.*"
+        r"float parameters remain in: (Conv1D|Linear)",
+    ):
         report = quantize_(module, "int8_dynamic", filter_fn=lambda layer, fqn: fqn.endswith("h.0.attn.c_proj"))
     assert report.converted == ["model.transformer.h.0.attn.c_proj"] and report.converted_share < 0.5
     with warnings.catch_warnings():

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_lowmem.functional.quantization.report import QuantizationReport, logged_metrics, tolerance_failure_message
+from lightning_lowmem.functional.quantization.report import (
+    QuantizationReport,
+    logged_metrics,
+    tolerance_failure_message,
+)
 
 
 def test_logged_metrics_keys_and_values():
