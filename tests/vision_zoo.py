@@ -1,6 +1,6 @@
 """The vision / torch-native model zoo of the tests: models users bring that are not Hugging Face text models.
 
-Tiny, randomly initialised, no downloads: Hugging Face ResNet and ViT built from configs, a flat ``nn.Sequential``
+Tiny, randomly initialised, no downloads: Hugging Face ResNet, ViT, ConvNeXt and MobileNetV2 built from configs, a flat ``nn.Sequential``
 CNN (no repeated block anywhere), a CNN whose blocks sit in ``nn.Sequential`` stages of stages (torchvision's
 layout: ``model.layer1[0]`` ...), an ``nn.TransformerEncoder`` classifier (``nn.MultiheadAttention`` inside) and a
 whole ``nn.Transformer``. Each takes an ``(images or tokens, labels)`` batch; :func:`image_batch` /
@@ -16,9 +16,12 @@ from torch import nn
 __all__ = [
     "MHAClassifier",
     "TransformerSeq2Seq",
+    "hf_convnext",
+    "hf_mobilenet_v2",
     "hf_resnet",
     "mha_classifier",
     "hf_vit",
+    "calibrate_batchnorm",
     "image_batch",
     "sequential_cnn",
     "staged_cnn",
@@ -76,6 +79,56 @@ def hf_vit(layers: int = 2, seed: int = 0) -> nn.Module:
         num_labels=NUM_CLASSES,
     )
     return transformers.ViTForImageClassification(config)
+
+
+def hf_convnext(hidden_sizes: tuple[int, ...] = (32, 64), depths: tuple[int, ...] = (2, 2), seed: int = 0) -> nn.Module:
+    """A tiny Hugging Face ``ConvNextForImageClassification`` (32 x 32 images, 2 x 2 patches): ``ConvNextLayer``
+    blocks (a depthwise 7 x 7 ``Conv2d``, LayerNorm, two ``nn.Linear`` and a layer scale) in an ``nn.ModuleList``
+    per stage, the stages in another."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.ConvNextConfig(
+        num_channels=3,
+        patch_size=2,
+        hidden_sizes=list(hidden_sizes),
+        depths=list(depths),
+        num_stages=len(depths),
+        image_size=32,
+        num_labels=NUM_CLASSES,
+    )
+    return transformers.ConvNextForImageClassification(config)
+
+
+def hf_mobilenet_v2(depth_multiplier: float = 0.25, seed: int = 0) -> nn.Module:
+    """A tiny Hugging Face ``MobileNetV2ForImageClassification``: its 16 ``MobileNetV2InvertedResidual`` blocks
+    (1 x 1 expand, depthwise 3 x 3, 1 x 1 reduce, each ``Conv2d`` + ``BatchNorm2d``) in an ``nn.ModuleList``,
+    channels scaled by ``depth_multiplier`` (0.25: 74k parameters; 1.0: MobileNetV2's own 2.2M), no dropout.
+
+    Random weights (std 0.02) shrink the signal ~10^-29 through 17 conv layers in eval mode, where BatchNorm's
+    running statistics are still 0 / 1: run one training-mode forward first (HF's BatchNorm momentum is 0.997,
+    so one batch sets them), as :func:`calibrate_batchnorm` does.
+    """
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.MobileNetV2Config(
+        num_channels=3,
+        image_size=32,
+        depth_multiplier=depth_multiplier,
+        depth_divisible_by=4 if depth_multiplier < 1 else 8,
+        min_depth=4 if depth_multiplier < 1 else 8,
+        expand_ratio=2.0 if depth_multiplier < 1 else 6.0,
+        finegrained_output=False,
+        classifier_dropout_prob=0.0,
+        num_labels=NUM_CLASSES,
+    )
+    return transformers.MobileNetV2ForImageClassification(config)
+
+
+@torch.no_grad()
+def calibrate_batchnorm(model: nn.Module, images: torch.Tensor) -> nn.Module:
+    """Set BatchNorm's running statistics from ``images`` (one training-mode forward), return ``model`` in eval."""
+    model.train()(images)
+    return model.eval()
 
 
 def sequential_cnn(width: int = 16, seed: int = 0) -> nn.Sequential:
