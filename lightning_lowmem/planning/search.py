@@ -387,7 +387,8 @@ class PlanSearch:
         if baseline in tried:
             tried.remove(baseline)
         tried.insert(0, baseline)
-        family = _family(chosen.config.optimizer.name)
+        name = chosen.config.optimizer.name
+        new_family = {"lr": DEFAULT_LR[_family(name)]} if _family(name) != self.family else {}
         plan = Plan(
             chosen=chosen,
             candidates=tried,
@@ -395,7 +396,8 @@ class PlanSearch:
             usable_bytes=self.usable,
             device=self.device,
             baseline=baseline,
-            optimizer_kwargs={} if family == self.family else {"lr": DEFAULT_LR[family]},
+            optimizer_kwargs=new_family,
+            optimizer=OptimizerConfig(name, {**new_family, **self.kwargs_for(name), **chosen.config.optimizer.kwargs}),
         )
         for reason, labels in plan.skipped.items():
             plan.notes.append(f"skipped {len(labels)} candidate(s) that cannot be built on this model ({reason}).")

@@ -67,6 +67,9 @@ def test_the_configured_optimizer_is_read_as_a_config_and_optimizer_kwargs_repla
     assert configured.meta["config"]["optimizer_kwargs"]["amsgrad"] is True
     assert overridden.breakdown == _estimate(optimizer="adamw").breakdown
     assert configured.peak_bytes - overridden.peak_bytes == PARAMETER_BYTES
+    plan = plan_memory(model, torch.zeros(4, WIDTH), "1GiB", loss_fn=_loss, device="cpu", optimizer_kwargs={"lr": 0.1})
+    assert plan.predicted_peak_bytes == configured.peak_bytes
+    assert (plan.optimizer.name, plan.optimizer.kwargs["amsgrad"], plan.optimizer.kwargs["lr"]) == ("adamw", True, 0.1)
 
 
 def test_plan_memory_plans_with_the_optimizer_config_as_with_the_old_kwargs():
@@ -84,6 +87,7 @@ def test_plan_memory_plans_with_the_optimizer_config_as_with_the_old_kwargs():
         )
     assert caught[0].filename == __file__  # the warning points at the call
     assert plan.config == old.config
+    assert plan.optimizer == old.optimizer == amsgrad  # the optimizer to train the plan with, hyperparameters included
     assert plan.predicted_peak_bytes == old.predicted_peak_bytes == _estimate(optimizer=amsgrad).peak_bytes
     plain = plan_memory(_model(), torch.zeros(4, WIDTH), "1GiB", loss_fn=_loss, device="cpu", optimizer="adamw")
     assert plan.predicted_peak_bytes - plain.predicted_peak_bytes == PARAMETER_BYTES
