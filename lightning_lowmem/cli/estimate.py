@@ -336,9 +336,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
     # precision and optimizer are the baseline the search starts from
     fixed = TrainingConfig.of(config.checkpointing, config.compression, config.lora, config.cross_entropy)
-    wanted: dict[str, Any] = {"precision": config.precision_preset, "optimizer": config.optimizer_name}
-    if config.optimizer is not None and config.optimizer.hyperparameters:
-        wanted["optimizer_kwargs"] = config.optimizer.kwargs
+    wanted: dict[str, Any] = {"precision": config.precision_preset, "optimizer": config.optimizer}
     # a candidate that cannot run on fake tensors is listed with its error in the plan table; torch
     # also logs the failing op's traceback, which the table already summarises
     fake_logger = logging.getLogger("torch._subclasses.fake_tensor")

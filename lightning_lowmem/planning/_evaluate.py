@@ -41,7 +41,8 @@ class CandidateEvaluator:
         loss_fn: as for :func:`estimate_memory` (``None``: the model's own step).
         device: ``"cuda"`` or ``"cpu"``.
         loop: ``"auto"``, ``"lightning"`` or ``"torch"`` (see :func:`estimate_memory`).
-        optimizer_kwargs: optimizer name -> extra arguments for it.
+        optimizer_kwargs: optimizer name -> the hyperparameters it takes from the optimizer asked for (the search's
+            :meth:`~lightning_lowmem.planning.search.PlanSearch.kwargs_for`); a candidate's own win.
         attention_kernel: the CUDA attention kernel (see :func:`estimate_memory`).
     """
 
@@ -141,8 +142,7 @@ class CandidateEvaluator:
                     self.batch,
                     loss_fn=self.user_loss_fn,
                     device=self.device,
-                    config=config,
-                    optimizer_kwargs=self.optimizer_kwargs(config.optimizer.name),
+                    config=config.replace(optimizer=self._optimizer(config.optimizer)),
                     loop=self.loop,
                     attention_kernel=self.attention_kernel,
                 )
@@ -199,13 +199,19 @@ class CandidateEvaluator:
             return 0  # profiled when the search first predicts them (a low-bit one imports torchao: seconds)
         return min(self._profiles[(name, trainable)].state_bytes for name in names)
 
+    def _optimizer(self, optimizer: OptimizerConfig) -> OptimizerConfig:
+        """The optimizer a candidate's step runs: its config, completed with the hyperparameters asked for."""
+        given = self.optimizer_kwargs(optimizer.name)
+        if not given or given.items() <= optimizer.kwargs.items():
+            return optimizer
+        return OptimizerConfig(optimizer.name, {**given, **optimizer.kwargs})
+
     def _profile(self, optimizer: OptimizerConfig, trainable: Any) -> OptimizerProfile:
         name = optimizer.name
         key = (name, trainable) if not optimizer.hyperparameters else (name, optimizer.hyperparameters, trainable)
         if key not in self._profiles:
             self.profiles += 1
-            kwargs = {**optimizer.kwargs, **self.optimizer_kwargs(name)}
-            kwargs = device_optimizer_kwargs(name, self.device, kwargs)
+            kwargs = device_optimizer_kwargs(name, self.device, self._optimizer(optimizer).kwargs)
             self._profiles[key] = profile_optimizer(name, trainable, device=self.device, kwargs=kwargs)
         return self._profiles[key]
 

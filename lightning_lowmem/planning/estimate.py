@@ -22,14 +22,13 @@ from torch import nn
 
 from lightning_lowmem import _compat
 from lightning_lowmem._versions import require
-from lightning_lowmem.functional.config import PRECISIONS, TrainingConfig
+from lightning_lowmem.functional.config import PRECISIONS, OptimizerConfig, TrainingConfig
 from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
     EstimationError,
     apply_model_techniques,
     build_lookup_tables,
     build_optimizer,
-    configured_optimizer,
     create_state,
     device_optimizer_kwargs,
     fake_batch,
@@ -40,6 +39,7 @@ from lightning_lowmem.planning._fake_step import (
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.planning.attention import fake_attention, validate_attention_kernel
+from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.sharding import ShardedStep
 from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
 
@@ -85,7 +85,7 @@ def estimate_memory(
     batch: Any,
     *,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    optimizer: str | None = None,
+    optimizer: str | OptimizerConfig | None = None,
     precision: str = "32-true",
     device: str = "cuda",
     steps: int = 2,
@@ -109,9 +109,11 @@ def estimate_memory(
             ``meta``. Only shapes and dtypes are used.
         loss_fn: ``loss_fn(module, batch) -> loss``. Default: :func:`default_loss` (a LightningModule's
             own ``training_step`` under automatic optimization).
-        optimizer: optimizer name (see ``functional.optimizers.available_optimizers()``), or ``None``: the
-            one the module's ``configure_optimizers`` returns, with its arguments (built on a fake copy),
-            else ``"adamw"``. Default: ``None``.
+        optimizer: an :class:`~lightning_lowmem.functional.config.OptimizerConfig` (a name from
+            ``functional.optimizers.available_optimizers()`` and its hyperparameters, e.g.
+            ``OptimizerConfig("sgd", momentum=0.9)``), a name, or ``None``: the one the module's
+            ``configure_optimizers`` returns, with its arguments (built on a fake copy), else ``"adamw"``.
+            Default: ``None``.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
             Mixed precision runs CPU autocast as a stand-in for CUDA autocast. Default: ``"32-true"``.
         device: ``"cuda"`` applies the caching allocator's 512-byte block rounding and lists the CUDA
@@ -124,7 +126,10 @@ def estimate_memory(
         activation_checkpointing, activation_compression, micro_batch_size, lora, cross_entropy: techniques,
             see :class:`TrainingConfig` (``cross_entropy="chunked"``: the output head's loss in chunks, the
             logits never whole). Default: off.
-        optimizer_kwargs: extra optimizer arguments (``lr`` ...). Default: none.
+        optimizer_kwargs: a shorthand (:mod:`~lightning_lowmem.planning.optimizer_argument`). Beside
+            ``optimizer=None``: arguments that replace the configured optimizer's own (``{"lr": 0.1}``). Beside a
+            name (or ``config``'s optimizer): its hyperparameters, deprecated (a ``DeprecationWarning``) -- give
+            ``OptimizerConfig(name, **hyperparameters)``. Default: none.
         config: a :class:`~lightning_lowmem.functional.config.TrainingConfig` (or a dict of its shorthands)
             that replaces the technique arguments above; its ``precision=None`` takes ``precision``, its
             ``optimizer=None`` the module's configured one, its ``sharding`` replaces ``sharding`` /
@@ -153,7 +158,8 @@ def estimate_memory(
     Raises:
         EstimationError: the step cannot run on fake tensors (data-dependent control flow or output
             shapes); the message says what was tried.
-        ValueError: an unknown precision / technique / device / sharding / attention kernel, ``world_size < 1``.
+        ValueError: an unknown precision / technique / device / sharding / attention kernel, ``world_size < 1``;
+            from ``OptimizerConfig``: an optimizer argument it does not take or a value it refuses.
 
     Example::
 
@@ -164,12 +170,13 @@ def estimate_memory(
         >>> report.breakdown["optimizer_state"] > 2 * 4 * 64 * 64
         True
     """
+    config_given = config is not None
     if config is None:
         config = TrainingConfig(
             precision=precision,
             activation_checkpointing=activation_checkpointing,
             activation_compression=activation_compression,
-            optimizer=optimizer,
+            optimizer=optimizer_config(optimizer, optimizer_kwargs),
             micro_batch_size=micro_batch_size,
             lora=lora or None,
             cross_entropy=cross_entropy,
@@ -182,10 +189,11 @@ def estimate_memory(
         )
     if config.precision is None:  # "as configured": the `precision` argument
         config = config.replace(precision=precision)
-    if config.optimizer is None:  # the module's configure_optimizers' own
-        name, optimizer_kwargs = as_configured(module, optimizer_kwargs)
-        config = config.replace(optimizer=name)  # its arguments as configured: kept apart, unvalidated
-    optimizer_kwargs = {**config.optimizer.kwargs, **(optimizer_kwargs or {})}
+    if config.optimizer is None:  # the module's configure_optimizers' own, its arguments replaced by optimizer_kwargs
+        config = config.replace(optimizer=configured_optimizer_config(module, optimizer_kwargs)[0])
+    elif optimizer_kwargs and config_given:  # config's optimizer with more hyperparameters: the old shorthand
+        merged = {**config.optimizer.kwargs, **optimizer_kwargs}
+        config = config.replace(optimizer=optimizer_config(config.optimizer.name, merged))
     if config.sharding is not None:
         if sharding is not None and sharding != config.sharding.kind:
             raise ValueError(
@@ -231,7 +239,7 @@ def estimate_memory(
             # a real step's answers to value questions on the batch (and the model's buffers)
             batch_values = BatchValues((real_batch, [r for r, _ in buffers]), (batch, [f for _, f in buffers]))
             params = [p for p in model.parameters() if p.requires_grad]
-            kwargs = device_optimizer_kwargs(config.optimizer.name, device, optimizer_kwargs)
+            kwargs = device_optimizer_kwargs(config.optimizer.name, device, config.optimizer.kwargs)
             opt = build_optimizer(config.optimizer.name, params, kwargs)
             tracker.modules = [model]
             tracker.optimizers = [opt]
@@ -274,12 +282,3 @@ def data_dependent_errors_explained(module: nn.Module, config: TrainingConfig, s
             f"flow depend on shapes only, pass a `loss_fn` that avoids it, or measure a real small step "
             f"with `measure_memory`."
         ) from err
-
-
-def as_configured(module: nn.Module, optimizer_kwargs: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    """The optimizer ``module.configure_optimizers()`` returns (name, arguments; ``optimizer_kwargs`` win),
-    or AdamW when it has none the estimator knows."""
-    found = configured_optimizer(module)
-    if found is None:
-        return "adamw", dict(optimizer_kwargs or {})
-    return found[0], {**found[1], **(optimizer_kwargs or {})}

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning.estimate import TrainingConfig
 from lightning_lowmem.planning.plan_report import Candidate, Plan
 from lightning_lowmem.planning.priors import (  # noqa: F401  (re-exported: plan.SLOWDOWN, plan.expected_slowdown)
@@ -36,7 +37,7 @@ def plan_memory(
     budget: int | str,
     *,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    optimizer: str | None = None,
+    optimizer: str | OptimizerConfig | None = None,
     precision: str = "32-true",
     device: str = "cuda",
     margin: float = 0.1,
@@ -81,9 +82,11 @@ def plan_memory(
         batch: one batch (tensors may be on ``meta``).
         budget: bytes, or a string like ``"8GiB"`` / ``"512MB"``.
         loss_fn: see :func:`estimate_memory`.
-        optimizer: the optimizer the user wants; the plain candidate uses it. ``None``: the one the
-            module's ``configure_optimizers`` returns, with its arguments (a type the estimator does not
-            know is estimated as AdamW and never swapped), else AdamW. Default: ``None``.
+        optimizer: the optimizer the user wants, an :class:`~lightning_lowmem.functional.config.OptimizerConfig`
+            (its hyperparameters apply to the candidates of its family that accept them) or a name; the plain
+            candidate uses it. ``None``: the one the module's ``configure_optimizers`` returns, with its
+            arguments (a type the estimator does not know is estimated as AdamW and never swapped), else AdamW.
+            Default: ``None``.
         precision: the precision the user wants. Default: ``"32-true"``.
         device: ``"cuda"`` or ``"cpu"`` (see :func:`estimate_memory`). Default: ``"cuda"``.
         attention_kernel: the CUDA attention kernel, see :func:`estimate_memory`. Default: ``"auto"``.
@@ -95,10 +98,13 @@ def plan_memory(
             {None}; {None, "chunked"} for a Hugging Face causal LM (whose loss it computes with no change to
             the training step), else {None} (list "chunked" when your step calls ``chunked_cross_entropy``).
             A given ``micro_batch_sizes`` list is searched together with the other axes.
-        optimizer_kwargs: arguments of the configured optimizer (e.g. ``{"momentum": 0.9}``); they
-            apply to candidates of its family that accept them. Default: none.
+        optimizer_kwargs: a shorthand (:mod:`~lightning_lowmem.planning.optimizer_argument`). Beside
+            ``optimizer=None``: arguments that replace the configured optimizer's own (e.g. ``{"lr": 0.1}``;
+            those it does not take are dropped). Beside a name (or ``config``'s optimizer): its hyperparameters,
+            deprecated (a ``DeprecationWarning``) -- give ``OptimizerConfig(name, **hyperparameters)``.
+            Default: none.
         config: a :class:`TrainingConfig` whose set techniques stay fixed (each becomes a one-value axis;
-            its optimizer's hyperparameters join ``optimizer_kwargs``); ``None`` fields (``precision=None``,
+            its optimizer, hyperparameters included, replaces ``optimizer``); ``None`` fields (``precision=None``,
             ``optimizer=None``, techniques off) are searched as without it. This is how
             ``LowMemoryStrategy(memory_budget=)`` keeps the options set explicitly. Default: ``None``.
         world_size: processes (GPUs) the step runs on; above 1 the plan is for one rank, ``budget`` is per GPU,
@@ -120,7 +126,8 @@ def plan_memory(
 
     Raises:
         ValueError: the budget does not parse, or no candidate fits (the message names the smallest
-            predicted peak and the configuration that reached it).
+            predicted peak and the configuration that reached it); from ``OptimizerConfig``: an optimizer
+            argument it does not take or a value it refuses.
         EstimationError: the model's step cannot run on fake tensors.
 
     Example::

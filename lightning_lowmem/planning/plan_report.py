@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning.estimate import TrainingConfig
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes
@@ -74,6 +75,8 @@ class Plan:
             always predicted, so a plan shows what it saves.
         optimizer_kwargs: arguments the chosen optimizer needs beyond the configured ones: ``{"lr": ...}``
             (:data:`DEFAULT_LR`) when the plan changed the optimizer family, else empty.
+        optimizer: the chosen optimizer to train with, as one config: the hyperparameters asked for that it
+            takes (its family's), or ``optimizer_kwargs`` (a new family's learning rate). ``None``: not set.
         notes: facts about the search (estimates run, per-axis vs full figure of the chosen plan).
         seconds: how long the search took (wall clock).
     """
@@ -85,6 +88,7 @@ class Plan:
     device: str = "cuda"
     baseline: Candidate | None = None
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    optimizer: OptimizerConfig | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -115,6 +119,9 @@ class Plan:
             "device": self.device,
             "baseline": self.baseline.to_dict() if self.baseline else None,
             "optimizer_kwargs": dict(self.optimizer_kwargs),
+            "optimizer": (
+                {"name": self.optimizer.name, "hyperparameters": self.optimizer.kwargs} if self.optimizer else None
+            ),
             "candidates": [c.to_dict() for c in self.candidates],
             "skipped": self.skipped,
             "notes": self.notes,

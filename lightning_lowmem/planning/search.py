@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.config.techniques import SHARDINGS, ShardingConfig
+from lightning_lowmem.functional.config.techniques import SHARDINGS, OptimizerConfig, ShardingConfig
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
 from lightning_lowmem.planning._fake_step import tensor_leaves
@@ -36,6 +36,7 @@ from lightning_lowmem.planning.estimate import (
     EstimationError,
     TrainingConfig,
 )
+from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.plan_report import Candidate, Plan, peak_label
 from lightning_lowmem.planning.priors import DEFAULT_LR, expected_slowdown, numerics_caveat
 
@@ -75,7 +76,7 @@ class PlanSearch:
         budget: int | str,
         *,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-        optimizer: str | None = None,
+        optimizer: str | OptimizerConfig | None = None,
         precision: str = "32-true",
         device: str = "cuda",
         margin: float = 0.1,
@@ -103,7 +104,13 @@ class PlanSearch:
             raise ValueError(f"unknown search axes {sorted(unknown)}; axes: {', '.join(row.argument for row in AXES)}")
         given = {row.argument: (axes or {}).get(row.argument) for row in AXES}
         if config is not None:
-            precision, optimizer, optimizer_kwargs, fixed = fixed_axes(config, precision, optimizer, optimizer_kwargs)
+            precision, fixed = fixed_axes(config, precision)
+            if config.optimizer is not None:  # it replaces `optimizer`
+                optimizer = config.optimizer
+                if optimizer_kwargs:  # more hyperparameters for it: the old shorthand
+                    merged = {**config.optimizer.kwargs, **optimizer_kwargs}
+                    optimizer = optimizer_config(config.optimizer.name, merged, stacklevel=4)
+                optimizer_kwargs = None
             if config.sharding is not None:
                 if world_size not in (1, config.sharding.world_size):
                     raise ValueError(
@@ -117,24 +124,23 @@ class PlanSearch:
         self.sharding_axis = sharding_axis(world_size, given["shardings"])
         self.batch_size = _batch_size(batch)
         self.unknown_optimizer = False
-        if optimizer is None:
-            from lightning_lowmem.planning._fake_step import configured_optimizer
-
-            found = configured_optimizer(module)
-            self.unknown_optimizer = found is None and callable(getattr(module, "configure_optimizers", None))
-            optimizer, configured_kwargs = found if found is not None else ("adamw", {})
-            optimizer_kwargs = {**configured_kwargs, **(optimizer_kwargs or {})}
+        wanted = optimizer_config(optimizer, optimizer_kwargs, stacklevel=4)  # plan_memory -> here -> optimizer_config
+        if wanted is None:  # configure_optimizers' own; optimizer_kwargs replace its arguments (those it takes)
+            wanted, found = configured_optimizer_config(module, optimizer_kwargs, accepted_only=True)
+            self.unknown_optimizer = not found and callable(getattr(module, "configure_optimizers", None))
             if self.unknown_optimizer and given["optimizers"] is None:
                 given["optimizers"] = ["adamw"]  # estimated as AdamW; a plan must not swap an optimizer it cannot name
-        self.precision, self.optimizer, self.optimizer_kwargs = precision, optimizer, optimizer_kwargs or {}
-        self.context = AxisContext(precision, optimizer, self.batch_size, module, world_size)
+        self.precision = precision
+        self.optimizer: OptimizerConfig = wanted
+        """The optimizer asked for, with its hyperparameters (those of its family's candidates, :meth:`kwargs_for`)."""
+        self.context = AxisContext(precision, wanted.name, self.batch_size, module, world_size)
         self.axis_values = {argument: self._values(argument, values) for argument, values in given.items()}
         self.micro_batches_given = given["micro_batch_sizes"] is not None
         self.stages = self._build_stages()
         self.device, self.margin, self.max_estimates = device, margin, max_estimates
         self.include_overheads, self.progress = include_overheads, progress
         self.usable = int(self.budget_bytes * (1 - margin))
-        self.family = _family(optimizer)
+        self.family = _family(wanted.name)
         overheads = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES if include_overheads and device == "cuda" else 0
         self.limit = self.usable - overheads  # a model-side run that passes this (without optimizer state) cannot fit
         self.evaluator = CandidateEvaluator(
@@ -150,7 +156,7 @@ class PlanSearch:
         self.evaluated: dict[TrainingConfig, Candidate] = {}
         """Every candidate predicted (or skipped), by configuration."""
         self.tried: list[Candidate] = []
-        plain = TrainingConfig(precision=precision, optimizer=optimizer)
+        plain = TrainingConfig(precision=precision, optimizer=wanted.name)
         self.first = plain.replace(sharding=self.sharding_axis[0]) if self.sharding_axis else plain
         # progress numbers every configuration predicted once, in order, out of all the search could try (it stops
         # at the first that fits): [1/108], [2/108], ... never repeated or skipped
@@ -193,7 +199,7 @@ class PlanSearch:
         else:
             fallback = {row.argument: row.fallback_values(self.context) for row in AXES if row.fallback_values}
             stages = [self.space(), self.space(fallback)]
-        plain = TrainingConfig(precision=self.precision, optimizer=self.optimizer)
+        plain = TrainingConfig(precision=self.precision, optimizer=self.optimizer.name)
         return [stage for stage in stages if stage] or [
             [plain.replace(sharding=s) for s in self.sharding_axis] or [plain]
         ]
@@ -205,13 +211,13 @@ class PlanSearch:
 
     # ------------------------------------------------------------------ 3. predictions
     def kwargs_for(self, name: str) -> dict[str, Any]:
-        """The configured optimizer's arguments that optimizer ``name`` accepts (none for another family)."""
+        """The hyperparameters of the optimizer asked for that optimizer ``name`` accepts (none for another family)."""
         if _family(name) != self.family:
             return {}
         from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
 
         accepted = set(optimizer_arguments(name))
-        return {key: value for key, value in self.optimizer_kwargs.items() if key in accepted}
+        return {key: value for key, value in self.optimizer.kwargs.items() if key in accepted}
 
     def fits(self, report: MemoryReport) -> bool:
         overheads = sum(report.overheads.values()) if self.include_overheads else 0
@@ -381,7 +387,8 @@ class PlanSearch:
         if baseline in tried:
             tried.remove(baseline)
         tried.insert(0, baseline)
-        family = _family(chosen.config.optimizer.name)
+        name = chosen.config.optimizer.name
+        new_family = {"lr": DEFAULT_LR[_family(name)]} if _family(name) != self.family else {}
         plan = Plan(
             chosen=chosen,
             candidates=tried,
@@ -389,7 +396,8 @@ class PlanSearch:
             usable_bytes=self.usable,
             device=self.device,
             baseline=baseline,
-            optimizer_kwargs={} if family == self.family else {"lr": DEFAULT_LR[family]},
+            optimizer_kwargs=new_family,
+            optimizer=OptimizerConfig(name, {**new_family, **self.kwargs_for(name), **chosen.config.optimizer.kwargs}),
         )
         for reason, labels in plan.skipped.items():
             plan.notes.append(f"skipped {len(labels)} candidate(s) that cannot be built on this model ({reason}).")
@@ -418,11 +426,10 @@ class PlanSearch:
 
 
 # ----------------------------------------------------------------------------- helpers
-def fixed_axes(
-    config: TrainingConfig, precision: str, optimizer: str | None, optimizer_kwargs: dict[str, Any] | None
-) -> tuple[str, str | None, dict[str, Any] | None, dict[str, list[Any]]]:
+def fixed_axes(config: TrainingConfig, precision: str) -> tuple[str, dict[str, list[Any]]]:
     """What ``plan_memory(config=...)`` keeps fixed: each technique ``config`` sets, as a one-value axis (by
-    ``plan_memory`` argument); its precision and optimizer become the baseline."""
+    ``plan_memory`` argument; the optimizer by name); its precision becomes the baseline (and its optimizer, see
+    :class:`PlanSearch`)."""
     if not isinstance(config, TrainingConfig):
         raise TypeError(f"`config` must be a TrainingConfig, got {type(config).__name__}: {config!r}")
     if config.quantization is not None:
@@ -433,9 +440,7 @@ def fixed_axes(
     fixed: dict[str, list[Any]] = {}
     if config.precision is not None:
         precision = config.precision.preset
-    if config.optimizer is not None:
-        optimizer = config.optimizer.name
-        optimizer_kwargs = {**config.optimizer.kwargs, **(optimizer_kwargs or {})}
+    optimizer = config.optimizer_name
     for row in AXES:
         value = getattr(config, row.field)
         if row.side == "sharding" or value is None:
@@ -443,7 +448,7 @@ def fixed_axes(
         fixed[row.argument] = [{"precision": precision, "optimizer": optimizer}.get(row.field, value)]
     if config.sharding is not None:
         fixed["shardings"] = [config.sharding.kind]
-    return precision, optimizer, optimizer_kwargs, fixed
+    return precision, fixed
 
 
 def sharding_axis(world_size: int, shardings: Iterable[str] | None) -> list[ShardingConfig]:

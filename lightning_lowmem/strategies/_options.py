@@ -180,7 +180,9 @@ class LowMemoryOptions:
             raise TypeError(f"`expandable_segments` must be True, False or None, got {expandable_segments!r}")
         self.memory_budget = memory_budget
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, name="memory_budget")
-        self._optimizer_kwargs = dict(optimizer_kwargs or {})  # also the planner's, for the configured optimizer
+        # with optimizer=None: arguments replacing the configured optimizer's, for the planner (a named optimizer's are
+        # in config.optimizer); no OptimizerConfig can say "configure_optimizers' optimizer with lr=0.1"
+        self._optimizer_kwargs = dict(optimizer_kwargs or {}) if optimizer is None else {}
         self.compression_stats = CompressionStats()  # cumulative over the run
         self.zero_optimizer = zero_optimizer
         self.expandable_segments = expandable_segments

@@ -46,8 +46,9 @@ def plan_for_budget(
             ``configure_optimizers`` returns is the baseline, see :func:`plan_memory`).
         settings: a config whose ``checkpointing`` / ``compression`` carry the settings (``nested``,
             ``min_bytes``) of the techniques the planner tries. Default: the defaults.
-        optimizer_kwargs: arguments of the configured optimizer, when ``config.optimizer`` is ``None``.
-            Default: none.
+        optimizer_kwargs: when ``config.optimizer`` is ``None``, arguments that replace those of the optimizer
+            ``configure_optimizers`` returns (``plan_memory(optimizer=None, optimizer_kwargs=...)``); a named
+            optimizer's hyperparameters are in ``config.optimizer`` (an ``OptimizerConfig``). Default: none.
         progress: passed to :func:`plan_memory`. Default: ``None``.
 
     Returns:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.memory import measure_memory
 from lightning_lowmem.planning.estimate import EstimationError, TrainingConfig, estimate_memory
 from lightning_lowmem.demo import CharLM, DigitsClassifier
@@ -281,7 +282,7 @@ def test_adamw_kernel_families_estimate_equals_the_measured_step(kernel):
     from lightning_lowmem.planning.estimate import _train_step, default_loss
 
     batch = _charlm_batch(16)
-    estimate = estimate_memory(_charlm(), batch, device="cpu", optimizer="adamw", optimizer_kwargs=kernel)
+    estimate = estimate_memory(_charlm(), batch, device="cpu", optimizer=OptimizerConfig("adamw", **kernel))
     model = _charlm()
     config = TrainingConfig(optimizer="adamw")
     optimizer = build_optimizer("adamw", list(model.parameters()), **kernel)

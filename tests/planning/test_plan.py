@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_lowmem.demo import CharLM
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
 from lightning_lowmem.planning.plan import DEFAULT_LR, expected_slowdown, plan_memory
 
@@ -179,6 +180,7 @@ def test_optimizer_stays_in_its_family_unless_listed(model_and_batch):
     )
     assert listed.config.optimizer_name == "adafactor"
     assert listed.optimizer_kwargs == {"lr": DEFAULT_LR["adafactor"]}  # a new family gets its own learning rate
+    assert listed.optimizer == OptimizerConfig("adafactor", lr=DEFAULT_LR["adafactor"])
 
 
 class _SGDLM(CharLM):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_lowmem import LowMemoryStrategy, MemoryMonitor
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning.estimate import estimate_memory
 from lightning_lowmem.planning.plan import plan_memory
 from tests.nanogpt import NanoGPT, nano_batch, nano_loader
@@ -125,9 +126,7 @@ def test_budget_plans_with_the_configured_optimizer(tiny_trainer_kwargs):
     """configure_optimizers returns SGD: the plan keeps SGD (never an 8-bit AdamW swap), as planned."""
     torch.manual_seed(0)
     model = _SGDNano(**NANO)
-    plain = estimate_memory(
-        model, nano_batch(8, 64, 96), device="cpu", optimizer="sgd", optimizer_kwargs={"momentum": 0.9}
-    )
+    plain = estimate_memory(model, nano_batch(8, 64, 96), device="cpu", optimizer=OptimizerConfig("sgd", momentum=0.9))
     strategy = LowMemoryStrategy(memory_budget=int(0.7 * plain.peak_bytes))
     monitor = _fit(
         model, nano_loader(batches=2, batch_size=8, block_size=64, vocab_size=96), strategy, tiny_trainer_kwargs
