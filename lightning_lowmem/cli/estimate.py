@@ -17,7 +17,8 @@ from lightning_lowmem.cli.errors import (
     did_you_mean,
     one_line,
 )
-from lightning_lowmem.cli.runner import DropMessages, debug_enabled, print_error
+from lightning_lowmem._quiet import DropMessages
+from lightning_lowmem.cli.runner import debug_enabled, print_error
 
 ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
                        [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
