@@ -193,7 +193,13 @@ def test_estimate_json_plan(capsys):
 
 def test_estimate_impossible_budget_fails_cleanly(capsys):
     assert main(["estimate", "--budget", "10KiB", "--device", "cpu", *CHARLM_ARGS]) == 1
-    assert "no configuration fits" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "no configuration fits" in captured.out
+    # the search on stderr: one line per candidate, numbered in order (long labels wrapped at 80 columns)
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("--budget '10KiB' = 10,240 B") and len(lines) > 10
+    assert [line.split("/")[0] for line in lines[1:]] == [f"plan [{i}" for i in range(1, len(lines))]
+    assert all(re.search(r"\) \d+\.\d s$", line) for line in lines[1:]), captured.err
 
 
 @pytest.mark.parametrize(
