@@ -89,8 +89,9 @@ def compiled_optimizer_steps(optimizers: Sequence[Any]) -> list[str]:
         if optimizer is None or id(optimizer) in seen:
             continue
         seen.add(id(optimizer))
-        if type(optimizer).__module__ in COMPILED_STEP_MODULES and type(optimizer).__name__ not in found:
-            found.append(type(optimizer).__name__)
+        name = type(optimizer).__name__.lstrip("_")  # adamw_bf16_sr is torchao's private _AdamW
+        if type(optimizer).__module__ in COMPILED_STEP_MODULES and name not in found:
+            found.append(name)
         stack.append(getattr(optimizer, "inner", None))
         stack.extend(list(getattr(optimizer, "inner_optimizers", {}).values())[:1])  # one per parameter, one kind
         if not isinstance(optimizer, torch.optim.Optimizer):  # LightningOptimizer wraps the real one

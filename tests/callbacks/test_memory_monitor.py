@@ -85,7 +85,7 @@ def test_bad_arguments(kwargs, match):
 
 @pytest.mark.parametrize(
     ("optimizer", "compiled"),
-    [("adamw8bit", "AdamW8bit"), ("adamw4bit_in_backward", "AdamW4bit"), ("adamw", None)],
+    [("adamw8bit", "AdamW8bit"), ("adamw4bit_in_backward", "AdamW4bit"), ("adamw_bf16_sr", "AdamW"), ("adamw", None)],
 )
 def test_a_deep_step_over_a_compiled_optimizer_step_warns_once(tmp_path, optimizer, compiled):
     """torchao's AdamW family compiles its step; the deep step runs it eagerly (issue #26 item 5): one
