@@ -557,3 +557,19 @@ def test_fit_resuming_adapters_only_checkpoint_without_lora_names_the_callback_w
         lines[0],
     )
     assert main(["fit", *common, *lora, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]) == 0  # with it: resumes
+
+
+def test_hf_config_without_a_vocabulary_size_says_which_default_it_used(tmp_path):
+    """A config.json without vocab_size gets the family's default (LlamaConfig: 32000), said in a warning: the
+    logits' memory follows it (issue #26 item 7: it silently got a byte-level vocabulary)."""
+    pytest.importorskip("transformers")
+    from lightning_lowmem.cli.hf_config import hf_config_model
+
+    folder = _hf_config_folder(tmp_path)
+    values = json.loads((folder / "config.json").read_text())
+    del values["vocab_size"]
+    (folder / "config.json").write_text(json.dumps(values))
+    with pytest.warns(UserWarning, match="has no vocab_size: the LlamaConfig default 32000 is used"):
+        model = hf_config_model(str(folder))
+    assert model.get_input_embeddings().weight.shape == (32000, 64)
+    assert model.get_input_embeddings().weight.device.type == "meta"
