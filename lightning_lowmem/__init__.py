@@ -97,3 +97,9 @@ register_on_lightning_import()
 from lightning_lowmem._torch_hook import register_on_torch_import  # noqa: E402
 
 register_on_torch_import()
+
+# torchao's import-time log lines (CUDA kernel libraries that cannot load on this machine, torch's deprecation of
+# its enum registrations) dropped from the first use of the Python API on, as from the `lowmem` command.
+from lightning_lowmem._quiet import quiet_startup_logs  # noqa: E402
+
+quiet_startup_logs()

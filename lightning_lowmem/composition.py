@@ -157,6 +157,22 @@ RULES: tuple[Rule, ...] = (
         "drop {b.label} (the plan splits the batch when it must), or drop memory_budget",
     ),
     Rule(
+        "pruning",
+        "sharded_parameters",
+        "{a.label} masks whole weight tensors, and {b.label} shards them into DTensors (the fit would stop at the "
+        "first pruning step)",
+        "prune under strategy='lowmem' or 'lowmem_ddp', or train under lowmem_fsdp and prune the consolidated "
+        "checkpoint in a second run",
+    ),
+    Rule(
+        "ptq",
+        "sharded_parameters",
+        "{a.label} quantizes at the end of fit, when {b.label} holds the weights as DTensor shards it cannot quantize "
+        "(it found no layer, and the model stayed in float)",
+        "train under lowmem_fsdp, then load the consolidated checkpoint and quantize it in a run under "
+        "strategy='lowmem' (PostTrainingQuantization, or functional.quantize_ on the loaded model)",
+    ),
+    Rule(
         "optimizer",
         "optimizer",
         "both replace the optimizer configure_optimizers returns, and only one of them can win",
@@ -186,11 +202,13 @@ def _callback_technique(callback: Any) -> Technique | None:
 
 def _strategy_techniques(strategy: Any) -> Iterable[Technique]:
     """The options a low-memory strategy was given explicitly (its ``explicit`` :class:`TrainingConfig`)."""
-    config = getattr(strategy, "explicit", None)
-    if config is None:
-        return []
     name = type(strategy).__name__
     found = []
+    if any(cls.__name__ == "LowMemoryFSDPStrategy" for cls in type(strategy).__mro__):  # FSDP2: DTensor parameters
+        found.append(Technique(name, frozenset({"sharded_parameters"})))
+    config = getattr(strategy, "explicit", None)
+    if config is None:
+        return found
     if config.optimizer is not None:
         found.append(_optimizer(f"{name}(optimizer={config.optimizer.name!r})", config.optimizer.name))
     if config.compression is not None:

@@ -193,7 +193,13 @@ def test_estimate_json_plan(capsys):
 
 def test_estimate_impossible_budget_fails_cleanly(capsys):
     assert main(["estimate", "--budget", "10KiB", "--device", "cpu", *CHARLM_ARGS]) == 1
-    assert "no configuration fits" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "no configuration fits" in captured.out
+    # the search on stderr: one line per candidate, numbered in order (long labels wrapped at 80 columns)
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("--budget '10KiB' = 10,240 B") and len(lines) > 10
+    assert [line.split("/")[0] for line in lines[1:]] == [f"plan [{i}" for i in range(1, len(lines))]
+    assert all(re.search(r"\) \d+\.\d s$", line) for line in lines[1:]), captured.err
 
 
 @pytest.mark.parametrize(
@@ -373,6 +379,7 @@ def test_estimate_per_rank_for_a_strategy_and_devices(capsys):
         CharLM(n_layer=2, n_embd=64, n_head=2, block_size=32), batch, device="cpu", world_size=2, sharding="fsdp"
     )
     assert report["peak_bytes"] == expected.peak_bytes and [r["rank"] for r in report["meta"]["per_rank"]] == [0, 1]
+    assert report["meta"]["label"] == "32-true + adamw + fsdp x2"  # the sharding named once (was "... | fsdp x 2")
     # with --budget (per GPU) the plan is per rank; --strategy fixes the sharding, else it is searched
     assert main(["estimate", "--json", "--devices", "2", "--strategy", "fsdp", "--budget", "1GiB", *model_args]) == 0
     chosen = json.loads(capsys.readouterr().out)["chosen"]
@@ -384,6 +391,41 @@ def test_estimate_per_rank_for_a_strategy_and_devices(capsys):
     assert "--devices=0 must be an int >= 1" in capsys.readouterr().err
     assert main(["estimate", "--devices", "2", "--strategy", "fdsp", *model_args]) == 2
     assert "--strategy='fdsp' is unknown" in capsys.readouterr().err
+
+
+def test_estimate_per_rank_table_has_one_row_per_distinct_rank_figure(capsys):
+    """FSDP's ranks hold the same bytes: one row `0-3`, under a title naming the sharding once (was four identical
+    rows titled '... + fsdp x4 | fsdp x 4 | fsdp x 4 processes'); ZeRO-1's ranks may differ: a row per figure."""
+    import torch.distributed as dist
+
+    from lightning_lowmem.memory import format_bytes
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    model_args = [*CHARLM_ARGS[:10], "--device", "cpu", "--batch-shape", "4x32,4x32"]
+    assert main(["estimate", "--devices", "4", "--strategy", "fsdp", *model_args]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    batch = (torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 32, dtype=torch.long))
+    model = CharLM(n_layer=2, n_embd=64, n_head=2, block_size=32)
+    fsdp = estimate_memory(model, batch, device="cpu", world_size=4, sharding="fsdp")
+    assert len(rows) == 1 and rows[0].split("│")[1].strip() == "0-3", out
+    assert rows[0].split("│")[-2].strip() == format_bytes(fsdp.peak_bytes)
+    assert " ".join(out.split()).count("32-true + adamw + fsdp x4") == 1 and "processes" not in out, out
+    # ZeRO-1: ranks own different parameters' state; the rows are the distinct figures, every rank in one of them
+    assert main(["estimate", "--devices", "4", "--strategy", "zero1", *model_args]) == 0
+    rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    zero = estimate_memory(model, batch, device="cpu", world_size=4, sharding="zero1")
+    peaks = {format_bytes(rank["peak_bytes"]) for rank in zero.meta["per_rank"]}
+    assert len(rows) == len({(r["peak_bytes"], *r["breakdown"].values()) for r in zero.meta["per_rank"]}) > 1
+    assert {row[-2].strip() for row in rows} == peaks
+    ranks = [r for row in rows for part in row[1].split(",") for r in _rank_range(part)]
+    assert sorted(ranks) == [0, 1, 2, 3]
+
+
+def _rank_range(text: str) -> list[int]:
+    first, _, last = text.strip().partition("-")
+    return list(range(int(first), int(last or first) + 1))
 
 
 def _hf_config_folder(tmp_path: Path, **values) -> Path:
@@ -515,3 +557,19 @@ def test_fit_resuming_adapters_only_checkpoint_without_lora_names_the_callback_w
         lines[0],
     )
     assert main(["fit", *common, *lora, "--trainer.max_steps=2", f"--ckpt_path={ckpt}"]) == 0  # with it: resumes
+
+
+def test_hf_config_without_a_vocabulary_size_says_which_default_it_used(tmp_path):
+    """A config.json without vocab_size gets the family's default (LlamaConfig: 32000), said in a warning: the
+    logits' memory follows it (issue #26 item 7: it silently got a byte-level vocabulary)."""
+    pytest.importorskip("transformers")
+    from lightning_lowmem.cli.hf_config import hf_config_model
+
+    folder = _hf_config_folder(tmp_path)
+    values = json.loads((folder / "config.json").read_text())
+    del values["vocab_size"]
+    (folder / "config.json").write_text(json.dumps(values))
+    with pytest.warns(UserWarning, match="has no vocab_size: the LlamaConfig default 32000 is used"):
+        model = hf_config_model(str(folder))
+    assert model.get_input_embeddings().weight.shape == (32000, 64)
+    assert model.get_input_embeddings().weight.device.type == "meta"

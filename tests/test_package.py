@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+
+import pytest
 
 import lightning_lowmem
 
@@ -31,3 +34,48 @@ def test_a_submodule_imported_before_torch_still_registers_the_checkpoint_loader
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-1500:]
     assert out.stdout.strip() == "True"
+
+
+NOISE = ("Could not load this library", "register_constant() on Enum subclasses is deprecated")
+
+
+def _stderr(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-1500:]
+    return out.stderr
+
+
+def test_the_python_api_prints_no_torchao_import_lines():
+    """The first quantize_ imports torchao: without the package's filters that prints a `Failed to load
+    .../torchao/_C_mxfp8...so` line per CUDA-only kernel and torch's enum deprecation (as `import torchao` alone
+    still does here); after `import lightning_lowmem`, nothing (issue #26 item 13)."""
+    import torch
+
+    plain = _stderr("import torchao.quantization")
+    if not any(line in plain for line in NOISE):
+        pytest.skip("this torch / torchao logs nothing at import")
+    code = (
+        "import torch, lightning_lowmem\n"
+        "from lightning_lowmem.functional import quantize_\n"
+        "report = quantize_(torch.nn.Sequential(torch.nn.Linear(64, 64)), 'int8_weight_only')\n"
+        "assert report.converted == ['0'], report"
+    )
+    quiet = _stderr(code)
+    kept = () if not torch.cuda.is_available() else ("Could not load this library",)  # kept where CUDA runs
+    assert not [line for line in NOISE if line in quiet and line not in kept], quiet
+
+
+def test_the_filters_drop_only_those_lines_and_keep_a_kernel_failure_where_cuda_runs(caplog, monkeypatch):
+    import torch
+
+    from lightning_lowmem._quiet import quiet_startup_logs
+
+    quiet_startup_logs()
+    kernel = "Failed to load /x/site-packages/torchao/_C_mxfp8.abi3.so: Could not load this library: /x/_C_mxfp8.so"
+    with caplog.at_level(logging.WARNING):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        logging.getLogger("torchao").warning(kernel)  # dropped on a CPU machine
+        logging.getLogger("torchao").warning("Failed to load config.json")  # a real problem: kept
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        logging.getLogger("torchao").warning(kernel)  # kept where CUDA runs: the kernel is missing there
+    assert [r.getMessage() for r in caplog.records] == ["Failed to load config.json", kernel]

@@ -17,12 +17,15 @@ from lightning_lowmem.memory import MemoryReport, track_memory
 from lightning_lowmem.memory.monitoring import (
     cheap_figures,
     check_intervals,
+    compiled_optimizer_steps,
+    compiled_step_warning,
     is_deep_step,
     report_figures,
     summary_table,
     with_all_ranks,
 )
 from lightning_lowmem.composition import check_composition
+from lightning_lowmem.warnings import LowMemWarning
 
 PREFIX = "lowmem/memory"
 
@@ -42,7 +45,8 @@ class MemoryMonitor(L.Callback):
       ``deep_every_n_steps``. A tracker cannot see inside a compiled graph, so ``torch.compile``-d code
       (e.g. torchao's 8-bit / 4-bit AdamW step) runs eagerly during a deep step; its eager temporaries
       can exceed the compiled ones, so read that step's optimizer peak as an upper bound
-      (docs/composition.md). Other steps run compiled, as without the monitor.
+      (docs/composition.md; a ``LowMemWarning`` says so once, at the first such deep step). Other steps run
+      compiled, as without the monitor.
 
     Keys are logged under ``lowmem/memory/...`` to every logger of the Trainer, at the step they were
     measured (as Lightning's ``LearningRateMonitor`` does). On several processes (DDP, FSDP) each rank
@@ -101,6 +105,7 @@ class MemoryMonitor(L.Callback):
         self._recording = False
         self._device = "cpu"
         self._batch_step = 0
+        self._warned_compiled = False
 
     # ------------------------------------------------------------------ setup / teardown
     @override
@@ -168,6 +173,10 @@ class MemoryMonitor(L.Callback):
         self._step_hooks = [register_optimizer_step_pre_hook(start), register_optimizer_step_post_hook(stop)]
 
     def _start_deep(self, pl_module: L.LightningModule, optimizers: Any) -> None:
+        compiled = compiled_optimizer_steps(list(optimizers))
+        if compiled and not self._warned_compiled:  # once: the deep steps that follow run it the same way
+            self._warned_compiled = True
+            rank_zero_warn(compiled_step_warning(compiled, self._batch_step), category=LowMemWarning)
         self._deep = contextlib.ExitStack()
         self._tracking = self._deep.enter_context(
             track_memory(pl_module, list(optimizers), device=self._device, by_module=False)

@@ -17,11 +17,8 @@ import warnings
 
 from lightning_lowmem.cli.errors import ConfigError, did_you_mean
 from lightning_lowmem.cli.estimate import estimate_main, parse_batch_shape
-from lightning_lowmem.cli.runner import (
-    LIGHTNING_SUBCOMMANDS,
-    print_error,
-    quiet_startup_logs,
-)
+from lightning_lowmem._quiet import quiet_startup_logs
+from lightning_lowmem.cli.runner import LIGHTNING_SUBCOMMANDS, print_error
 
 __all__ = ["main", "parse_batch_shape", "quiet_startup_logs"]
 

@@ -17,7 +17,8 @@ from lightning_lowmem.cli.errors import (
     did_you_mean,
     one_line,
 )
-from lightning_lowmem.cli.runner import DropMessages, debug_enabled, print_error
+from lightning_lowmem._quiet import DropMessages
+from lightning_lowmem.cli.runner import debug_enabled, print_error
 
 ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
                        [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
@@ -396,23 +397,24 @@ def _estimation_failed(err: Exception, own: argparse.Namespace) -> int:
 
 
 def _per_rank_table(report: Any, title: str) -> Any:
-    """One row per rank: peak and breakdown (``estimate_memory(..., world_size=N, sharding=...)``)."""
+    """One row per distinct rank figure (``ranks 0-7`` when all agree): peak and breakdown
+    (``estimate_memory(..., world_size=N, sharding=...)``)."""
     from rich.table import Table
 
     from lightning_lowmem.memory import format_bytes
     from lightning_lowmem.memory.report import CATEGORIES
+    from lightning_lowmem.planning.sharding import group_ranks
 
-    meta = report.meta
-    table = Table(title=f"{title} | {meta['sharding']} x {meta['world_size']} processes")
-    table.add_column("rank", justify="right")
+    table = Table(title=title)  # the label names the sharding and the number of processes: "... + fsdp x8"
+    table.add_column("ranks", justify="right")
     for category in CATEGORIES:
         table.add_column(category, justify="right")
     table.add_column("peak", justify="right", style="bold")
-    for rank in meta["per_rank"]:
+    for ranks, figures in group_ranks(report.meta["per_rank"]):
         table.add_row(
-            str(rank["rank"]),
-            *(format_bytes(rank["breakdown"][c]) for c in CATEGORIES),
-            format_bytes(rank["peak_bytes"]),
+            ranks,
+            *(format_bytes(figures["breakdown"][c]) for c in CATEGORIES),
+            format_bytes(figures["peak_bytes"]),
         )
     for name, value in report.overheads.items():
         table.add_row(f"+ {name}", *[""] * len(CATEGORIES), format_bytes(value))

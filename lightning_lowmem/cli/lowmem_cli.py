@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_lowmem._quiet import DropMessages
 from lightning_lowmem.cli.errors import (
     CONFIG_ERROR_TYPES,
     ConfigError,
@@ -26,7 +27,6 @@ from lightning_lowmem.cli.errors import (
 from lightning_lowmem.cli.runner import (
     LIGHTNING_SUBCOMMANDS,
     SEED_LOGGER,
-    DropMessages,
     constructed_class,
     debug_enabled,
     import_callbacks,

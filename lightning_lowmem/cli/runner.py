@@ -1,64 +1,23 @@
-"""LightningCLI behind ``lowmem fit|validate|test|predict`` (and the config reading of ``lowmem estimate``): quiet
-start-up logs, and a config mistake turned into one :class:`~lightning_lowmem.cli.errors.ConfigError` line.
+"""LightningCLI behind ``lowmem fit|validate|test|predict`` (and the config reading of ``lowmem estimate``): a config
+mistake turned into one :class:`~lightning_lowmem.cli.errors.ConfigError` line.
 
 The CLI class itself and :func:`~lightning_lowmem.cli.lowmem_cli.lightning_cli` are in
 :mod:`~lightning_lowmem.cli.lowmem_cli` (imported on first use: it imports Lightning); this module holds what
-they and ``lowmem estimate`` share, without importing Lightning."""
+they and ``lowmem estimate`` share, without importing Lightning. The start-up log filters are
+:mod:`lightning_lowmem._quiet`'s (``import lightning_lowmem`` installs them)."""
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
 
-import torch
 
 from lightning_lowmem.cli.errors import init_arg_names
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 SEED_LOGGER = "lightning.fabric.utilities.seed"
-
-
-class DropMessages(logging.Filter):
-    """Drops log records whose message matches one of ``patterns`` (nothing else); keeps the last one
-    dropped in ``held``."""
-
-    def __init__(self, *patterns: str) -> None:
-        super().__init__()
-        self.patterns = [re.compile(p) for p in patterns]
-        self.held: str | None = None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if any(p.search(message) for p in self.patterns):
-            self.held = message
-            return False
-        return True
-
-
-# torchao's import logs a warning per CUDA-only kernel library that cannot load (`Failed to load
-# .../torchao/_C_mxfp8...so`) and registers enums as pytree constants, which torch >= 2.13 logs as
-# deprecated. Neither says anything to a `lowmem` user; each filter drops exactly those lines.
-_NOISE = {
-    "torchao": r"^Failed to load \S*torchao/_C\w*\.\S*so: Could not load this library",
-    "torch.utils._pytree": r"is an Enum subclass and is now natively supported by torch\.compile",
-}
-
-
-def quiet_startup_logs() -> None:
-    """Silence torchao's import-time log lines (see ``_NOISE``); idempotent.
-
-    The CUDA-kernel line is kept on a machine with CUDA, where a kernel that does not load matters.
-    """
-    for name, pattern in _NOISE.items():
-        if name == "torchao" and torch.cuda.is_available():
-            continue
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, DropMessages) for f in logger.filters):
-            logger.addFilter(DropMessages(pattern))
 
 
 # ----------------------------------------------------------------------------- LightningCLI

@@ -227,7 +227,8 @@ def check_dtensor_optimizer(optimizer: Any) -> None:
 
     Raises:
         ValueError: a name outside :data:`DTENSOR_OPTIMIZERS`, or an optimizer of a class known to fail
-            on DTensors (torchao ``AdamW4bit``, torch ``Adafactor``); the message lists the alternatives.
+            on DTensors (torchao ``AdamW4bit``, torch ``Adafactor``, an in-backward optimizer stepping with one),
+            e.g. ``adafactor_in_backward``; the message lists the alternatives.
     """
     if isinstance(optimizer, str):
         name = optimizer.lower()
@@ -237,9 +238,15 @@ def check_dtensor_optimizer(optimizer: Any) -> None:
     else:
         inner = getattr(optimizer, "optimizer", optimizer)  # LightningOptimizer / wrappers
         cls = type(inner).__name__
-        if cls not in _DTENSOR_UNSUPPORTED_CLASSES:
+        if hasattr(inner, "inner_optimizers"):  # an in-backward optimizer: its per-parameter optimizers step DTensors
+            name = f"{inner.inner_name}_in_backward"
+            if name in DTENSOR_OPTIMIZERS:
+                return
+            shown = f"the configured optimizer {name!r}"
+        elif cls not in _DTENSOR_UNSUPPORTED_CLASSES:
             return
-        shown = f"the configured optimizer {cls} (like {_DTENSOR_UNSUPPORTED_CLASSES[cls]!r})"
+        else:
+            shown = f"the configured optimizer {cls} (like {_DTENSOR_UNSUPPORTED_CLASSES[cls]!r})"
     raise ValueError(
         f"{shown} cannot step on FSDP's sharded (DTensor) parameters. Choose one of {list(DTENSOR_OPTIMIZERS)} "
         "(e.g. optimizer='adamw8bit' for 8-bit state), or keep this optimizer with strategy='lowmem_ddp' "

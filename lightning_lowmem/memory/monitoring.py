@@ -17,6 +17,8 @@ __all__ = [
     "PER_RANK_KEYS",
     "check_intervals",
     "cheap_figures",
+    "compiled_optimizer_steps",
+    "compiled_step_warning",
     "is_deep_step",
     "report_figures",
     "summary_table",
@@ -63,6 +65,54 @@ def is_deep_step(step: int, deep_every_n_steps: int | None) -> bool:
     if step == 1:
         return True
     return bool(deep_every_n_steps) and step > 0 and step % deep_every_n_steps == 0
+
+
+#: modules whose optimizers run a ``torch.compile``-d step: torchao's AdamW family (plain, 8-bit, 4-bit, fp8)
+#: compiles its per-parameter update in every ``step``
+COMPILED_STEP_MODULES = ("torchao.optim.adam",)
+
+
+def compiled_optimizer_steps(optimizers: Sequence[Any]) -> list[str]:
+    """Class names of the optimizers whose step runs ``torch.compile``-d code, looking through the package's
+    wrappers (``inner`` of the stochastic-rounding one, ``inner_optimizers`` of the in-backward one) and
+    Lightning's ``LightningOptimizer`` (``optimizer``). Duck-typed: nothing here imports what builds them.
+
+    Example::
+
+        >>> compiled_optimizer_steps([torch.optim.AdamW([nn.Parameter(torch.zeros(2))])])
+        []
+    """
+    found: list[str] = []
+    stack, seen = list(optimizers), set()
+    while stack:
+        optimizer = stack.pop(0)
+        if optimizer is None or id(optimizer) in seen:
+            continue
+        seen.add(id(optimizer))
+        name = type(optimizer).__name__.lstrip("_")  # adamw_bf16_sr is torchao's private _AdamW
+        if type(optimizer).__module__ in COMPILED_STEP_MODULES and name not in found:
+            found.append(name)
+        stack.append(getattr(optimizer, "inner", None))
+        stack.extend(list(getattr(optimizer, "inner_optimizers", {}).values())[:1])  # one per parameter, one kind
+        if not isinstance(optimizer, torch.optim.Optimizer):  # LightningOptimizer wraps the real one
+            stack.append(getattr(optimizer, "optimizer", None))
+    return found
+
+
+def compiled_step_warning(names: Sequence[str], step: int) -> str:
+    """The one-line warning of a deep step that runs a compiled optimizer step eagerly (issue #26 item 5).
+
+    Example::
+
+        >>> print(compiled_step_warning(["AdamW8bit"], 1).split(":")[0])
+        MemoryMonitor measures step 1 with AdamW8bit's compiled (torch.compile) optimizer step run eagerly
+    """
+    return (
+        f"MemoryMonitor measures step {step} with {' / '.join(names)}'s compiled (torch.compile) optimizer step run "
+        "eagerly: its tracker cannot see inside a compiled graph. The eager step can hold more temporaries than the "
+        "compiled one, so read that step's optimizer-step peak as an upper bound; steps not measured in depth run "
+        "compiled (docs/composition.md, 'What the MemoryMonitor measures')."
+    )
 
 
 def report_figures(report: MemoryReport) -> dict[str, float]:

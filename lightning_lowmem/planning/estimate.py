@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_lowmem import _compat
 from lightning_lowmem._versions import require
-from lightning_lowmem.functional.config import PRECISIONS, OptimizerConfig, TrainingConfig
+from lightning_lowmem.functional.config import PRECISIONS, OptimizerConfig, ShardingConfig, TrainingConfig
 from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
     EstimationError,
@@ -212,6 +212,8 @@ def estimate_memory(
     loop = resolve_loop(module, loss_fn, loop)
     loss_fn = loss_fn or default_loss
     sharded = ShardedStep(sharding, world_size, device=device)  # validates world_size / sharding
+    if config.sharding is None and sharded.sharding is not None:  # the label and meta name the sharding once
+        config = config.replace(sharding=ShardingConfig(sharded.sharding, world_size))
     precision_ = config.precision
     true_dtype = precision_.true_dtype
     autocast_dtype = sharded.autocast_dtype(precision_.preset, precision_.autocast_dtype)

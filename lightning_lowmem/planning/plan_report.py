@@ -195,6 +195,7 @@ def rich_progress(console: Any) -> Iterator[Callable[[Candidate, int, int], None
                 f"{time.perf_counter() - started:.1f} s",
                 markup=False,
                 highlight=False,
+                soft_wrap=True,  # one line per candidate in a log, whatever its width (it wrapped at 80 columns)
             )
 
         yield line

@@ -31,7 +31,7 @@ from torch import nn
 
 from lightning_lowmem.memory.report import CATEGORIES, MemoryReport
 
-__all__ = ["SHARDINGS", "ShardedStep", "count_fsdp_resizes", "zero_partition"]
+__all__ = ["SHARDINGS", "ShardedStep", "count_fsdp_resizes", "group_ranks", "zero_partition"]
 
 SHARDINGS = ("ddp", "zero1", "fsdp")
 _FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -124,6 +124,43 @@ def zero_partition(numels: list[list[int]], world_size: int) -> list[list[tuple[
             owned[rank].append((group, index))
             sizes[rank] += group_numels[index]
     return owned
+
+
+def group_ranks(per_rank: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Ranks with the same figures as one entry: ``(ranks, figures)``, ranks written as ranges (``"0-7"``), in
+    the order of each group's first rank. FSDP's padded shards give every rank the same figures; ZeRO-1's
+    partition can give a few distinct ones.
+
+    Args:
+        per_rank: ``report.meta["per_rank"]`` of a sharded estimate: ``{"rank", "peak_bytes", "breakdown"}``.
+
+    Returns:
+        One ``(ranks, {"peak_bytes", "breakdown"})`` per distinct figure.
+
+    Example::
+
+        >>> same, other = {"peak_bytes": 10, "breakdown": {"parameters": 10}}, {"peak_bytes": 12, "breakdown": {}}
+        >>> [ranks for ranks, _ in group_ranks([{"rank": r, **f} for r, f in enumerate([same, same, other, same])])]
+        ['0-1, 3', '2']
+    """
+    groups: dict[tuple[int, tuple[tuple[str, int], ...]], list[int]] = {}
+    figures: dict[tuple[int, tuple[tuple[str, int], ...]], dict[str, Any]] = {}
+    for rank in per_rank:
+        key = (rank["peak_bytes"], tuple(sorted(rank["breakdown"].items())))
+        groups.setdefault(key, []).append(rank["rank"])
+        figures.setdefault(key, {"peak_bytes": rank["peak_bytes"], "breakdown": dict(rank["breakdown"])})
+    return [(_ranges(ranks), figures[key]) for key, ranks in groups.items()]
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 class ShardedStep:
@@ -222,7 +259,6 @@ class ShardedStep:
         report.meta.update(
             world_size=self.world_size, sharding=self.sharding, per_rank=[{"rank": i, **r} for i, r in enumerate(ranks)]
         )
-        report.meta["label"] = f"{report.meta.get('label', '')} | {self.sharding} x {self.world_size}".strip(" |")
         return report
 
     def _data_parallel_ranks(self, report: MemoryReport, optimizer: Any) -> list[dict[str, Any]]:

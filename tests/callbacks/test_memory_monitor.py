@@ -81,3 +81,39 @@ def test_summary_table_lists_categories(tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MemoryMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "compiled"),
+    [("adamw8bit", "AdamW8bit"), ("adamw4bit_in_backward", "AdamW4bit"), ("adamw_bf16_sr", "AdamW"), ("adamw", None)],
+)
+def test_a_deep_step_over_a_compiled_optimizer_step_warns_once(tmp_path, optimizer, compiled):
+    """torchao's AdamW family compiles its step; the deep step runs it eagerly (issue #26 item 5): one
+    LowMemWarning at the first deep step, none for the later ones, none for an eager optimizer."""
+    import warnings
+
+    from lightning_lowmem import LowMemWarning, MemoryEfficientOptimizer
+    from lightning_lowmem._compat import force_eager
+
+    monitor = MemoryMonitor(deep_every_n_steps=2, summary=False)  # deep steps 1 and 2
+    trainer = L.Trainer(
+        max_steps=3,
+        callbacks=[MemoryEfficientOptimizer(optimizer), monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        limit_val_batches=0,
+    )
+    # the monitor's deep steps run the step eagerly anyway; the others too here (compiling torchao's step takes
+    # tens of seconds on CPU): the warning depends on the optimizer, not on the stance
+    with force_eager(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(DigitsClassifier(hidden=64), DigitsDataModule(batch_size=32))
+    ours = [str(w.message) for w in caught if issubclass(w.category, LowMemWarning) and "compiled" in str(w.message)]
+    if compiled is None:
+        assert ours == []
+    else:
+        assert len(ours) == 1 and ours[0].startswith(f"MemoryMonitor measures step 1 with {compiled}'s compiled"), ours
+    assert monitor.last_report is not None and monitor.last_report.breakdown["optimizer_state"] > 0

@@ -15,6 +15,7 @@ import torch
 
 from lightning_lowmem import LowMemoryStrategy, MemoryMonitor
 from lightning_lowmem.functional.config import OptimizerConfig
+from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.planning.estimate import estimate_memory
 from lightning_lowmem.planning.plan import plan_memory
 from tests.nanogpt import NanoGPT, nano_batch, nano_loader
@@ -84,6 +85,8 @@ def test_strategy_plan_memory_and_cli_choose_the_same_plan(tiny_trainer_kwargs, 
     assert strategy.plan.predicted_peak_bytes == direct.predicted_peak_bytes
     assert [c.config for c in strategy.plan.candidates] == [c.config for c in direct.candidates]
     assert "LowMemoryStrategy: [1/" in caplog.text  # the search, candidate by candidate
+    # what the budget was read as, in bytes and GiB / MiB (issue #26 item 12: '24gb' is 22.35 GiB, said at once)
+    assert f"planning memory_budget={budget:,} B = {format_bytes(budget)} on the first" in caplog.text
 
     config = tmp_path / "nano.yaml"
     config.write_text(
