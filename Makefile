@@ -91,8 +91,9 @@ gpu-check-dry: $(STAMP)
 COMPAT ?= transformers-4
 COMPAT_LEGS := transformers-4 floors torch-2.11
 COMPAT_PINS.transformers-4 := transformers==4.57.6
-# LitGPT (the chunked loss's recipe, tests/functional/test_cross_entropy_litgpt.py) resolves only beside transformers
-# 4.x and pins jsonargparse<=4.41, below our floor; its model code imports neither: installed without its pins
+# LitGPT (the chunked loss's recipe, tests/functional/test_cross_entropy_litgpt.py; the zoo, tests/test_litgpt_zoo.py)
+# resolves only beside transformers 4.x and pins jsonargparse<=4.41, below our floor; its model code imports neither:
+# installed without its pins
 COMPAT_NODEPS.transformers-4 := litgpt==0.5.13
 COMPAT_PINS.floors := lightning==2.5.0 torchmetrics==1.4.0 jsonargparse[signatures]==4.51.0 torchao==0.18.0 \
 	rich==13.0.0 psutil==5.9.0 transformers==4.57.6
@@ -106,9 +107,10 @@ COMPAT_EXTRA_TESTS.torch-2.11 := tests/test_cli.py tests/planning/test_sharding.
 COMPAT_TESTS ?= tests/test_hf_zoo.py tests/planning/test_estimate.py tests/planning/test_batch_values.py \
 	tests/functional/test_checkpointing_hf.py tests/functional/quantization/test_quantization_hf.py \
 	tests/callbacks/test_quantization_callbacks_hf.py tests/distillation/test_hf.py \
-	tests/callbacks/test_chunked_cross_entropy.py tests/functional/test_cross_entropy_litgpt.py
+	tests/callbacks/test_chunked_cross_entropy.py tests/functional/test_cross_entropy_litgpt.py tests/test_litgpt_zoo.py
 # CI's selection: every test that failed on transformers 4.57 before the fix (estimate vs measured per family, GPT-2's
-# Conv1D / T5's tie under PTQ, QAT, int8_static, the int8 teacher) plus the batch-values tests
+# Conv1D / T5's tie under PTQ, QAT, int8_static, the int8 teacher) plus the batch-values tests and the LitGPT zoo
+# (every feature on LitGPT's GPT, ~20 s: litgpt installs only in this leg)
 COMPAT_CI_TESTS := tests/planning/test_batch_values.py tests/functional/test_checkpointing_hf.py \
 	tests/functional/quantization/test_quantization_hf.py "tests/test_hf_zoo.py::test_every_feature_on_every_family[gpt2-ptq]" \
 	tests/callbacks/test_quantization_callbacks_hf.py::test_int8_static_exports_gpt2_with_keyword_batches_and_conv1d \
@@ -116,7 +118,7 @@ COMPAT_CI_TESTS := tests/planning/test_batch_values.py tests/functional/test_che
 	tests/callbacks/test_quantization_callbacks_hf.py::test_qat_on_t5_converts_the_four_way_tie_once \
 	"tests/callbacks/test_quantization_callbacks_hf.py::test_ptq_quantizes_every_family_timing_dict_batches[gpt2]" \
 	"tests/distillation/test_hf.py::test_bf16_and_int8_hf_teachers_hold_fewer_bytes_and_stay_close[gpt2]" \
-	tests/functional/test_cross_entropy_litgpt.py \
+	tests/functional/test_cross_entropy_litgpt.py tests/test_litgpt_zoo.py \
 	tests/callbacks/test_chunked_cross_entropy.py::test_same_weights_as_the_unchunked_loss_and_no_logits_in_training
 COMPAT_VENV := .venv-compat-$(COMPAT)
 COMPAT_PY := $(COMPAT_VENV)/bin/python

@@ -65,7 +65,7 @@ class ScheduledPruning(Callback):
         n, m: N:M pattern for ``"nm"``: keep ``n`` of every ``m`` along the input dim. Default: 2, 4.
         structural: at the end of the schedule, physically remove the pruned channels / FFN units
             (Torch-Pruning) and rebind the optimizer. Without ``parameters_to_prune`` only the layers it can
-            cut are masked (every Conv/Linear but the last, no attention projection). Default: ``False``.
+            cut are masked (every Conv/Linear but the output head, no attention projection). Default: ``False``.
         structural_ratio: fraction of channels removed per layer; ``None`` = the final sparsity.
             Default: ``None``.
         seed: seed of the random methods' generator (same on every rank). Default: 0.

@@ -25,9 +25,18 @@ def _gradients(model, idx):
     return logits, [p.grad.clone() for p in model.parameters()]
 
 
-def test_litgpt_gpt_recipe_gives_the_unchunked_gradients():
+def _config(name: str):
+    if name == "pythia-14m":  # the real vocabulary (50,304): where chunking matters
+        return litgpt_config.Config.from_name("pythia-14m", n_layer=2)
+    from tests.litgpt_zoo import litgpt_config as zoo_config  # the zoo's Llama: RMSNorm, GQA, LLaMAMLP
+
+    return zoo_config("llama")
+
+
+@pytest.mark.parametrize("name", ["pythia-14m", "zoo-llama"])
+def test_litgpt_gpt_recipe_gives_the_unchunked_gradients(name):
     torch.manual_seed(0)
-    config = litgpt_config.Config.from_name("pythia-14m", n_layer=2)
+    config = _config(name)
     model = litgpt_model.GPT(config)
     idx = torch.randint(config.padded_vocab_size, (2, 32))
     _, reference = _gradients(model, idx)

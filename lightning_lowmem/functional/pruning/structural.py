@@ -35,6 +35,7 @@ __all__ = [
 # residual-stream layers: removing their channels would cut the width every block shares
 _RESIDUAL_TYPES = (nn.Embedding, nn.LayerNorm)
 _HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "head_dim")  # head_dim: HF Llama-style attention
+_HEAD_NAMES = ("lm_head", "embed_out", "head", "classifier", "score")  # output heads, by their module's own name
 
 
 @dataclass
@@ -103,17 +104,30 @@ def _trace_inputs(model: nn.Module, example_inputs: Any) -> Any:
     return example_inputs
 
 
+def _is_attention(module: nn.Module) -> bool:
+    """An attention module: a head count / size attribute, or (LitGPT's ``CausalSelfAttention``, which keeps its
+    head count in ``config``) ``Attention`` in its class name."""
+    return any(isinstance(getattr(module, a, None), int) for a in _HEAD_ATTRS) or "Attention" in type(module).__name__
+
+
 def default_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Conv / Linear (and HF ``Conv1D``) layers except the last one (the output) and attention projections."""
+    """Conv / Linear (and HF ``Conv1D``) layers except the output head and attention projections.
+
+    The head is the layer named like one (``lm_head``, ``embed_out``, ``head``, ``classifier``, ``score``) wherever
+    it sits (LitGPT registers ``lm_head`` before its blocks), else the last layer in module order.
+    """
     layers: list[tuple[str, nn.Module]] = []
     attention_children: set[int] = set()
     for _, sub in model.named_modules():
-        if any(isinstance(getattr(sub, a, None), int) for a in _HEAD_ATTRS):
+        if _is_attention(sub):
             attention_children.update(id(c) for c in sub.children())
     for fqn, sub in model.named_modules():
         prunable = isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)) or _is_hf_conv1d(sub)
         if prunable and id(sub) not in attention_children:
             layers.append((fqn, sub))
+    named_heads = [fqn for fqn, _ in layers if fqn.rsplit(".", 1)[-1] in _HEAD_NAMES]
+    if named_heads:
+        return [(fqn, sub) for fqn, sub in layers if fqn not in named_heads]
     return layers[:-1]
 
 
@@ -152,7 +166,7 @@ def prune_structural_(
             as keywords (``model(**example_inputs)``, Hugging Face batches).
         optimizer: optimizer(s) rebound to the new parameters, their state sliced. Default: ``None``.
         filter_fn: ``filter_fn(module, fqn)`` chooses root layers. Default: ``None`` = every Conv/Linear
-            except the last layer and attention projections.
+            except the output head and attention projections (:func:`default_candidates`).
         norm: ``p`` of the channel norm. Default: 2.
         importance: ``importance(layer) -> (out_channels,)`` scores overriding the norm. Default: ``None``.
         forward_fn: ``forward_fn(model, example_inputs)`` runs the model for tracing, e.g. the model's own

@@ -63,6 +63,52 @@ def test_transformer_ffn_units_halved(tiny_gpt):
     assert torch.isfinite(loss)
 
 
+class _Config:
+    n_head = 2  # LitGPT keeps the head count on its config, not on the attention module
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.config, self.width = _Config(), width
+        self.qkv = nn.Linear(width, 3 * width)  # fused, split by fixed sizes in forward
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (B, T, C), heads = x.shape, self.config.n_head
+        q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in self.qkv(x).split(self.width, dim=-1))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class _HeadFirstGPT(nn.Module):
+    """LitGPT's layout: ``lm_head`` registered before the blocks, attention named by its class only."""
+
+    def __init__(self, vocab: int = 64, width: int = 16) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.wte = nn.Embedding(vocab, width)
+        self.norm_1, self.norm_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width)
+        self.fc, self.proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        x = x + self.attn(self.norm_1(x))
+        x = x + self.proj(torch.relu(self.fc(self.norm_2(x))))
+        return self.lm_head(x)
+
+
+def test_a_head_registered_first_and_fused_qkv_are_left_whole():
+    # used to cut half the vocabulary (the "last layer" was proj) and half of qkv (its split then failed)
+    torch.manual_seed(0)
+    model, idx = _HeadFirstGPT(), torch.randint(0, 64, (2, 8))
+    report = prune_structural_(model, 0.5, idx)
+    assert report.removed_channels == {"fc": 32}
+    assert model.lm_head.out_features == 64 and model.attn.qkv.out_features == 48
+    assert model(idx).shape == (2, 8, 64)
+
+
 def test_pruned_model_reloads_with_weights_only(tiny_convnet):
     fresh = type(tiny_convnet)()  # the unpruned architecture
     x = torch.randn(2, 1, 8, 8)
