@@ -7,6 +7,8 @@ import machinery, not from the reader.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning_lowmem
@@ -204,3 +206,48 @@ def test_no_module_imports_another_modules_underscore_names():
                     if _is_private(alias.name) and f"{node.module}.{alias.name}" not in MODULES:
                         found.add(f"{name}: {node.module}.{alias.name}")
     assert sorted(found) == []
+
+
+_FIRST_IMPORTS = """
+import importlib, importlib.abc, sys, torch
+
+class NoLightning(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "lightning" or fullname.startswith("lightning."):
+            raise ImportError("lightning is held back in this pass")
+
+def import_fresh(name):
+    for loaded in [m for m in sys.modules if m == "lightning_lowmem" or m.startswith("lightning_lowmem.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+
+failed, later, hold = [], [], NoLightning()
+sys.meta_path.insert(0, hold)
+for name in NAMES:
+    error = import_fresh(name)
+    if error and "held back" in error:
+        later.append(name)
+    elif error:
+        failed.append(f"{name}: {error}")
+sys.meta_path.remove(hold)
+for name in later:
+    error = import_fresh(name)
+    if error:
+        failed.append(f"{name}: {error}")
+print("\\n".join(failed))
+"""
+
+
+def test_every_module_imports_first():
+    """Each module imported first, in a fresh ``lightning_lowmem`` (torch already loaded): a package ``__init__`` that
+    imports a module which imports it back half-way fails here even when the file graph has no circle. A first
+    pass holds Lightning back (once it is loaded, the package registers its strategies on import, which imports
+    ``functional`` in another order and would hide such a failure); the modules that need Lightning go second."""
+    names = sorted(name for name in MODULES if not name.endswith("__main__"))
+    script = f"NAMES = {names!r}\n" + _FIRST_IMPORTS
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == ""

@@ -19,16 +19,21 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from lightning_lowmem.functional.config.techniques import check_bool
-from lightning_lowmem.functional.pruning.schedule import (
-    Amount,
-    PruningSchedule,
-    check_amount,
-    check_start_step,
-    method_name,
-)
+
+if TYPE_CHECKING:
+    from lightning_lowmem.functional.pruning.schedule import Amount, PruningSchedule
+
+
+def _schedule() -> Any:
+    """The pruning package's argument checks, imported when a config is built: importing them here at import time
+    would import ``functional.pruning`` while ``functional.config`` is still half-initialised (they import it)."""
+    from lightning_lowmem.functional.pruning import schedule
+
+    return schedule
+
 
 __all__ = ["DEFAULT_PARAMETER_NAMES", "PruningConfig"]
 
@@ -133,7 +138,7 @@ class PruningConfig:
             for name in self.parameter_names:
                 if not isinstance(name, str) or not name:
                     raise ValueError(f"`parameter_names` entries must be parameter names like 'weight', got {name!r}")
-        check_amount(self.amount)
+        _schedule().check_amount(self.amount)
         for name in ("use_global_unstructured", "make_pruning_permanent", "resample_parameters"):
             check_bool(name, getattr(self, name))
         for name in ("prune_on_train_epoch_end", "structural", "prune_embeddings"):
@@ -145,10 +150,10 @@ class PruningConfig:
 
     def _resolve_method(self) -> Any:
         if self.method is None:
-            return method_name(self.pruning_fn)
+            return _schedule().method_name(self.pruning_fn)
         if self.pruning_fn not in ("l1_unstructured", self.method):
             raise ValueError(f"`method`={self.method!r} and `pruning_fn`={self.pruning_fn!r} disagree; pass only one")
-        return method_name(self.method, "method")
+        return _schedule().method_name(self.method, "method")
 
     def _check_numbers(self) -> None:
         n, m = self.n, self.m
@@ -198,9 +203,9 @@ class PruningConfig:
             0.8
         """
         if not self.step_mode:
-            check_start_step(self.start_step)
+            _schedule().check_start_step(self.start_step)
             return None
-        return PruningSchedule(
+        return _schedule().PruningSchedule(
             self.schedule or "cubic",
             self.final_sparsity,
             self.start_step,
