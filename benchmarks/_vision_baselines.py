@@ -136,6 +136,18 @@ def _int8_layers(model: nn.Module) -> tuple[int, int]:
     return convs, linears
 
 
+def _conv_weight_error(trained: nn.Module, quantized: nn.Module) -> float | str:
+    """Mean over the int8 convolutions of ``||dequantized - float|| / ||float||`` of their weights (percent)."""
+    errors = []
+    float_convs = dict(trained.named_modules())
+    for name, module in quantized.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Conv2d) and type(weight) is not nn.Parameter and hasattr(weight, "dequantize"):
+            reference = float_convs[name].weight.detach()
+            errors.append(float((weight.dequantize() - reference).norm() / reference.norm()))
+    return round(100 * sum(errors) / len(errors), 2) if errors else "-"
+
+
 def _runs_in(model: nn.Module, images: torch.Tensor) -> str:
     """Where a forward of the quantized model runs: train (grad on), eval, ``no_grad``, ``inference_mode``."""
     failed = {}
@@ -221,6 +233,7 @@ def torchao_rows(data: dict[str, Any], cnns: list[tuple[str, nn.Module]]) -> lis
                     "int8 convs / linears": f"{convs} / {linears}",
                     "float -> int8 KiB": f"{float_bytes / 1024:.1f} -> {quantized_bytes / 1024:.1f}",
                     "size ratio": round(float_bytes / quantized_bytes, 2),
+                    "conv weight error %": _conv_weight_error(trained, model),
                     "runs in": _runs_in(model, images),
                 }
             )

@@ -261,8 +261,9 @@ def _run(small: bool) -> dict[str, Any]:
         "size = parameter + buffer bytes; inference peak = a no_grad forward of 64 images):\n\n"
         + markdown(quantization)
         + "\n\n**int8 conv nets: torchao's own recipes beside ours** (the same trained CNNs and test images; 'runs in': "
-        "a forward in train mode with grad on, eval, no_grad and inference_mode; logit error = relative L2 distance "
-        "of the test logits from the float model's):\n\n"
+        "a forward in train mode with grad on, eval, no_grad and inference_mode; conv weight error = relative L2 "
+        "distance of the dequantized conv weights from the float ones, mean over the int8 convs; logit error = the "
+        "same of the test logits from the float model's):\n\n"
         + markdown(torchao)
         + "\n\n**Checkpointing: Hugging Face's own recipe beside ours** (activations and fwd+bwd peak: one forward + "
         "backward; grads equal: torch.equal to no checkpointing; step peak: the second fp32 + AdamW step, measured, "
