@@ -85,7 +85,10 @@ def checkpointing_rows(small: bool) -> list[dict[str, Any]]:
     rows = []
     for name, make, size in models:
         count = 8 if small else 32
-        batch = (torch.randn(count, 3, size, size, generator=generator), torch.randint(0, 10, (count,)))
+        batch = (
+            torch.randn(count, 3, size, size, generator=generator),
+            torch.randint(0, 10, (count,), generator=generator),
+        )
         base = make().train()
         plain_report, plain_grads = _forward_backward(copy.deepcopy(base), batch)
         for setup in ("none", HF, OURS):
