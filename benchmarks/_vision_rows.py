@@ -150,18 +150,22 @@ def inference_peak(model: nn.Module, images: torch.Tensor) -> int:
     return measure_memory(forward, module=model).peak_bytes
 
 
-def quantization_rows(small: bool) -> list[dict[str, Any]]:
-    """One row per (CNN, int8 mode): size float -> int8 (bytes), test accuracy float -> int8, inference peaks."""
+def trained_cnns(small: bool) -> tuple[dict[str, Any], list[tuple[str, nn.Module]]]:
+    """The digits data and the two CNNs trained on it (eval mode) that the int8 rows quantize."""
     data = digits(small)
     steps = 20 if small else 60
     models: list[tuple[str, Callable[[], nn.Module]]] = [
         ("HF ResNet (basic, 16/32)", hf_resnet),
         ("torchvision-style ResNet (shared ReLU)", torchvision_style_resnet),
     ]
+    return data, [(name, train(make(), data, steps)) for name, make in models]
+
+
+def quantization_rows(data: dict[str, Any], cnns: list[tuple[str, nn.Module]]) -> list[dict[str, Any]]:
+    """One row per (CNN, int8 mode): size float -> int8 (bytes), test accuracy float -> int8, inference peaks."""
     rows = []
     images = data["test"][0][:64]
-    for name, make in models:
-        trained = train(make(), data, steps)
+    for name, trained in cnns:
         float_accuracy, float_bytes = accuracy(trained, data), state_bytes(trained)["parameters"]
         float_peak = inference_peak(trained, images)
         for mode in ("int8_weight_only", "int8_static"):

@@ -5,7 +5,9 @@
 (LoRA on the ResNet's convolutions, on the Transformer's ``nn.MultiheadAttention`` projections and linear layers):
 trainable parameters, predicted and measured peaks (memory core, CPU); int8 conv nets trained on digits (size
 ratio, accuracy change, inference peaks) and each lean optimizer's state and step peak per model family
-(:mod:`benchmarks._vision_rows`).
+(:mod:`benchmarks._vision_rows`); the libraries' own recipes beside ours -- Hugging Face's
+``gradient_checkpointing_enable()`` beside checkpointing ``"auto"`` on HF ViT / ResNet / ConvNeXt, torchao's int8
+configs beside ``int8_weight_only`` on the same trained CNNs (:mod:`benchmarks._vision_baselines`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks._vision_rows import markdown, optimizer_rows, quantization_rows
+from benchmarks._vision_baselines import checkpointing_rows, torchao_rows
+from benchmarks._vision_rows import markdown, optimizer_rows, quantization_rows, trained_cnns
 from benchmarks.common import mib, smoke
 from lightning_lowmem.functional.checkpointing import checkpoint_, resolve_policy
 from lightning_lowmem.functional.optimizers.registry import build_optimizer
@@ -164,7 +167,18 @@ def _lora_row(name: str, model: nn.Module, batch: Any, lora: dict[str, Any] | No
 
 
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
-    small = quick or smoke()
+    # one intra-op thread (restored after): these tiny models gain nothing from two, and on a loaded 2-core machine
+    # two threads wait on each other (training the digits CNNs took 83 s with two, 1.5 s with one); the memory
+    # core's bytes do not depend on it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(small=quick or smoke())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(small: bool) -> dict[str, Any]:
     batch = _batch(8 if small else 16, 32 if small else 64)
     resnet_row, resnet = _plan_row("HF ResNet (tiny)", _resnet(small), batch)
     cnn_row, cnn = _plan_row("flat nn.Sequential CNN", _flat_cnn(), batch)
@@ -195,7 +209,9 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         model = build()
         lora += [_lora_row(label, model, data, None), _lora_row(label, model, data, {"r": 8, "target": target})]
     rows = [resnet_row, cnn_row]
-    quantization, optimizers = quantization_rows(small), optimizer_rows(small)
+    digits, cnns = trained_cnns(small)
+    quantization, optimizers = quantization_rows(digits, cnns), optimizer_rows(small)
+    checkpointing_baselines, torchao = checkpointing_rows(small), torchao_rows(digits, cnns)
     targets = [
         {
             "target": "HF ResNet at a budget only bf16-true fits: the plan is bf16-true, within 5% of the measured peak",
@@ -222,11 +238,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             for full, adapted in zip(lora[::2], lora[1::2], strict=True)
         ),
         _int8_target(quantization),
+        *_checkpointing_baseline_targets(checkpointing_baselines),
+        _torchao_target(torchao),
         _optimizer_target(optimizers),
     ]
     notes = (
-        "CPU, memory core (exact tensor bytes). Budget = midway between the full estimates of bf16-true + adamw and "
-        "bf16-mixed + adamw, after the planner's 10% margin. Checkpointing 'auto' rows: "
+        "CPU (one torch thread), memory core (exact tensor bytes). Budget = midway between the full estimates of "
+        "bf16-true + adamw and bf16-mixed + adamw, after the planner's 10% margin. Checkpointing 'auto' rows: "
         + "; ".join(
             f"{r['model']}: {r['auto wraps']} blocks wrapped, activations {r['activations MiB']} -> "
             f"{r['with auto MiB']} MiB ({r['activations ratio']}x), peak {r['peak MiB']} -> "
@@ -242,6 +260,16 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         + "\n\n**int8 conv nets** (trained on digits upsampled to 3 x 16 x 16, test accuracy on 360 held-out images; "
         "size = parameter + buffer bytes; inference peak = a no_grad forward of 64 images):\n\n"
         + markdown(quantization)
+        + "\n\n**int8 conv nets: torchao's own recipes beside ours** (the same trained CNNs and test images; 'runs in': "
+        "a forward in train mode with grad on, eval, no_grad and inference_mode; conv weight error = relative L2 "
+        "distance of the dequantized conv weights from the float ones, mean over the int8 convs; logit error = the "
+        "same of the test logits from the float model's):\n\n"
+        + markdown(torchao)
+        + "\n\n**Checkpointing: Hugging Face's own recipe beside ours** (activations and fwd+bwd peak: one forward + "
+        "backward; grads equal: torch.equal to no checkpointing; step peak: the second fp32 + AdamW step, measured, "
+        "and predicted by estimate_memory -- for ours from the plain model with activation_checkpointing='auto', for "
+        "Hugging Face's from the model after gradient_checkpointing_enable()):\n\n"
+        + markdown(checkpointing_baselines)
         + "\n\n**Lean optimizers per model family** (one training step, batch 32 x 3 x 16 x 16; state after it; "
         "'warns': MemoryEfficientOptimizer warns, the lean state being > 0.5x AdamW's):\n\n" + markdown(optimizers)
     )
@@ -255,6 +283,8 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "lora": lora,
         "quantization": quantization,
         "optimizers": optimizers,
+        "checkpointing_baselines": checkpointing_baselines,
+        "torchao": torchao,
     }
 
 
@@ -270,6 +300,65 @@ def _int8_target(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "target": "int8 conv nets (weight-only and static) ship >= 3.5x smaller, test accuracy within 1 point",
         "measured": measured,
         "met": len(done) == len(rows) and min(ratios) >= 3.5 and max(abs(c) for c in changes) <= 1.0,
+    }
+
+
+def _checkpointing_baseline_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where Hugging Face's recipe runs: ours no worse than it; where it refuses: ours works. Both: exact estimate."""
+    targets = []
+    for model in dict.fromkeys(row["model"] for row in rows):
+        plain, hf, ours = (row for row in rows if row["model"] == model)
+        exact = f"estimate error {ours['error %']:+.2f}% (ours)"
+        works = ours["grads equal"] is True and ours["error %"] == 0
+        if "error" in hf:
+            targets.append(
+                {
+                    "target": f"{model}: where HF's gradient_checkpointing_enable() refuses, "
+                    "checkpointing 'auto' cuts activations with equal gradients and an exact estimate",
+                    "measured": f"HF: {hf['error']} Ours: {ours['blocks']} blocks, activations "
+                    f"{plain['activations MiB']} -> {ours['activations MiB']} MiB, step peak {plain['step peak MiB']}"
+                    f" -> {ours['step peak MiB']} MiB, grads equal {ours['grads equal']}, {exact}",
+                    "met": works and ours["activations MiB"] < plain["activations MiB"],
+                }
+            )
+            continue
+        targets.append(
+            {
+                "target": f"{model}: checkpointing 'auto' vs HF's gradient_checkpointing_enable(): "
+                "activations and step peak <= HF's, equal gradients, exact estimate on both",
+                "measured": f"activations {ours['activations MiB']} vs {hf['activations MiB']} MiB, step peak "
+                f"{ours['step peak MiB']} vs {hf['step peak MiB']} MiB (none: {plain['step peak MiB']}), grads equal "
+                f"{ours['grads equal']} / {hf['grads equal']}, {exact}, {hf['error %']:+.2f}% (HF's)",
+                "met": works
+                and hf["error %"] == 0
+                and ours["activations MiB"] <= hf["activations MiB"]
+                and ours["step peak MiB"] <= hf["step peak MiB"],
+            }
+        )
+    return targets
+
+
+def _torchao_target(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ours against torchao's only int8 recipe that reaches Conv2d (IntxWeightOnlyConfig on Conv2d + Linear)."""
+    ours = [row for row in rows if row["recipe"].startswith("lowmem")]
+    theirs = [row for row in rows if row["recipe"].startswith("torchao IntxWeightOnlyConfig")]
+    pairs = list(zip(ours, theirs, strict=True))
+    measured = "; ".join(
+        f"{a['model']}: {a.get('size ratio', '-')}x vs {b.get('size ratio', '-')}x, accuracy change "
+        f"{a.get('acc change (points)', '-')} vs {b.get('acc change (points)', '-')} points, logit error "
+        f"{a.get('logit error %', '-')}% vs {b.get('logit error %', '-')}%"
+        for a, b in pairs
+    )
+    return {
+        "target": "int8 conv nets: our int8_weight_only ships smaller than torchao's IntxWeightOnlyConfig(int8, "
+        "PerAxis(0)) on Conv2d + Linear, accuracy within 1 point of float, runs in train/eval/no_grad/inference_mode",
+        "measured": measured,
+        "met": all(
+            a["runs in"] == "all four"
+            and a["size ratio"] > b.get("size ratio", 0)
+            and abs(a["acc change (points)"]) <= 1
+            for a, b in pairs
+        ),
     }
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
+import pytest
 import torch
 from torch import nn
 
 from lightning_lowmem.functional.checkpointing import checkpoint_, resolve_policy
 from lightning_lowmem.memory import measure_memory
 from tests.vision_zoo import (
+    hf_convnext,
     hf_resnet,
+    hf_vit,
     image_batch,
     mha_classifier,
     sequential_cnn,
@@ -87,3 +91,29 @@ def test_nn_transformer_and_encoder_gradients_equal_activations_drop():
         for name, grad in plain_grads.items():
             assert torch.equal(grad, grads[name]), name
         assert acts < 0.7 * plain_acts, (type(model).__name__, plain_acts, acts)
+
+
+def test_auto_on_hf_vit_matches_hugging_faces_own_gradient_checkpointing():
+    model, batch = hf_vit(), image_batch()
+    theirs = copy.deepcopy(model).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers 5: FutureWarning, renamed activation_checkpointing_enable
+        theirs.gradient_checkpointing_enable()
+    switched = [name for name, m in theirs.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    (plain_grads, _, plain_bytes), (our_grads, _, our_bytes) = _grads_and_activations(model, batch)
+    report = measure_memory(_step(theirs, batch), module=theirs)
+    assert resolve_policy(model, "auto") == switched == ["vit.layers.0", "vit.layers.1"]
+    assert our_bytes == report.breakdown["activations"] < plain_bytes / 5
+    for name, parameter in theirs.named_parameters():
+        assert torch.equal(our_grads[name], parameter.grad) and torch.equal(plain_grads[name], parameter.grad), name
+
+
+@pytest.mark.parametrize("make", [hf_resnet, hf_convnext], ids=["resnet", "convnext"])
+def test_auto_checkpoints_hf_vision_models_whose_own_recipe_refuses(make):
+    model = make()
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="does not support activation checkpointing"):
+        warnings.simplefilter("ignore")  # transformers 5: FutureWarning, renamed activation_checkpointing_enable
+        copy.deepcopy(model).gradient_checkpointing_enable()
+    (plain_grads, _, plain_bytes), (our_grads, _, our_bytes) = _grads_and_activations(model, image_batch())
+    assert our_bytes < plain_bytes
+    assert all(torch.equal(plain_grads[name], our_grads[name]) for name in plain_grads)
