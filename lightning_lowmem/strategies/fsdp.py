@@ -235,7 +235,14 @@ class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
         from lightning_lowmem.functional.fsdp import check_dtensor_optimizer
 
         for optimizer in self.optimizers:
-            check_dtensor_optimizer(optimizer)
+            try:
+                check_dtensor_optimizer(optimizer)
+            except ValueError:
+                for refused in self.optimizers:  # an in-backward optimizer's hooks would step on the next backward
+                    remove_hooks = getattr(getattr(refused, "optimizer", refused), "remove_hooks", None)
+                    if remove_hooks is not None:
+                        remove_hooks()
+                raise
             # frozen parameters (a LoRA base) leave the optimizer now, as LowRankAdapters does at fit start:
             # a saved full optimizer state is keyed by trainable parameters only, and torch matches the
             # param groups of a resumed run against it before that callback would run

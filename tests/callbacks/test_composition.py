@@ -376,6 +376,8 @@ def test_each_switch_under_lowmem_fsdp_trains_or_is_refused_before_training(name
         assert "\n" not in str(raised.value)
         after = {key: _float(value) for key, value in module.state_dict().items()}
         assert set(after) == set(before) and all(torch.equal(before[key], after[key]) for key in before)
+        # a refused optimizer-in-backward leaves no hook behind that would step on the module's next backward
+        assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in module.parameters())
     finally:
         if dist.is_initialized():  # the one-process group Lightning made for FSDP
             dist.destroy_process_group()
