@@ -37,7 +37,7 @@ from lightning_lowmem.planning.estimate import (
     TrainingConfig,
 )
 from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
-from lightning_lowmem.planning.plan_report import Candidate, Plan, peak_label
+from lightning_lowmem.planning.plan_report import Candidate, Plan, no_fit_error, peak_label, short_error
 from lightning_lowmem.planning.priors import DEFAULT_LR, expected_slowdown, numerics_caveat
 
 __all__ = ["PlanSearch", "Progress"]
@@ -478,13 +478,6 @@ def _family(name: str) -> str:
     return state_layout(name)[0]
 
 
-def short_error(err: BaseException) -> str:
-    """``"TypeName: first sentence"`` of an error (at most 160 characters), for a skipped candidate."""
-    text = str(err).splitlines()[0] if str(err) else ""
-    text = text.split(". ")[0].rstrip(".")
-    return f"{type(err).__name__}: {text[:160]}"
-
-
 def _report_progress(candidate: Candidate, index: int, total: int, usable: int, progress: Progress | None) -> None:
     if candidate.report is not None:
         outcome = f"{peak_label(candidate)} ({'fits' if candidate.fits else 'over'} {format_bytes(usable)}, {candidate.method})"
@@ -493,22 +486,3 @@ def _report_progress(candidate: Candidate, index: int, total: int, usable: int, 
     log.info("plan_memory [%d/%d] %s: %s", index, total, candidate.config.describe(), outcome)
     if progress is not None:
         progress(candidate, index, total)
-
-
-def no_fit_error(evaluated: list[Candidate], budget: Any, usable: int, margin: float) -> ValueError:
-    """The error of a search where nothing fits: the smallest predicted peak and its configuration."""
-    measured = [c for c in evaluated if c.report is not None and c.method != "lower bound"]
-    failed: dict[str, int] = {}
-    for candidate in evaluated:
-        if candidate.error:
-            failed[candidate.error] = failed.get(candidate.error, 0) + 1
-    skipped = "; ".join(f"{count} x {error}" for error, count in failed.items())
-    if not measured:
-        return ValueError(f"no configuration could be estimated for `budget`={budget!r}: skipped {skipped}")
-    smallest = min(measured, key=lambda c: c.report.peak_bytes)  # type: ignore[union-attr]
-    return ValueError(
-        f"no configuration fits `budget`={budget!r} ({format_bytes(usable)} usable after a {margin:.0%} margin): "
-        f"the smallest predicted peak is {format_bytes(smallest.predicted_peak_bytes or 0)} with "
-        f"[{smallest.config.describe()}]. Raise the budget, lower the batch size, or shrink the model."
-        + (f" Skipped (cannot be built on this model): {skipped}." if failed else "")
-    )
