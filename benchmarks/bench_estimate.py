@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from benchmarks._plan_timing import run_timings, timing_targets
 from benchmarks.common import CudaPeak, clear_cuda_workspaces, mib, smoke
 from lightning_lowmem.demo import CharLM, DigitsClassifier
-from lightning_lowmem.functional.optimizers.registry import available_optimizers, build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import available_optimizers, build_optimizer
 from lightning_lowmem.memory import measure_memory, state_bytes
 from lightning_lowmem.planning.estimate import (
     TrainingConfig,

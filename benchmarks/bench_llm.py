@@ -36,7 +36,7 @@ from lightning_lowmem.functional.applied import apply
 from lightning_lowmem.functional.compression import compress_activations
 from lightning_lowmem.functional.config import TrainingConfig
 from lightning_lowmem.functional.cross_entropy import linear_cross_entropy
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import measure_memory, track_memory
 from lightning_lowmem.planning.estimate import estimate_memory
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import CudaPeak, clear_cuda_workspaces, mib, smoke
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import measure_memory
 from lightning_lowmem.planning.estimate import TrainingConfig, _train_step, default_loss, estimate_memory
 from lightning_lowmem.planning.plan import plan_memory

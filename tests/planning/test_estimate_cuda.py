@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from lightning_lowmem.demo import CharLM
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.planning.estimate import (
     TrainingConfig,
     _apply_model_techniques,
@@ -133,7 +133,7 @@ def _hf_long(family: str, length: int, **overrides):
     ],
 )
 def test_long_context_estimate_within_10_percent_of_the_allocator(family, length, name, overrides, kernel):
-    """The fake step runs the attention kernel CUDA picks and keeps what it keeps (planning/attention.py)."""
+    """The fake step runs the attention kernel CUDA picks and keeps what it keeps (planning/attention_kernels.py)."""
     config = CONFIGS[name].replace(optimizer="adamw")
     model, batch = _hf_long(family, length, **overrides)
     report = estimate_memory(model, batch, device="cuda", config=config)

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.attention import mha_out_projections
+from lightning_lowmem.functional.multihead_attention import mha_out_projections
 from lightning_lowmem.functional.lora.layers import (
     ADAPTER_SUFFIXES,
     LoraConv2d,
