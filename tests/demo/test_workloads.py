@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_lowmem.demo import CharLM, CharLMDataModule, DigitsClassifier, DigitsDataModule, GPTConfig
-from lightning_lowmem.demo.charlm import stdlib_files
+from lightning_lowmem.models.corpus import stdlib_files
 
 
 def test_charlm_corpus_excludes_tests_and_is_deterministic():
