@@ -149,7 +149,7 @@ def _workload(name: str, batch_size: int, device: str, size: dict[str, Any]) -> 
         x = torch.randint(0, 256, (batch_size, size["charlm"]["block_size"]), device=device)
         return CharLM(**size["charlm"]), (x, x.roll(-1, 1))
     if name == "gpt2":
-        from lightning_lowmem.demo.hf import HFLanguageModel
+        from lightning_lowmem.models.hf import HFLanguageModel
 
         ids = torch.randint(0, 256, (batch_size, size["seq"]), device=device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.common import mib
-from lightning_lowmem.demo.hf import HFTextDataModule, build_hf_model
+from lightning_lowmem.models.hf import HFTextDataModule, build_hf_model
 from lightning_lowmem.functional.checkpointing import checkpoint_
 from lightning_lowmem.functional.compression import compress_activations
 from lightning_lowmem.functional.lora.adapters import apply_lora_

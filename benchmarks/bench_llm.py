@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import mib, smoke
-from lightning_lowmem.demo.hf import build_hf_model
+from lightning_lowmem.models.hf import build_hf_model
 from lightning_lowmem.functional.applied import apply
 from lightning_lowmem.functional.compression import compress_activations
 from lightning_lowmem.functional.config import TrainingConfig

@@ -58,7 +58,7 @@ def _lengths(device: str, quick: bool) -> tuple[int, ...]:
 
 
 def _workload(name: str, length: int, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    from lightning_lowmem.demo.hf import HFLanguageModel
+    from lightning_lowmem.models.hf import HFLanguageModel
 
     family, config = WORKLOADS[name]
     positions = {"n_positions": length} if family == "gpt2" else {"max_position_embeddings": length}

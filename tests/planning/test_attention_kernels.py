@@ -23,7 +23,7 @@ MiB = 2**20
 def _hf(family: str, length: int, batch_size: int = 1, padded: bool = False, **overrides):
     """A 2-layer, 128-wide, 8-head ``family`` model and an (un)padded batch of ``length`` tokens."""
     pytest.importorskip("transformers")
-    from lightning_lowmem.demo.hf import HFLanguageModel
+    from lightning_lowmem.models.hf import HFLanguageModel
 
     torch.manual_seed(0)
     if family == "gpt2":
