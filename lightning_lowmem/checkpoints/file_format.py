@@ -10,7 +10,7 @@ Layout of a version-2 file::
 Version 1 (no prefix, one compressed stream) is still read. A chunk is stored compressed only where that
 saves ``min_saving`` of it; four 16 KiB samples decide first, so chunks of random float mantissas (dense
 weights) cost no full compression attempt. Before any of that, :func:`samples_say_plain` compresses a few
-16 KiB samples of each tensor: when even the best case saves less than ``min_saving``, the plain ``torch.save``
+4 KiB samples of each tensor: when even the best case saves less than ``min_saving``, the plain ``torch.save``
 file is written straight to disk (no in-memory copy, no chunking). Nothing here imports Lightning.
 """
 
@@ -53,6 +53,7 @@ _COUNT = struct.Struct("<I")
 VERSION = 2  # 1: no prefix, one compressed stream; 2: prefix, chunks stored compressed or raw
 CHUNK_BYTES = 2**20
 _SAMPLE_BYTES = 16 * 2**10  # x 4 spots spread over a chunk
+_TENSOR_SAMPLE_BYTES = 4 * 2**10  # one per 256 KiB of each tensor (samples_say_plain)
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -154,25 +155,26 @@ def samples_say_plain(tensors: Iterable[Any], codec: str, level: int, min_saving
     """True when compressing the bytes of the tensors among ``tensors`` cannot save ``min_saving`` of them, judged
     from samples (other values are skipped).
 
-    One 16 KiB sample per MiB of each storage (at least two, spread over it; a storage met twice counts once) is
-    compressed; a storage under 128 KiB counts as compressing to nothing (the best case). The bound is optimistic,
-    so ``False`` only means "maybe": the chunked path then decides exactly. A tensor whose bytes are not a plain
-    storage (a subclass, a sparse layout, meta) gives ``False``. Costs about 2% of compressing everything.
+    Each storage gives one 4 KiB sample per 256 KiB (at least one, spread over it; a storage met twice counts
+    once), and all samples are compressed in one call; a storage under 4 KiB counts as compressing to nothing (the
+    best case). The bound is optimistic, so ``False`` only means "maybe": the chunked path then decides exactly. A
+    tensor whose bytes are not a plain storage (a subclass, a sparse layout, meta) gives ``False``. Costs about 2%
+    of compressing everything.
 
     Example::
 
         >>> import torch
         >>> _ = torch.manual_seed(0)
-        >>> samples_say_plain([torch.randn(512, 512)], "zstd", 3, 0.1), samples_say_plain([torch.zeros(512, 512)], "zstd", 3, 0.1)
+        >>> dense, zeros = [torch.randn(512, 512)], [torch.zeros(512, 512)]
+        >>> samples_say_plain(dense, "zstd", 3, 0.1), samples_say_plain(zeros, "zstd", 3, 0.1)
         (True, False)
     """
     import torch
 
     if codec == "none":
         return True
-    compress = _compressor(codec, level)
     seen: set[tuple[int, str]] = set()
-    total = best_saving = 0.0
+    samples, sampled_bytes, tiny_bytes = [], 0, 0
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
             continue  # the pickle's other values: a few bytes
@@ -186,17 +188,21 @@ def samples_say_plain(tensors: Iterable[Any], codec: str, level: int, min_saving
             continue
         seen.add(key)
         nbytes = storage.nbytes()
-        total += nbytes
-        if nbytes < 8 * _SAMPLE_BYTES:
-            best_saving += nbytes
+        if nbytes < _TENSOR_SAMPLE_BYTES:
+            tiny_bytes += nbytes
             continue
-        count = max(2, nbytes // CHUNK_BYTES)
+        sampled_bytes += nbytes
+        count = max(1, nbytes // (64 * _TENSOR_SAMPLE_BYTES))
         step = nbytes // count
         data = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        starts = [i * step + (step - _SAMPLE_BYTES) // 2 for i in range(count)]
-        sample = torch.cat([data[start : start + _SAMPLE_BYTES] for start in starts]).cpu().numpy()
-        best_saving += nbytes * max(0.0, 1 - len(compress(memoryview(sample))) / len(sample))
-    return best_saving < min_saving * total
+        starts = [i * step + (step - _TENSOR_SAMPLE_BYTES) // 2 for i in range(count)]
+        samples += [data[start : start + _TENSOR_SAMPLE_BYTES] for start in starts]
+    total = sampled_bytes + tiny_bytes
+    if not samples:
+        return total == 0
+    joined = torch.cat(samples).cpu().numpy()
+    ratio = len(_compressor(codec, level)(memoryview(joined))) / len(joined)
+    return sampled_bytes * max(0.0, 1 - ratio) + tiny_bytes < min_saving * total
 
 
 def framed_pieces(raw: memoryview, stored: list[tuple[bool, Any]], codec: str) -> list[Any]:
