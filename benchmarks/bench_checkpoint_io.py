@@ -172,7 +172,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "baseline TorchCheckpointIO) and 16 random-normal fp32 512x512 matrices (baseline torch.save / torch.load on "
         f"the path). Times are the best of {repeats} on the local disk, the plugins measured in turn each round, torch "
         "on one thread; wall-clock times on a shared machine swing 2-4x with its load (disk writeback above all), "
-        "CPU times (this process's, kernel included) much less. A few 16 KiB samples of each tensor decide first: when compression cannot save 10% of the "
+        "CPU times (this process's, kernel included) much less. A few 4 KiB samples of each tensor decide first: when compression cannot save 10% of the "
         "tensors' bytes, the plain torch.save file is written straight to disk (byte for byte TorchCheckpointIO's, no "
         "in-memory copy); otherwise dense 1 MiB chunks that compression shrinks by less than 10% are stored raw. "
         "fsync is off by default (the rename is atomic against a killed process; `fsync=True` also survives power "
