@@ -191,7 +191,8 @@ def _save_plain(path: PathLike, checkpoint: Any, fsync: bool) -> int:
     """``torch.save`` ``checkpoint`` atomically to a local ``path`` through a file handle (the same bytes as into a
     buffer, so TorchCheckpointIO's file), into a buffer written in one go for a remote one."""
     if type(get_filesystem(path)).__name__ == "LocalFileSystem":
-        tensors = [t for t in tree_leaves(checkpoint) if isinstance(t, torch.Tensor)]
+        plain = (torch.Tensor, torch.nn.Parameter)  # a subclass's bytes are its own (codec "none" saves any)
+        tensors = [t for t in tree_leaves(checkpoint) if type(t) in plain and t.layout == torch.strided]
         storages = {(t.untyped_storage().data_ptr(), t.device): t.untyped_storage().nbytes() for t in tensors}
         size_hint = sum(storages.values()) + 2**20  # each storage once, plus the pickle and zip records
         return file_format.atomic_save(path, lambda handle: torch.save(checkpoint, handle), fsync, size_hint)
