@@ -1,6 +1,7 @@
 """transformers: the attention-mask decisions it takes from a padding mask's values.
 
-Each function names the private torch / Lightning name it uses and why no public API does the job.
+Each function names the private name it uses (of torch, Lightning, transformers or torchao) and why no public
+API does the job.
 """
 
 from __future__ import annotations

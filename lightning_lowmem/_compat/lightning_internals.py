@@ -1,7 +1,8 @@
 """Lightning's private helpers: ModelParallelStrategy's setup steps and sharded-checkpoint reader, the
 multiprocessing launcher.
 
-Each function names the private torch / Lightning name it uses and why no public API does the job.
+Each function names the private name it uses (of torch, Lightning, transformers or torchao) and why no public
+API does the job.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """torchao's low-bit optimizers: re-quantizing their state after a full (dequantized) load.
 
-Each function names the private torch / Lightning name it uses and why no public API does the job.
+Each function names the private name it uses (of torch, Lightning, transformers or torchao) and why no public
+API does the job.
 """
 
 from __future__ import annotations
