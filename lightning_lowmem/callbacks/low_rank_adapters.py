@@ -25,13 +25,13 @@ from lightning_lowmem.functional.lora.bookkeeping import (
     check_same_settings,
     check_weights_path,
     checkpoint_record,
-    drop_frozen_,
     load_base_weights_,
     parameter_metrics,
     settings_conflict,
     wrap_summary,
 )
 from lightning_lowmem.functional.lora.files import lora_config
+from lightning_lowmem.functional.optimizers.convert import drop_frozen_
 from lightning_lowmem.composition import check_composition
 
 PREFIX = "lowmem/lora"

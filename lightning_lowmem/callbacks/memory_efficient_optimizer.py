@@ -13,7 +13,7 @@ from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_m
 from lightning_lowmem.checkpoints.optimizer_state import FORMAT_VERSION, WRITER, refuse_resume, resume_message
 from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.optimizers.convert import convert_optimizers
-from lightning_lowmem.functional.optimizers.registry import check_loaded_state
+from lightning_lowmem.functional.optimizers.catalog import check_loaded_state
 from lightning_lowmem.functional.optimizers.savings import lean_optimizer_warning
 from lightning_lowmem.functional.optimizers.state import mark_state_dict
 from lightning_lowmem.composition import check_composition

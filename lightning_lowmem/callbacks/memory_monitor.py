@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from typing_extensions import override
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.cuda_memory import cuda_dump_snapshot, cuda_record_memory_history
 from lightning_lowmem.memory import MemoryReport, track_memory
 from lightning_lowmem.memory.monitoring import (
     cheap_figures,
@@ -114,7 +114,7 @@ class MemoryMonitor(L.Callback):
         self._device = trainer.strategy.root_device.type
         if self.snapshot_on_oom:
             if self._device == "cuda":
-                _compat.cuda_record_memory_history(True)
+                cuda_record_memory_history(True)
                 self._recording = True
             else:
                 rank_zero_warn(f"MemoryMonitor(snapshot_on_oom=True) needs CUDA; this run is on {self._device!r}.")
@@ -124,7 +124,7 @@ class MemoryMonitor(L.Callback):
         self._stop_deep()
         self._remove_step_hooks()
         if self._recording:
-            _compat.cuda_record_memory_history(False)
+            cuda_record_memory_history(False)
             self._recording = False
 
     @override
@@ -136,7 +136,7 @@ class MemoryMonitor(L.Callback):
                 trainer.log_dir or trainer.default_root_dir, "memory_snapshot_oom.pickle"
             )
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            _compat.cuda_dump_snapshot(path)
+            cuda_dump_snapshot(path)
             rank_zero_warn(f"CUDA out of memory: allocator snapshot written to {path} (view at pytorch.org/memory_viz)")
 
     # ------------------------------------------------------------------ per step

@@ -126,7 +126,7 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
     """:class:`~lightning_lowmem.functional.config.TrainingConfig` arguments for what the config turns on: the
     trainer's precision, the model's optimizer name and the memory callbacks' / strategy's configs (plus
     ``memory_budget``). Unknown callbacks add nothing."""
-    from lightning_lowmem.functional.optimizers.registry import available_optimizers
+    from lightning_lowmem.functional.optimizers.catalog import available_optimizers
 
     trainer_config = cli.config.get("trainer") or {}
     precision = str(trainer_config.get("precision") or "32-true")

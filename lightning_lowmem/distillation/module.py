@@ -489,7 +489,7 @@ class DistillationModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_lowmem.functional.optimizers.registry import build_optimizer
+        from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
         # self.parameters() is the student and the hint adapters: the teacher is not a registered child
         return build_optimizer(

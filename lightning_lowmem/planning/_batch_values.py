@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from lightning_lowmem import _compat
+
 from lightning_lowmem._compat import TorchDispatchMode, tree_flatten, tree_leaves, tree_unflatten
+from lightning_lowmem._compat.fake_mode import is_fake, no_dispatch_modes, op_mutates
 
 # outputs with more elements than this are left unknown (a (B, 1, T, T) mask of a long sequence, activations)
 KNOWN_NUMEL_LIMIT = 1 << 22
@@ -43,9 +44,9 @@ class BatchValues(TorchDispatchMode):
 
     Example::
 
-        >>> from lightning_lowmem import _compat
+        >>> from lightning_lowmem._compat.fake_mode import fake_tensor_mode
         >>> mask = torch.ones(2, 4, dtype=torch.long)
-        >>> with _compat.fake_tensor_mode():
+        >>> with fake_tensor_mode():
         ...     fake = torch.empty(2, 4, dtype=torch.long)
         ...     with BatchValues(mask, fake):
         ...         bool(fake.to(torch.bool).all())
@@ -55,7 +56,7 @@ class BatchValues(TorchDispatchMode):
     def __init__(self, real_batch: Any, fake_batch: Any) -> None:
         super().__init__()
         self.known = WeakTensorKeyDictionary()  # fake tensor -> its real CPU value
-        with _compat.no_dispatch_modes():  # real copies, even when made inside the fake mode
+        with no_dispatch_modes():  # real copies, even when made inside the fake mode
             for real, fake in zip(tree_leaves(real_batch), tree_leaves(fake_batch), strict=True):
                 if not (isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor)):
                     continue
@@ -77,7 +78,7 @@ class BatchValues(TorchDispatchMode):
                 return answer
         out = func(*args, **kwargs)
         if not known:
-            if _compat.op_mutates(func):  # written with values we do not know: forget them rather than be stale
+            if op_mutates(func):  # written with values we do not know: forget them rather than be stale
                 for tensor in tensors:
                     self.known.pop(tensor, None)
             return out
@@ -91,7 +92,7 @@ class BatchValues(TorchDispatchMode):
                 for fake, real in zip(outs, real_outs, strict=True):
                     self.known[fake] = real
                 return out
-        for tensor in outs + (tensors if _compat.op_mutates(func) else []):  # too large, or failed for real
+        for tensor in outs + (tensors if op_mutates(func) else []):  # too large, or failed for real
             self.known.pop(tensor, None)
         return out
 
@@ -100,7 +101,7 @@ class BatchValues(TorchDispatchMode):
         there (e.g. a factory asking for a device this machine lacks)."""
         real_flat = [self.known[t] if isinstance(t, torch.Tensor) and not _literal(t) else t for t in flat]
         real_args, real_kwargs = tree_unflatten(real_flat, spec)
-        with _compat.no_dispatch_modes():
+        with no_dispatch_modes():
             try:
                 return func(*real_args, **real_kwargs)
             except Exception:  # noqa: BLE001 - unknown from here on: a value question about it raises as before
@@ -109,4 +110,4 @@ class BatchValues(TorchDispatchMode):
 
 def _literal(tensor: torch.Tensor) -> bool:
     """A real CPU tensor inside the fake step: a literal the model wrote (``torch.tensor([-1, 0])``), its value known."""
-    return tensor.device.type == "cpu" and not _compat.is_fake(tensor) and type(tensor) is torch.Tensor
+    return tensor.device.type == "cpu" and not is_fake(tensor) and type(tensor) is torch.Tensor

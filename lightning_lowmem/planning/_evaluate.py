@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.functional.config import OptimizerConfig
-from lightning_lowmem.planning.attention import validate_attention_kernel
+from lightning_lowmem.planning.attention_kernels import validate_attention_kernel
 from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
 from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
 from lightning_lowmem.planning.axes import model_side_key

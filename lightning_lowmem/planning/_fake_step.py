@@ -110,7 +110,7 @@ def build_lookup_tables(name: str) -> None:
 
 
 def build_optimizer(name: str, params: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer as build
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer as build
 
     return build(name, params, **kwargs)
 
@@ -172,7 +172,7 @@ def configured_optimizer(module: nn.Module) -> tuple[str, dict[str, Any]] | None
         )
     if name is None:
         return None
-    from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+    from lightning_lowmem.functional.optimizers.catalog import optimizer_arguments
 
     allowed = set(optimizer_arguments(name))
     group = optimizer.param_groups[0]
@@ -188,9 +188,9 @@ _TORCH_NAMES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "Adafactor": "ad
 
 
 def _fake_tensor_mode() -> Any:
-    from lightning_lowmem import _compat
+    from lightning_lowmem._compat.fake_mode import fake_tensor_mode
 
-    return _compat.fake_tensor_mode()
+    return fake_tensor_mode()
 
 
 # ----------------------------------------------------------------------------- steps

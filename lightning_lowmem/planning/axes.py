@@ -66,7 +66,7 @@ class Axis:
 
 def _default_optimizers(context: AxisContext) -> list[str]:
     """The configured optimizer and, for the Adam family, 8-bit AdamW (same hyperparameters and lr)."""
-    from lightning_lowmem.functional.optimizers.registry import available_optimizers
+    from lightning_lowmem.functional.optimizers.catalog import available_optimizers
 
     names = [context.optimizer]
     if context.optimizer in ("adamw", "adam") and "adamw8bit" in available_optimizers():

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.compiler import force_eager
+from lightning_lowmem._compat.fake_mode import data_dependent_errors, fake_tensor_mode
 from lightning_lowmem._versions import require
 from lightning_lowmem.functional.config import PRECISIONS, OptimizerConfig, ShardingConfig, TrainingConfig
 from lightning_lowmem.planning._batch_values import BatchValues
@@ -38,7 +39,7 @@ from lightning_lowmem.planning._fake_step import (
 )
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
-from lightning_lowmem.planning.attention import fake_attention, validate_attention_kernel
+from lightning_lowmem.planning.attention_kernels import fake_attention, validate_attention_kernel
 from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.sharding import ShardedStep
 from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
@@ -147,7 +148,7 @@ def estimate_memory(
         attention_kernel: for ``device="cuda"``, the kernel each ``F.scaled_dot_product_attention`` runs:
             ``"auto"`` (torch's choice on an sm80+ GPU by dtype, mask, head dim), or ``"flash"``,
             ``"efficient"``, ``"math"`` forced as ``torch.nn.attention.sdpa_kernel`` forces it. The fake
-            step allocates what that kernel keeps (:mod:`lightning_lowmem.planning.attention`); on
+            step allocates what that kernel keeps (:mod:`lightning_lowmem.planning.attention_kernels`); on
             ``device="cpu"`` torch's own CPU choice runs. ``report.meta["attention_kernels"]`` counts the
             kernels run. Default: ``"auto"``.
 
@@ -221,7 +222,7 @@ def estimate_memory(
     tracker = StorageTracker(device="cpu", round_bytes=cuda_block_bytes if device == "cuda" else None, by_module=False)
 
     build_lookup_tables(config.optimizer.name)
-    fake_mode = _compat.fake_tensor_mode()
+    fake_mode = fake_tensor_mode()
     with data_dependent_errors_explained(module, config, steps):
         model = fake_module(module, true_dtype, fake_mode)
         # small buffers' real values ride beside their fake twins, as the batch's do: a causal mask registered as a
@@ -246,7 +247,7 @@ def estimate_memory(
             tracker.modules = [model]
             tracker.optimizers = [opt]
             # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors
-            with _compat.force_eager():
+            with force_eager():
                 if steps > 1:  # the first step's lasting effect, without its forward / backward
                     create_state(opt, params)
                     if loop == "torch" or in_backward:
@@ -275,7 +276,7 @@ def data_dependent_errors_explained(module: nn.Module, config: TrainingConfig, s
     """Turn fake-tensor errors about data-dependent control flow into an :class:`EstimationError`."""
     try:
         yield
-    except _compat.data_dependent_errors() as err:
+    except data_dependent_errors() as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise EstimationError(
             f"estimate_memory could not run {type(module).__name__}'s training step on fake tensors: the step "

@@ -214,7 +214,7 @@ class PlanSearch:
         """The hyperparameters of the optimizer asked for that optimizer ``name`` accepts (none for another family)."""
         if _family(name) != self.family:
             return {}
-        from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+        from lightning_lowmem.functional.optimizers.catalog import optimizer_arguments
 
         accepted = set(optimizer_arguments(name))
         return {key: value for key, value in self.optimizer.kwargs.items() if key in accepted}
@@ -473,7 +473,7 @@ def _batch_size(batch: Any) -> int | None:
 
 
 def _family(name: str) -> str:
-    from lightning_lowmem.functional.optimizers.registry import state_layout
+    from lightning_lowmem.functional.optimizers.catalog import state_layout
 
     return state_layout(name)[0]
 

@@ -99,7 +99,7 @@ def applied_plan(
     """The :class:`TrainingConfig` a strategy applies for ``plan``: the chosen mix, with ``precision`` left to
     the Trainer when the plan keeps the configured one, and the optimizer left as configured unless the plan
     changes it (a new one gets the plan's learning rate and the explicit arguments it accepts)."""
-    from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+    from lightning_lowmem.functional.optimizers.catalog import optimizer_arguments
 
     chosen = plan.config
     precision = chosen.precision if chosen.precision_preset != configured_precision else explicit.precision

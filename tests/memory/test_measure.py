@@ -191,7 +191,7 @@ def test_torchao_8bit_adamw_step_is_measured():
     # torchao steps each parameter through torch.compile(fullgraph=True), which cannot trace under the
     # tracker's dispatch mode; the tracker forces eager so the step runs and its state is counted
     pytest.importorskip("torchao")
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
     def measured_state(name: str) -> int:
         torch.manual_seed(0)

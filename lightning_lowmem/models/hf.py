@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_lowmem.demo.charlm import load_corpus
+from lightning_lowmem.models.corpus import load_corpus
 
 __all__ = ["FAMILIES", "PAD_ID", "HFLanguageModel", "HFTextDataModule", "build_hf_model", "tiny_hf_config"]
 
