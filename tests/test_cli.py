@@ -206,7 +206,8 @@ def test_estimate_impossible_budget_fails_cleanly(capsys):
     ("budget", "error"),
     [
         ("-1", "error: --budget must be >= 0 bytes, got '-1'"),
-        ("lots", "error: --budget='lots' is not a byte size. Use a number with an optional unit from B, KB"),
+        ("lots", "error: --budget='lots' is not a byte size. Use a number with a unit from B, KB"),
+        ("24", "error: --budget='24' has no unit: did you mean '24GiB'? Give a size with its unit"),
     ],
 )
 def test_estimate_a_bad_budget_is_an_error_line_before_the_model_loads(budget, error, capsys):

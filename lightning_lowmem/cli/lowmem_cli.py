@@ -192,34 +192,34 @@ class LowMemCLI(LightningCLI):
 
 
 class _FirstStep(Callback):
-    """Prints Lightning's held INFO lines when the first batch starts (a mistake found in setup prints only its own
-    line), and notes that batch, to name it if the first step fails."""
+    """Prints Lightning's held INFO lines once the first batch is done (a mistake found in setup or in the first step
+    prints only its own line), and notes the first training batch, to name it if that step fails."""
 
     def __init__(self) -> None:
         self.held: HeldLines | None = None
-        self.batch: str | None = None
-        self.started = False
+        self.batch: str | None = None  # the first training batch, described
 
-    def _start(self, trainer: Any, batch: Any) -> None:
-        if not self.started and trainer.global_step == 0:
-            from lightning_lowmem.model_io import describe_batch
-
-            self.batch = describe_batch(batch)
-        self.started = True
-        if self.held is not None:
+    def _release(self, trainer: Any) -> None:
+        if self.held is not None and not trainer.sanity_checking:
             self.held.release()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:  # noqa: D102
-        self._start(trainer, batch)
+        if self.batch is None and trainer.global_step == 0:
+            from lightning_lowmem.model_io import describe_batch
 
-    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any, *args: Any) -> None:  # noqa: D102
-        self._start(trainer, batch)
+            self.batch = describe_batch(batch)
 
-    def on_test_batch_start(self, trainer: Any, pl_module: Any, batch: Any, *args: Any) -> None:  # noqa: D102
-        self._start(trainer, batch)
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:  # noqa: D102
+        self._release(trainer)
 
-    def on_predict_batch_start(self, trainer: Any, pl_module: Any, batch: Any, *args: Any) -> None:  # noqa: D102
-        self._start(trainer, batch)
+    def on_validation_batch_end(self, trainer: Any, *args: Any) -> None:  # noqa: D102
+        self._release(trainer)
+
+    def on_test_batch_end(self, trainer: Any, *args: Any) -> None:  # noqa: D102
+        self._release(trainer)
+
+    def on_predict_batch_end(self, trainer: Any, *args: Any) -> None:  # noqa: D102
+        self._release(trainer)
 
 
 def failed_run_line(cli: LowMemCLI | None, error: BaseException) -> str | None:
