@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -40,7 +41,12 @@ from lightning_lowmem.cli.runner import (
     root_cause,
 )
 
-__all__ = ["LowMemCLI", "lightning_cli"]
+__all__ = ["HFConfigModel", "LowMemCLI", "lightning_cli"]
+
+
+class HFConfigModel(LightningModule):
+    """The model slot of ``lowmem estimate --hf-config PATH --trainer.* ...``: the trainer options are read as
+    ``lowmem fit`` reads them; the model estimated is the one the config.json describes (built elsewhere)."""
 
 
 class LowMemCLI(LightningCLI):
