@@ -347,6 +347,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
                 world_size=world_size,
                 shardings=shardings,
                 attention_kernel=own.attention_kernel,
+                full_check="near-budget",
                 **wanted,
             )
     except ValueError as err:

@@ -14,7 +14,11 @@ _DEFAULTS = {
     "ActivationCompression": {"mode": "int8"},
     "ChunkedCrossEntropy": {"chunk_size": None, "head": None},
 }
-_STRATEGIES = {"ddp": ("lowmem_ddp", {}), "zero1": ("lowmem_ddp", {"zero_optimizer": True}), "fsdp": ("lowmem_fsdp", {})}
+_STRATEGIES = {
+    "ddp": ("lowmem_ddp", {}),
+    "zero1": ("lowmem_ddp", {"zero_optimizer": True}),
+    "fsdp": ("lowmem_fsdp", {}),
+}
 
 
 def plan_settings(config: Any, baseline_optimizer: str | None = None) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
