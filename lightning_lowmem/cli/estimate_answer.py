@@ -73,6 +73,22 @@ def plan_settings(config: Any, baseline_optimizer: str | None = None) -> tuple[d
     return trainer, trimmed
 
 
+_MAIN_ARGUMENT = {
+    "LowRankAdapters": ("r", 8),
+    "ActivationCheckpointing": ("policy", "auto"),
+    "ActivationCompression": ("mode", "int8"),
+}
+
+
+def _headline(name: str, args: dict[str, Any]) -> str:
+    """``LowRankAdapters(r=8)``: a callback with the arguments that differ from its defaults, and its main one."""
+    shown = dict(args)
+    if name in _MAIN_ARGUMENT:
+        key, default = _MAIN_ARGUMENT[name]
+        shown = {key: shown.get(key, default), **shown}
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+
 def _flags(trainer: dict[str, Any], callbacks: list[tuple[str, dict]]) -> str:
     parts = []
     for key, value in trainer.items():
@@ -126,10 +142,7 @@ def print_answer(console: Any, plan: Any, where: str, verbose: bool) -> None:
     base_optimizer = baseline.config.optimizer.name if baseline is not None else None
     trainer, callbacks = plan_settings(plan.config, base_optimizer)
     share = plan.predicted_peak_bytes / plan.budget_bytes if plan.budget_bytes else 0.0
-    recipe = " + ".join(
-        [str(trainer.get("precision", ""))]
-        + [f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})" for name, args in callbacks]
-    )
+    recipe = " + ".join([str(trainer.get("precision", ""))] + [_headline(name, args) for name, args in callbacks])
     optimizer = "" if any(name == "MemoryEfficientOptimizer" for name, _ in callbacks) else f" ({base_optimizer})"
     console.print(
         f"[bold green]fits[/bold green]: [bold]{recipe}[/bold]{optimizer} -> peak "
