@@ -29,7 +29,10 @@ from lightning_lowmem.planning.estimate import (
     default_loss,
     estimate_memory,
 )
-from lightning_lowmem.memory.report import MemoryReport
+from lightning_lowmem.memory.report import CATEGORIES, MemoryReport
+
+_WEIGHTS_KEPT = ("precision", "checkpointing", "compression", "optimizer", "microbatch", "lora", "cross_entropy")
+"""Techniques that keep every weight in the precision's dtype: a model side with only these holds at least them."""
 
 
 class CandidateEvaluator:
@@ -71,6 +74,7 @@ class CandidateEvaluator:
         self._failed: dict[Any, Exception] = {}  # a probe key / config that could not be built -> its error
         self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
         self._forward_peaks: dict[tuple, int] = {}  # model-side key -> its forward's peak, from a forward-only run
+        self._parameter_count: tuple[int, int] | None = None  # floating parameters' elements, other bytes
         self.reserve_optimizers: list[str] = []
         """Optimizers whose state a limited model-side run reserves, once each was profiled: the run stops
         once the model side plus the smallest state among them passes the limit (no candidate fits then)."""
@@ -167,6 +171,12 @@ class CandidateEvaluator:
         cached = self._probes.get(key)
         if cached is not None and (cached.stopped_at is None or (limit is not None and limit <= cached.stopped_at)):
             return cached, limit  # complete, or already proven above this limit
+        weights = self._weight_bytes(config)
+        if limit is not None and weights is not None and weights > limit:
+            # its weights alone pass the limit (an 8B model's float32 weights on a 24 GB card): no run needed
+            breakdown = dict.fromkeys(CATEGORIES, 0)
+            breakdown["parameters"] = weights
+            return ModelProbe(weights, breakdown, 0, dict.fromkeys(CATEGORIES, 0), (), limit), limit
         self.probes += 1
         try:
             with data_dependent_errors_explained(self.module, config, steps=2):
@@ -190,6 +200,24 @@ class CandidateEvaluator:
         self._probes[key] = probe
         self._trainable[(config.precision, config.lora)] = probe.trainable
         return probe, limit
+
+    def _weight_bytes(self, config: TrainingConfig) -> int | None:
+        """A lower bound of ``config``'s model side: its weights in the precision's dtype (adapters left out), or
+        ``None`` where a technique changes what the weights hold (a quantized base, QAT, pruning...)."""
+        lora = config.lora
+        if lora is not None and (lora.quantize_base is not None or lora.quantize_frozen):
+            return None
+        if any(value is not None for field, value in config.configs().items() if field not in _WEIGHTS_KEPT):
+            return None
+        if self._parameter_count is None:
+            floating = [p for p in self.module.parameters() if p.is_floating_point()]
+            self._parameter_count = (
+                sum(p.numel() for p in floating),
+                sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.is_floating_point()),
+            )
+        count, other = self._parameter_count
+        dtype = config.precision.true_dtype or torch.float32
+        return count * dtype.itemsize + other
 
     def _reserve(self, config: TrainingConfig) -> int:
         """The smallest optimizer state a candidate with ``config``'s model side keeps through its step."""

@@ -57,6 +57,7 @@ def plan_memory(
     loop: str = "auto",
     progress: Progress | None = None,
     attention_kernel: str = "auto",
+    full_check: str = "always",
 ) -> Plan:
     """Find the technique mix with the lowest expected slowdown whose estimated peak fits ``budget``.
 
@@ -118,6 +119,10 @@ def plan_memory(
         include_overheads: also subtract the CUDA context / workspace from the budget (set when the
             budget is the card's total memory rather than what torch may allocate). Default: ``False``.
         loop: the step order estimated (see :func:`estimate_memory`). Default: ``"auto"``.
+        full_check: ``"always"``: the chosen candidate's prediction is re-estimated in full (:func:`estimate_memory`)
+            and the full figure decides; ``"near-budget"``: only when the prediction is above 98% of the usable memory
+            (otherwise ``plan.chosen.report`` is the per-axis prediction; ``lowmem estimate`` uses it: the answer in
+            seconds). Default: ``"always"``.
         progress: ``progress(candidate, index, total)`` after each prediction (e.g. to update a progress
             bar); every prediction is also logged on this module's logger at INFO. Default: ``None``.
 
@@ -169,5 +174,6 @@ def plan_memory(
         loop=loop,
         progress=progress,
         attention_kernel=attention_kernel,
+        full_check=full_check,
     )
     return search.run()

@@ -48,6 +48,10 @@ Progress = Callable[[Candidate, int, int], None]
 """``progress(candidate, index, total)``: called after each candidate is predicted (``index`` counts from
 1; ``total`` is the size of the space being searched, an upper bound: the search stops at the first fit)."""
 
+NEAR_BUDGET = 0.98
+"""``full_check="near-budget"``: a per-axis prediction above this share of the usable memory is re-estimated in full
+before it is chosen (the two agreed to the byte, or within 512 B, wherever the benchmarks compare them)."""
+
 _BUILD_ERRORS = (ImportError, RuntimeError, ValueError, NotImplementedError)
 """What a candidate that cannot be built on this model raises (skipped; an :class:`EstimationError` is not)."""
 
@@ -89,9 +93,13 @@ class PlanSearch:
         loop: str = "auto",
         progress: Progress | None = None,
         attention_kernel: str = "auto",
+        full_check: str = "always",
     ) -> None:
         from lightning_lowmem.planning._evaluate import CandidateEvaluator
 
+        if full_check not in ("always", "near-budget"):
+            raise ValueError(f"`full_check`={full_check!r} is unknown; choose 'always' or 'near-budget'")
+        self.full_check = full_check
         self.started = time.perf_counter()
         self.budget = budget
         self.budget_bytes = parse_bytes(budget, name="budget")
@@ -299,6 +307,9 @@ class PlanSearch:
         """Re-estimate a fitting prediction in full; the full figure decides."""
         if candidate.method == "full":
             return bool(candidate.fits)
+        peak = candidate.predicted_peak_bytes or 0
+        if self.full_check == "near-budget" and candidate.method == "per-axis" and peak <= NEAR_BUDGET * self.usable:
+            return True  # far enough below the budget that the full estimate (equal to it where checked) cannot differ
         candidate.per_axis_peak_bytes = candidate.predicted_peak_bytes
         candidate.report = self.evaluator.full(candidate.config)
         candidate.fits = self.fits(candidate.report)

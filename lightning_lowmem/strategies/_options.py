@@ -180,6 +180,11 @@ class LowMemoryOptions:
             raise TypeError(f"`expandable_segments` must be True, False or None, got {expandable_segments!r}")
         self.memory_budget = memory_budget
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, name="memory_budget")
+        if isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool) and memory_budget < 4096:
+            raise ValueError(  # `memory_budget: 24` in a YAML is an int: bytes, never what was meant
+                f"`memory_budget`={memory_budget!r} is {memory_budget} bytes: did you mean '{memory_budget}GiB'? Give a "
+                "size with its unit ('24GiB', '512MB') or a byte count (e.g. 24 * 2**30)."
+            )
         # with optimizer=None: arguments replacing the configured optimizer's, for the planner (a named optimizer's are
         # in config.optimizer); no OptimizerConfig can say "configure_optimizers' optimizer with lr=0.1"
         self._optimizer_kwargs = dict(optimizer_kwargs or {}) if optimizer is None else {}

@@ -174,6 +174,12 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad, name="budget")
 
 
+def test_a_bare_number_string_is_refused_with_its_unit_suggested_an_int_is_bytes():
+    with pytest.raises(ValueError, match=r"`budget`='24' has no unit: did you mean '24GiB'\?"):
+        parse_bytes("24", name="budget")
+    assert parse_bytes("24B") == parse_bytes(24) == 24
+
+
 @pytest.mark.cuda
 def test_cuda_peak_matches_allocator():
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).cuda()

@@ -158,3 +158,24 @@ def test_the_chunked_loss_twin_rules_out_a_candidate_without_a_run():
     assert candidate.report.meta["dominated_by"] == "32-true + chunked CE + adamw"
     assert search.evaluator.probes == 1  # the twin's forward only
     assert search.evaluated[TrainingConfig(cross_entropy="chunked")].method == "lower bound"
+
+
+def test_a_model_side_whose_weights_alone_pass_the_budget_is_ruled_out_without_a_run(model_and_batch):
+    model, batch = model_and_batch
+    weights = sum(p.numel() for p in model.parameters())
+    budget = 3 * weights  # bf16 weights (2 bytes each) fit, float32 ones (4 bytes) cannot
+    search = PlanSearch(model, batch, budget, device="cpu", margin=0.0)
+    fp32 = TrainingConfig(precision="bf16-mixed", optimizer="adamw")
+    candidate = search.predict(fp32)
+    assert search.evaluator.probes == 0  # no step was run for it
+    assert candidate.fits is False and candidate.method == "lower bound"
+    assert candidate.report.breakdown["parameters"] == 4 * weights
+    # the bound is a lower bound: the complete estimate of the same candidate is above it
+    assert estimate_memory(model, batch, device="cpu", config=fp32).peak_bytes > 4 * weights
+    qlora = TrainingConfig(precision="bf16-mixed", optimizer="adamw", lora={"r": 4, "quantize_base": "int8"})
+    assert search.evaluator._weight_bytes(qlora) is None  # a quantized base holds less: no bound from the weights
+    search = PlanSearch(model, batch, "1GiB", device="cpu", full_check="near-budget")
+    plan = search.run()
+    assert plan.chosen.method == "per-axis" and search.evaluator.full_estimates == 0  # far below 98% of the budget
+    with pytest.raises(ValueError, match=r"`full_check`='sometimes' is unknown"):
+        PlanSearch(model, batch, "1GiB", device="cpu", full_check="sometimes")
