@@ -46,6 +46,8 @@ __all__ = [
     "lightning_sharded_checkpoint_reader",
     "move_post_accumulate_grad_hook_first",
     "no_dispatch_modes",
+    "below_cpu_autocast",
+    "drop_library",
     "on_fsdp_storage_resize",
     "op_mutates",
     "requantize_low_bit_state",
@@ -134,6 +136,26 @@ class inductor_freezing:  # noqa: N801 - used like a function: ``with inductor_f
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = self._previous
+
+
+def below_cpu_autocast() -> Any:
+    """A context in which ops skip CPU autocast's dispatch key: what autocast's own kernels run their op under.
+
+    Why private: ``torch._C._ExcludeDispatchKeyGuard`` is how an autocast kernel registered from Python calls
+    the op below autocast (as C++ kernels do with ``ExcludeDispatchKeyGuard``); no public API exists. Used by
+    ``planning/cuda_autocast.py``, which installs CUDA autocast's op rules as CPU autocast's for a fake step.
+    """
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    return torch._C._ExcludeDispatchKeyGuard(keys)
+
+
+def drop_library(library: Any) -> None:
+    """Remove every kernel a ``torch.library.Library`` registered, now (the previous kernels apply again).
+
+    Why private: ``Library._destroy`` is what the library's finalizer calls; waiting for garbage collection
+    would leave the kernels installed for an unknown time.
+    """
+    library._destroy()
 
 
 def no_dispatch_modes() -> Any:

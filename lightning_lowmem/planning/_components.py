@@ -49,6 +49,7 @@ from lightning_lowmem.memory._tracker import (
     iter_tensors,
 )
 from lightning_lowmem.planning.attention import fake_attention
+from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
 from lightning_lowmem.memory.report import CATEGORIES
 
 Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
@@ -125,7 +126,8 @@ def probe_model(
     fake_mode = _compat.fake_tensor_mode()
     model = fake_module(module, true_dtype, fake_mode)
     attention = fake_attention(batch, device, attention_kernel)  # as estimate_memory: the real batch's masks
-    with attention, fake_mode, warnings.catch_warnings(), _compat.force_eager():
+    rules = cuda_autocast_rules(device, autocast_dtype)  # as estimate_memory: CUDA autocast's op rules
+    with attention, rules, fake_mode, warnings.catch_warnings(), _compat.force_eager():
         warnings.simplefilter("ignore")
         model.train()
         apply_model_techniques(model, config)

@@ -358,25 +358,25 @@ def train_step(
     fake: bool = False,
     loop: str = "torch",
     accumulate: int = 1,
-    autocast_device: str = "cpu",
 ) -> None:
     """One optimizer step in the order ``loop`` (see the module docstring) over ``accumulate`` batches.
 
     With ``accumulate > 1`` (``Trainer(accumulate_grad_batches=...)``) each of the ``accumulate`` batches runs
     forward and backward (its loss divided by ``accumulate``, as Lightning's closure divides it), the gradients
     of the first backward stay alive through the later forwards and backwards, and the optimizer steps once,
-    after the last. ``autocast_device``: the autocast the forward runs under for mixed precision (``"cuda"``:
-    CUDA's op rules, see :mod:`lightning_lowmem.planning.cuda_autocast`).
+    after the last. Mixed precision runs CPU autocast (for a CUDA estimate with CUDA's op rules installed,
+    :mod:`lightning_lowmem.planning.cuda_autocast`).
     """
     # the same split as AutoMicrobatch / the strategies' planned micro-batches (functional.microbatch)
     micro_batches = split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
     count = len(micro_batches)
     # every forward + backward of the step: (first of its batch's window?, micro-batch)
     passes = [(index == 0, micro_batch) for index in range(accumulate) for micro_batch in micro_batches]
-    if fake and len(passes) > 3:
+    if fake and len(passes) > 2:
         # from the second pass on, each one starts from the same state (gradients accumulated, the previous loss
-        # freed) and allocates the same: the second shows them all; the last may be smaller
-        passes = [passes[0], passes[1], passes[-1]]
+        # freed) and allocates what its micro-batch's shapes decide: one pass per shape shows them all
+        later = {_shapes(micro_batch): (first, micro_batch) for first, micro_batch in reversed(passes[1:])}
+        passes = [passes[0], *reversed(later.values())]
     lightning = loop == "lightning"
     in_backward = config.optimizer.in_backward  # its steps run inside backward
     divisor = count * accumulate
@@ -386,7 +386,7 @@ def train_step(
     for first_batch, micro_batch in passes:
         with contextlib.ExitStack() as stack:
             stack.enter_context(step_context(config))  # activation compression, as training runs it
-            with autocast(autocast_device, autocast_dtype):
+            with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
                 loss = loss_fn(model, micro_batch)
             if lightning and count == 1:
                 # Lightning's closure: `loss / normalize` and a detached copy for logging, then zero_grad on the
@@ -405,12 +405,5 @@ def train_step(
     held.clear()
 
 
-def autocast(device: str, dtype: torch.dtype | None) -> Any:
-    """The forward's autocast for mixed precision (``dtype``), nothing for true precision."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    if device == "cuda":
-        from lightning_lowmem.planning.cuda_autocast import cuda_autocast
-
-        return cuda_autocast(dtype)
-    return torch.autocast("cpu", dtype=dtype)
+def _shapes(batch: Any) -> tuple:
+    return tuple(tuple(leaf.shape) for leaf in tensor_leaves(batch))

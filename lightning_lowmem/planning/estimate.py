@@ -42,6 +42,7 @@ from lightning_lowmem.planning._fake_step import (
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.planning.attention import fake_attention, validate_attention_kernel
+from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
 from lightning_lowmem.planning.gpus import CUDA_CONTEXT_BYTES, card_simulation, on_card, resolve_card
 from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.sharding import ShardedStep
@@ -214,7 +215,8 @@ def estimate_memory(
             if real.device.type != "meta"
         ]
         attention = fake_attention(batch, device, attention_kernel)  # reads the real batch's masks
-        with sharded, attention as cuda_attention, fake_mode, warnings.catch_warnings():
+        cuda_rules = cuda_autocast_rules(device, autocast_dtype)  # CUDA autocast's op rules for CPU autocast
+        with sharded, attention as cuda_attention, cuda_rules, fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.train()
             apply_model_techniques(model, config)
@@ -236,9 +238,9 @@ def estimate_memory(
                 with batch_values:
                     step = functools.partial(train_step, model, batch, loss_fn, opt, config, autocast_dtype, True, loop)
                     for _ in range(steps - 2):
-                        step(accumulate, device)
+                        step(accumulate)
                     with tracker, card_simulation(card if world_size == 1 else None, model, opt, batch) as simulation:
-                        step(accumulate, device)
+                        step(accumulate)
 
     report = tracker.report
     assert report is not None
