@@ -119,7 +119,9 @@ def estimate_memory(
             ``configure_optimizers`` returns, with its arguments (built on a fake copy), else ``"adamw"``.
             Default: ``None``.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
-            Mixed precision runs CPU autocast as a stand-in for CUDA autocast. Default: ``"32-true"``.
+            Mixed precision runs CPU autocast; for ``device="cuda"`` with CUDA autocast's op rules (softmax,
+            layer_norm, the losses, ``sum`` ... in float32: :mod:`~lightning_lowmem.planning.cuda_autocast`).
+            Default: ``"32-true"``.
         device: ``"cuda"`` applies the caching allocator's 512-byte block rounding and lists the CUDA
             context and cuBLAS workspace in ``report.overheads``; ``"cpu"`` counts exact bytes.
             Default: ``"cuda"``.
@@ -154,6 +156,15 @@ def estimate_memory(
             step allocates what that kernel keeps (:mod:`lightning_lowmem.planning.attention`); on
             ``device="cpu"`` torch's own CPU choice runs. ``report.meta["attention_kernels"]`` counts the
             kernels run. Default: ``"auto"``.
+        accumulate_grad_batches: batches whose gradients are summed before each optimizer step, as
+            ``Trainer(accumulate_grad_batches=N)``: ``batch`` is one of them; each runs forward and backward (the
+            gradients of the first alive through the later ones), the optimizer steps after the last. Refused
+            with an optimizer-in-backward. Default: 1.
+        gpu: the card, e.g. ``"A100-40GB"`` (:data:`~lightning_lowmem.planning.gpus.GPUS`; implies
+            ``device="cuda"``): its CUDA context and cuBLAS workspace in ``report.overheads``, the caching
+            allocator's reserved peak in ``report.device_stats["max_reserved"]``, and ``report.meta["gpu"]``:
+            ``allocated_bytes``, ``reserved_bytes``, ``nvidia_smi_bytes`` (reserved + context + workspace),
+            ``capacity_bytes`` and ``fits``. Default: ``None`` (500 MiB context, 32 MiB workspace, no reserved).
 
     Returns:
         A :class:`MemoryReport` with ``source="estimated"``; ``report.meta["config"]`` is the config.
@@ -162,7 +173,8 @@ def estimate_memory(
     Raises:
         EstimationError: the step cannot run on fake tensors (data-dependent control flow or output
             shapes); the message says what was tried.
-        ValueError: an unknown precision / technique / device / sharding / attention kernel, ``world_size < 1``;
+        ValueError: an unknown precision / technique / device / sharding / attention kernel / ``gpu``,
+            ``world_size < 1``, ``accumulate_grad_batches`` < 1 or beside an optimizer-in-backward;
             from ``OptimizerConfig``: an optimizer argument it does not take or a value it refuses.
 
     Example::
@@ -175,9 +187,20 @@ def estimate_memory(
         True
     """
     config, sharding, world_size = resolved_config(
-        module, config, dict(optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, precision=precision,
-        activation_checkpointing=activation_checkpointing, activation_compression=activation_compression,
-        micro_batch_size=micro_batch_size, lora=lora, cross_entropy=cross_entropy), sharding, world_size
+        module,
+        config,
+        dict(
+            optimizer=optimizer,
+            optimizer_kwargs=optimizer_kwargs,
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+            activation_compression=activation_compression,
+            micro_batch_size=micro_batch_size,
+            lora=lora,
+            cross_entropy=cross_entropy,
+        ),
+        sharding,
+        world_size,
     )
     card = resolve_card(gpu, device)  # validates `gpu`; a card implies device="cuda"
     device = card.device if card is not None else device

@@ -39,6 +39,8 @@ MiB = 2**20
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 500 * MiB
 """The CUDA context + the kernels a training step loads, per process (module docstring)."""
+DEFAULT_WORKSPACE_BYTES = 32 * MiB
+"""The cuBLAS workspace without a card: Hopper's (the largest)."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,13 @@ class GpuCard:
         major, minor = (int(part) for part in (torch_version or torch.__version__).split(".")[:2])
         if (major, minor) >= (2, 11) or (major, minor) < (2, 9):  # unified with cuBLAS's / allocated per call
             return cublas
-        lt = 32 * MiB if hopper else 4 * MiB if self.compute_capability[0] == 8 and self.capacity_bytes >= 24 * GiB else MiB
+        lt = (
+            32 * MiB
+            if hopper
+            else 4 * MiB
+            if self.compute_capability[0] == 8 and self.capacity_bytes >= 24 * GiB
+            else MiB
+        )
         return cublas + lt
 
 
@@ -109,7 +117,9 @@ def resolve_card(gpu: str | GpuCard | None, device: str = "cuda") -> GpuCard | N
     if gpu is None:
         return None
     if device != "cuda":
-        raise ValueError(f"`gpu`={gpu!r} is a CUDA card but `device`={device!r}; leave `device` out (a card implies 'cuda')")
+        raise ValueError(
+            f"`gpu`={gpu!r} is a CUDA card but `device`={device!r}; leave `device` out (a card implies 'cuda')"
+        )
     if isinstance(gpu, GpuCard):
         return gpu
     wanted = _normal(str(gpu))
@@ -141,13 +151,20 @@ def card_simulation(card: GpuCard | None, model: Any, optimizer: Any, batch: Any
     return AllocatorSimulation([*params, *grads, *optimizer_state_tensors(optimizer), *batch_tensors])
 
 
+def card_overheads(card: GpuCard | None) -> int:
+    """The CUDA context + cuBLAS workspace bytes of ``card`` (``None``: the package's defaults, 500 + 32 MiB)."""
+    if card is None:
+        return CUDA_CONTEXT_BYTES + DEFAULT_WORKSPACE_BYTES
+    return card.cuda_context_bytes + card.workspace_bytes()
+
+
 def on_card(report: MemoryReport, device: str, card: GpuCard | None, simulation: Any = None) -> MemoryReport:
     """``report`` with the CUDA overheads (the card's, else the package's defaults) and, for a card,
     ``meta["gpu"]``: allocated / reserved / ``nvidia-smi`` bytes and whether they fit the card."""
     if device != "cuda":
         return report
     if card is None:
-        report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": 32 * MiB}
+        report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": DEFAULT_WORKSPACE_BYTES}
         return report
     report.overheads = {"cuda_context": card.cuda_context_bytes, "cublas_workspace": card.workspace_bytes()}
     allocator = getattr(simulation, "allocator", None)

@@ -103,3 +103,38 @@ def test_accumulation_with_an_optimizer_in_backward_is_refused():
     batch = (torch.zeros(2, 32, dtype=torch.long), torch.zeros(2, 32, dtype=torch.long))
     with pytest.raises(ValueError, match=r"`accumulate_grad_batches`=4 cannot be estimated with optimizer 'adamw_in"):
         estimate_memory(_nanogpt(), batch, device="cpu", optimizer="adamw_in_backward", accumulate_grad_batches=4)
+
+
+def test_plan_memory_and_the_strategy_budget_plan_the_accumulated_step(tmp_path):
+    """plan_memory(accumulate_grad_batches=4) predicts the accumulating step; LowMemoryStrategy(memory_budget=)
+    reads the Trainer's accumulate_grad_batches, so its plan says the same."""
+    import lightning as L
+
+    from lightning_lowmem import LowMemoryStrategy
+    from lightning_lowmem.planning.plan import plan_memory
+    from tests.nanogpt import nano_loader
+
+    loader = nano_loader(batches=8, batch_size=4, block_size=32, vocab_size=64)
+    batch = next(iter(loader))
+    kwargs = dict(device="cpu", optimizer="adamw", precisions=["32-true"], checkpointing=[None], compressions=[None])
+    single = plan_memory(_nanogpt(), batch, "1GiB", **kwargs)
+    accumulated = plan_memory(_nanogpt(), batch, "1GiB", accumulate_grad_batches=4, **kwargs)
+    estimate = estimate_memory(_nanogpt(), batch, device="cpu", optimizer="adamw", accumulate_grad_batches=4)
+    assert accumulated.predicted_peak_bytes == estimate.peak_bytes > single.predicted_peak_bytes
+
+    strategy = LowMemoryStrategy(memory_budget="1GiB", optimizer="adamw", precision="32-true")
+    trainer = L.Trainer(
+        strategy=strategy,
+        max_steps=1,
+        accumulate_grad_batches=4,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(_nanogpt(), loader)
+    assert strategy.plan.chosen.report.meta["accumulate_grad_batches"] == 4
+    with pytest.raises(ValueError, match="`budget` is missing"):
+        plan_memory(_nanogpt(), batch, device="cpu")

@@ -78,9 +78,10 @@ def test_cuda_rules_leave_the_cpu_estimate_and_true_precision_alone():
     assert torch.softmax(torch.zeros(2, 2, dtype=torch.bfloat16), -1).dtype == torch.bfloat16  # rules removed
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.softmax(torch.zeros(2, 2, dtype=torch.bfloat16), -1).dtype == torch.bfloat16  # CPU's own again
-    assert cpu_estimate.peak_bytes == estimate_memory(
-        _Softmax(), (torch.zeros(B, K),), loss_fn=_loss, optimizer="sgd", device="cpu"
-    ).peak_bytes
+    assert (
+        cpu_estimate.peak_bytes
+        == estimate_memory(_Softmax(), (torch.zeros(B, K),), loss_fn=_loss, optimizer="sgd", device="cpu").peak_bytes
+    )
 
 
 # ----------------------------------------------------------------------------- one kernel for an unpadded batch
@@ -146,7 +147,9 @@ def test_workspace_follows_the_torch_version():
 
 
 def test_unknown_card_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"`gpu`='A100-40G' is not a known card; did you mean 'A100-40GB'\? known: T4,"):
+    with pytest.raises(
+        ValueError, match=r"`gpu`='A100-40G' is not a known card; did you mean 'A100-40GB'\? known: T4,"
+    ):
         resolve_card("A100-40G")
     with pytest.raises(ValueError, match=r"`gpu`='T4' is a CUDA card but `device`='cpu'"):
         estimate_memory(_Softmax(), (torch.zeros(2, K),), loss_fn=_loss, device="cpu", gpu="T4")
