@@ -126,8 +126,13 @@ def resolve_card(gpu: str | GpuCard | None, device: str = "cuda") -> GpuCard | N
     for name, card in GPUS.items():
         if _normal(name) == wanted:
             return card
-    close = difflib.get_close_matches(wanted, [_normal(name) for name in GPUS], n=1)
-    hint = f"did you mean {next(n for n in GPUS if _normal(n) == close[0])!r}? " if close else ""
+    close = [name for name in GPUS if _normal(name).startswith(wanted)] or [
+        name
+        for match in difflib.get_close_matches(wanted, map(_normal, GPUS), n=1)
+        for name in GPUS
+        if _normal(name) == match
+    ]
+    hint = f"did you mean {' or '.join(repr(name) for name in close)}? " if close else ""
     raise ValueError(f"`gpu`={gpu!r} is not a known card; {hint}known: {', '.join(GPUS)}")
 
 

@@ -153,3 +153,47 @@ def test_unknown_card_lists_the_known_ones():
         resolve_card("A100-40G")
     with pytest.raises(ValueError, match=r"`gpu`='T4' is a CUDA card but `device`='cpu'"):
         estimate_memory(_Softmax(), (torch.zeros(2, K),), loss_fn=_loss, device="cpu", gpu="T4")
+
+
+# ----------------------------------------------------------------------------- lowmem estimate --gpu / accumulation
+def test_lowmem_estimate_takes_the_card_and_the_accumulation(tmp_path, capsys):
+    """`--gpu NAME` implies --device cuda and answers on the card; `--trainer.accumulate_grad_batches N` with
+    `--hf-config` estimates N batches per step: the figures estimate_memory gives for the same arguments."""
+    import json
+
+    pytest.importorskip("transformers")
+    from lightning_lowmem.cli import main
+    from lightning_lowmem.cli.hf_config import hf_config_batch, hf_config_model
+    from tests.test_cli import _hf_config_folder
+
+    folder = _hf_config_folder(tmp_path)
+    args = ["estimate", "--hf-config", str(folder), "--batch-size", "2", "--seq-len", "64", "--precision", "bf16-true"]
+    assert main([*args, "--gpu", "A100-80GB", "--trainer.accumulate_grad_batches", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = hf_config_model(str(folder / "config.json"))
+    expected = estimate_memory(
+        model, hf_config_batch(2, 64), precision="bf16-true", gpu="A100-80GB", accumulate_grad_batches=4
+    )
+    assert report["peak_bytes"] == expected.peak_bytes
+    assert report["meta"]["gpu"]["reserved_bytes"] == expected.meta["gpu"]["reserved_bytes"]
+    assert report["meta"]["accumulate_grad_batches"] == 4 and report["device"] == "cuda"
+    assert main([*args, "--gpu", "A100-80GB"]) == 0
+    assert "on A100-80GB (80.00 GiB): allocated" in capsys.readouterr().out.replace("\n", "")
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (
+            ["--gpu", "A100"],
+            "error: --gpu 'A100' is not a known card; did you mean 'A100-40GB' or 'A100-80GB'? known: T4, ",
+        ),
+        (["--gpu", "T4", "--device", "cpu"], "error: --gpu 'T4' is a CUDA card but --device 'cpu'"),
+        (["--trainer.accumulate_grad_batches", "0"], "error: --trainer.accumulate_grad_batches '0' must be a whole"),
+    ],
+)
+def test_lowmem_estimate_refuses_a_bad_card_or_accumulation_in_one_line(tmp_path, capsys, extra, error):
+    from lightning_lowmem.cli import main
+
+    assert main(["estimate", "--hf-config", str(tmp_path), *extra]) == 2
+    assert capsys.readouterr().err.startswith(error)
