@@ -20,7 +20,7 @@ from lightning_lowmem.cli.errors import (
 from lightning_lowmem._quiet import DropMessages
 from lightning_lowmem.cli.runner import debug_enabled, print_error
 
-ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
+ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--gpu NAME] [--batch-shape SPEC] [--json]
                        [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
                        (--config CONFIG.yaml | --model CLASS_PATH [--data CLASS_PATH]
                         | --hf-config PATH [--batch-size B] [--seq-len T] [--precision P]) [...]
@@ -35,6 +35,11 @@ options:
   --budget SIZE       plan for this memory, e.g. 8GiB or 512MB (default: the config's
                       LowMemoryStrategy memory_budget, if any). The search is shown on stderr.
   --device DEVICE     cuda or cpu (default: cuda when this machine has one, else cpu)
+  --gpu NAME          the card, e.g. A100-40GB, H100-80GB, RTX4090, T4 (implies --device cuda): its
+                      CUDA context and cuBLAS workspace, the allocator's reserved memory, what
+                      nvidia-smi would show, and whether that fits the card
+  --trainer.accumulate_grad_batches N
+                      estimate N batches per optimizer step (gradient accumulation; also with --hf-config)
   --attention-kernel K  the CUDA attention kernel: auto (default: the one torch picks by dtype,
                       mask and head dim), flash, efficient or math (forced, as sdpa_kernel forces it)
   --batch-shape SPEC  the batch to estimate, instead of taking one from --data. Tensors are
@@ -165,6 +170,8 @@ def estimate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lowmem estimate", usage=ESTIMATE_USAGE, add_help=False)
     parser.add_argument("--budget", default=None)
     parser.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    parser.add_argument("--gpu", default=None)
+    parser.add_argument("--trainer.accumulate_grad_batches", dest="accumulate_grad_batches", default=None)
     parser.add_argument("--attention-kernel", default="auto", choices=["auto", "flash", "efficient", "math"])
     parser.add_argument("--batch-shape", default=None)
     parser.add_argument("--json", action="store_true")
@@ -182,6 +189,8 @@ def estimate_main(argv: list[str]) -> int:
         print(ESTIMATE_USAGE)
         return 0
     hint = "see `lowmem estimate --help`"
+    if _card_or_accumulation_refused(own, hint):
+        return 2
     if own.budget is not None:
         from lightning_lowmem.memory.units import describe_bytes
 
@@ -214,6 +223,8 @@ def estimate_main(argv: list[str]) -> int:
                 "--batch-shape, e.g. 32x64,32x64 or input_ids=4x128,attention_mask=4x128,labels=4x128"
             )
         techniques = configured_techniques(cli)
+        if "--trainer.accumulate_grad_batches" not in " ".join(argv):  # the config's Trainer's own, if any
+            own.accumulate_grad_batches = getattr(getattr(cli, "trainer", None), "accumulate_grad_batches", 1) or 1
     except ConfigError as err:
         print_error(str(err), hint)
         return 2
@@ -244,6 +255,26 @@ def estimate_main(argv: list[str]) -> int:
             raise
         print_error(_step_failed(cli.model, batch, err, from_shape=own.batch_shape is not None), hint)
         return 2
+
+
+def _card_or_accumulation_refused(own: argparse.Namespace, hint: str) -> bool:
+    """Check ``--gpu`` (it implies ``--device cuda``) and ``--trainer.accumulate_grad_batches``; print one error line."""
+    from lightning_lowmem.planning.gpus import resolve_card
+
+    try:
+        if own.gpu is not None:
+            resolve_card(own.gpu, own.device or "cuda")
+            own.device = "cuda"
+        value = own.accumulate_grad_batches
+        own.accumulate_grad_batches = int(value) if value is not None and value.strip().isdigit() else value or 1
+        if not isinstance(own.accumulate_grad_batches, int) or own.accumulate_grad_batches < 1:
+            raise ValueError(f"--trainer.accumulate_grad_batches {value!r} must be a whole number >= 1, e.g. 8")
+    except ValueError as err:
+        print_error(
+            str(err).replace("`gpu`=", "--gpu ").replace("`device`=", "--device ").replace("`device`", "--device"), hint
+        )
+        return True
+    return False
 
 
 def _estimate_hf_config(own: argparse.Namespace, rest: list[str], hint: str) -> int:
@@ -320,7 +351,9 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     config = TrainingConfig(**{"optimizer": None, **techniques})  # no optimizer set: configure_optimizers'
     if own.budget is None:
         try:
-            report = estimate_memory(model, batch, device=device, config=config, attention_kernel=own.attention_kernel)
+            report = estimate_memory(
+                model, batch, device=device, config=config, attention_kernel=own.attention_kernel, **_step_options(own)
+            )
         except EstimationError as err:  # the step cannot run on fake tensors: one line, no traceback
             return _estimation_failed(err, own)
         if own.json:
@@ -332,6 +365,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         else:
             console.print(report.to_table(title=f"Estimated training step on {where}: {label}"))
         console.print(f"batch: {describe_batch(batch)}", markup=False)
+        if "gpu" in report.meta:
+            console.print(_card_line(report.meta["gpu"]), markup=False)
         return 0
     loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
     # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
@@ -357,6 +392,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
                 world_size=world_size,
                 shardings=shardings,
                 attention_kernel=own.attention_kernel,
+                **_step_options(own),
                 **wanted,
             )
     except ValueError as err:
@@ -382,6 +418,23 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         if note.startswith("numerics:"):
             console.print(note, style="yellow", markup=False)
     return 0
+
+
+def _step_options(own: argparse.Namespace) -> dict[str, Any]:
+    """``--gpu`` and ``--trainer.accumulate_grad_batches`` as ``estimate_memory`` / ``plan_memory`` take them."""
+    return {"gpu": own.gpu, "accumulate_grad_batches": own.accumulate_grad_batches}
+
+
+def _card_line(gpu: dict[str, Any]) -> str:
+    """The estimate on the card: allocated, reserved, what nvidia-smi would show, and whether it fits."""
+    from lightning_lowmem.memory import format_bytes
+
+    verdict = "fits" if gpu["fits"] else "does NOT fit"
+    return (
+        f"on {gpu['name']} ({format_bytes(gpu['capacity_bytes'])}): allocated {format_bytes(gpu['allocated_bytes'])}, "
+        f"reserved {format_bytes(gpu['reserved_bytes'])}, nvidia-smi ~{format_bytes(gpu['nvidia_smi_bytes'])} "
+        f"(reserved + CUDA context + cuBLAS workspace): {verdict}"
+    )
 
 
 def _estimation_failed(err: Exception, own: argparse.Namespace) -> int:
