@@ -287,7 +287,7 @@ def resolved_config(
     if config is None:
         config = TrainingConfig(
             precision=precision,
-            optimizer=optimizer_config(optimizer, optimizer_kwargs),
+            optimizer=optimizer_config(optimizer, optimizer_kwargs, stacklevel=4),
             **{**arguments, "lora": arguments["lora"] or None},
         )
     elif isinstance(config, dict):
@@ -302,7 +302,7 @@ def resolved_config(
         config = config.replace(optimizer=configured_optimizer_config(module, optimizer_kwargs)[0])
     elif optimizer_kwargs and config_given:  # config's optimizer with more hyperparameters: the old shorthand
         merged = {**config.optimizer.kwargs, **optimizer_kwargs}
-        config = config.replace(optimizer=optimizer_config(config.optimizer.name, merged))
+        config = config.replace(optimizer=optimizer_config(config.optimizer.name, merged, stacklevel=4))
     if config.sharding is not None:
         if sharding is not None and sharding != config.sharding.kind:
             raise ValueError(
