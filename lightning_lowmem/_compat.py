@@ -139,22 +139,16 @@ class inductor_freezing:  # noqa: N801 - used like a function: ``with inductor_f
 
 
 def below_cpu_autocast() -> Any:
-    """A context in which ops skip CPU autocast's dispatch key: what autocast's own kernels run their op under.
+    """Ops skip CPU autocast's dispatch key, as autocast's own kernels run their op (planning/cuda_autocast.py).
 
-    Why private: ``torch._C._ExcludeDispatchKeyGuard`` is how an autocast kernel registered from Python calls
-    the op below autocast (as C++ kernels do with ``ExcludeDispatchKeyGuard``); no public API exists. Used by
-    ``planning/cuda_autocast.py``, which installs CUDA autocast's op rules as CPU autocast's for a fake step.
+    Why private: ``torch._C._ExcludeDispatchKeyGuard`` is the Python form of C++'s ``ExcludeDispatchKeyGuard``.
     """
-    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-    return torch._C._ExcludeDispatchKeyGuard(keys)
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
 
 
 def drop_library(library: Any) -> None:
-    """Remove every kernel a ``torch.library.Library`` registered, now (the previous kernels apply again).
-
-    Why private: ``Library._destroy`` is what the library's finalizer calls; waiting for garbage collection
-    would leave the kernels installed for an unknown time.
-    """
+    """Remove the kernels a ``torch.library.Library`` registered, now. Why private: ``_destroy`` is what its
+    finalizer calls; garbage collection would leave them installed for an unknown time."""
     library._destroy()
 
 
