@@ -7,6 +7,7 @@ transformers, torchao) grows a public equivalent, only its module here changes:
 - ``fake_mode``: fake tensors and dispatch modes (the estimator's fake step and its value questions);
 - ``compiler``: ``torch.compile`` / Inductor / FX (freezing, the eager stance, vmap markers);
 - ``cuda_memory``: the CUDA allocator's memory-snapshot tool;
+- ``dispatcher``: dispatch keys an op skips, a ``torch.library`` kernel set removed now;
 - ``distributed``: FSDP2's storage resizes and collectives, the fake process group;
 - ``lightning_internals``: Lightning's private helpers (model-parallel setup, sharded checkpoints, launcher);
 - ``hf_masks``: ``transformers``' mask decisions on a fake padding mask;

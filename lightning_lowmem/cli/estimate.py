@@ -147,6 +147,8 @@ def estimate_main(argv: list[str]) -> int:
     except ConfigError as err:
         print_error(str(err), hint)
         return 2
+    if _card_refused(own, hint):
+        return 2
     if own.budget is not None:
         from lightning_lowmem.memory.units import describe_bytes
 
@@ -179,6 +181,7 @@ def estimate_main(argv: list[str]) -> int:
                 "--batch-shape, e.g. 32x64,32x64 or input_ids=4x128,attention_mask=4x128,labels=4x128"
             )
         techniques = {**configured_techniques(cli), **flags}
+        own.accumulate_grad_batches = _accumulation(cli)
         if own.precision is not None:
             techniques["precision"] = own.precision
     except ConfigError as err:
@@ -238,6 +241,7 @@ def _estimate_hf_config(own: argparse.Namespace, rest: list[str], flags: dict[st
                     meta_model=True,
                 )
             techniques = configured_techniques(cli)
+            own.accumulate_grad_batches = _accumulation(cli)
         techniques.update(flags)
         if own.precision is not None:
             techniques["precision"] = own.precision
@@ -306,7 +310,9 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     config = TrainingConfig(**{"optimizer": None, **techniques})  # no optimizer set: configure_optimizers'
     if own.budget is None:
         try:
-            report = estimate_memory(model, batch, device=device, config=config, attention_kernel=own.attention_kernel)
+            report = estimate_memory(
+                model, batch, device=device, config=config, attention_kernel=own.attention_kernel, **_step_options(own)
+            )
         except EstimationError as err:  # the step cannot run on fake tensors: one line, no traceback
             return _estimation_failed(err, own)
         if own.json:
@@ -318,6 +324,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         else:
             console.print(report.to_table(title=f"Estimated training step on {where}: {label}"))
         console.print(f"batch: {describe_batch(batch)}", markup=False)
+        if "gpu" in report.meta:
+            console.print(_card_line(report.meta["gpu"]), markup=False)
         return 0
     loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
     # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
@@ -348,6 +356,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
                 shardings=shardings,
                 attention_kernel=own.attention_kernel,
                 full_check="near-budget",
+                **_step_options(own),
                 **wanted,
             )
     except ValueError as err:
@@ -364,7 +373,47 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         print(json.dumps(plan.to_dict(), indent=2, default=str))
         return 0
     print_answer(console, plan, where, own.verbose)
+    if plan.chosen is not None and "gpu" in plan.chosen.report.meta:
+        console.print(_card_line(plan.chosen.report.meta["gpu"]), markup=False)
     return 0
+
+
+def _card_refused(own: argparse.Namespace, hint: str) -> bool:
+    """Check ``--gpu`` (it implies ``--device cuda``); print one error line."""
+    from lightning_lowmem.planning.gpus import resolve_card
+
+    try:
+        if own.gpu is not None:
+            resolve_card(own.gpu, own.device or "cuda")
+            own.device = "cuda"
+    except ValueError as err:
+        print_error(
+            str(err).replace("`gpu`=", "--gpu ").replace("`device`=", "--device ").replace("`device`", "--device"), hint
+        )
+        return True
+    return False
+
+
+def _accumulation(cli: Any) -> int:
+    """The Trainer's ``accumulate_grad_batches`` as the config (or ``--trainer.accumulate_grad_batches``) sets it."""
+    return int((cli.config.get("trainer") or {}).get("accumulate_grad_batches") or 1)
+
+
+def _step_options(own: argparse.Namespace) -> dict[str, Any]:
+    """``--gpu`` and ``--trainer.accumulate_grad_batches`` as ``estimate_memory`` / ``plan_memory`` take them."""
+    return {"gpu": own.gpu, "accumulate_grad_batches": getattr(own, "accumulate_grad_batches", 1)}
+
+
+def _card_line(gpu: dict[str, Any]) -> str:
+    """The estimate on the card: allocated, reserved, what nvidia-smi would show, and whether it fits."""
+    from lightning_lowmem.memory import format_bytes
+
+    verdict = "fits" if gpu["fits"] else "does NOT fit"
+    return (
+        f"on {gpu['name']} ({format_bytes(gpu['capacity_bytes'])}): allocated {format_bytes(gpu['allocated_bytes'])}, "
+        f"reserved {format_bytes(gpu['reserved_bytes'])}, nvidia-smi ~{format_bytes(gpu['nvidia_smi_bytes'])} "
+        f"(reserved + CUDA context + cuBLAS workspace): {verdict}"
+    )
 
 
 def _estimation_failed(err: Exception, own: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from lightning_lowmem.cli.errors import ConfigError
 
 __all__ = ["ESTIMATE_USAGE", "estimate_parser", "parse_length", "short_flag_techniques"]
 
-ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json] [--verbose]
+ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--gpu NAME] [--batch-shape SPEC] [--json] [--verbose]
                        [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
                        [--lora R] [--qlora {int8,nf4}] [--optimizer NAME] [--checkpointing POLICY]
                        (--config CONFIG.yaml | --model CLASS_PATH [--data CLASS_PATH]
@@ -28,6 +28,11 @@ options:
   --budget SIZE       plan for this memory, with its unit: 24GiB, 512MB (a bare number is refused).
                       Default: the config's LowMemoryStrategy memory_budget, if any
   --device DEVICE     cuda or cpu (default: cuda for --hf-config, else cuda when this machine has one)
+  --gpu NAME          the card, e.g. A100-40GB, H100-80GB, RTX4090, T4 (implies --device cuda): its
+                      CUDA context and cuBLAS workspace, the allocator's reserved memory, what
+                      nvidia-smi would show, and whether that fits the card
+  --trainer.accumulate_grad_batches N
+                      estimate N batches per optimizer step (gradient accumulation; also with --hf-config)
   --verbose           also the table of every candidate the plan tried, and its progress on stderr
   --lora R            LoRA adapters of rank R (LowRankAdapters(r=R)), kept fixed by the plan
   --qlora {int8,nf4}  QLoRA: the frozen base quantized (LowRankAdapters(quantize_base=...); rank --lora or 8)
@@ -87,6 +92,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowmem estimate", usage=ESTIMATE_USAGE, add_help=False)
     parser.add_argument("--budget", default=None)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--gpu", default=None)
     parser.add_argument("--attention-kernel", default="auto")
     parser.add_argument("--batch-shape", default=None)
     parser.add_argument("--json", action="store_true")

@@ -11,8 +11,10 @@ beside its fake twin, runs every op whose tensor inputs are all known (and whose
 positions, labels -- never activations) on the real copies too, and answers a value question about a known
 tensor with the real answer. A question about anything else (an activation, a parameter) still raises and
 becomes an :class:`~lightning_lowmem.planning._fake_step.EstimationError`. A batch on ``meta`` has no values:
-its tensors count as zeros (an attention mask of zeros pads every token, so the mask is built, as
-transformers 5 builds it for fake tensors).
+its masks (tensors under a key with ``mask`` in its name, e.g. ``attention_mask``) count as all ones -- no token
+padded, as :func:`~lightning_lowmem.planning.attention.batch_is_padded` takes them, so an all-ones mask makes the
+same choices (mask or none, attention kernel) whether it is given as a real tensor or on ``meta`` -- and its
+other tensors as zeros.
 """
 
 from __future__ import annotations
@@ -56,14 +58,16 @@ class BatchValues(TorchDispatchMode):
     def __init__(self, real_batch: Any, fake_batch: Any) -> None:
         super().__init__()
         self.known = WeakTensorKeyDictionary()  # fake tensor -> its real CPU value
+        masks = _masks(real_batch)
         with no_dispatch_modes():  # real copies, even when made inside the fake mode
             for real, fake in zip(tree_leaves(real_batch), tree_leaves(fake_batch), strict=True):
                 if not (isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor)):
                     continue
                 if real.numel() > KNOWN_NUMEL_LIMIT:
                     continue
-                if real.device.type == "meta":
-                    self.known[fake] = torch.zeros(real.shape, dtype=fake.dtype)
+                if real.device.type == "meta":  # no values: a mask unpadded, anything else zeros (module docstring)
+                    fill = torch.ones if id(real) in masks else torch.zeros
+                    self.known[fake] = fill(real.shape, dtype=fake.dtype)
                 else:
                     self.known[fake] = real.detach().to("cpu", fake.dtype, copy=True)
 
@@ -111,3 +115,14 @@ class BatchValues(TorchDispatchMode):
 def _literal(tensor: torch.Tensor) -> bool:
     """A real CPU tensor inside the fake step: a literal the model wrote (``torch.tensor([-1, 0])``), its value known."""
     return tensor.device.type == "cpu" and not is_fake(tensor) and type(tensor) is torch.Tensor
+
+
+def _masks(batch: Any, under_mask: bool = False) -> set[int]:
+    """The ids of the tensors under a dict key naming a mask (``attention_mask``, ``decoder_attention_mask``...)."""
+    if isinstance(batch, torch.Tensor):
+        return {id(batch)} if under_mask else set()
+    if isinstance(batch, dict):
+        return {i for key, value in batch.items() for i in _masks(value, under_mask or "mask" in str(key))}
+    if isinstance(batch, (list, tuple)):
+        return {i for value in batch for i in _masks(value, under_mask)}
+    return set()

@@ -50,6 +50,7 @@ from lightning_lowmem.memory._tracker import (
     iter_tensors,
 )
 from lightning_lowmem.planning.attention_kernels import fake_attention
+from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
 from lightning_lowmem.memory.report import CATEGORIES
 
 Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
@@ -111,6 +112,7 @@ def probe_model(
     limit_bytes: int | None = None,
     attention_kernel: str = "auto",
     forward_only: bool = False,
+    accumulate: int = 1,
 ) -> ModelProbe:
     """Run ``config``'s model side once on fake tensors (the optimizer is left out; see module docstring).
 
@@ -118,7 +120,8 @@ def probe_model(
     full estimate's second step. With ``limit_bytes`` the run stops as soon as more bytes than that are
     alive: a candidate that cannot fit is known without running the rest of its step. ``forward_only``: the
     run also stops when backward starts (about a third of a step's ops): below the limit by then, the
-    probe says only that (``ModelProbe.forward_only``).
+    probe says only that (``ModelProbe.forward_only``). ``accumulate``: the step runs that many batches (see
+    :func:`~lightning_lowmem.planning._fake_step.train_step`).
     """
     true_dtype = config.precision.true_dtype
     autocast_dtype = config.precision.autocast_dtype
@@ -126,7 +129,8 @@ def probe_model(
     fake_mode = fake_tensor_mode()
     model = fake_module(module, true_dtype, fake_mode)
     attention = fake_attention(batch, device, attention_kernel)  # as estimate_memory: the real batch's masks
-    with attention, fake_mode, warnings.catch_warnings(), force_eager():
+    rules = cuda_autocast_rules(device, autocast_dtype)  # as estimate_memory: CUDA autocast's op rules
+    with attention, rules, fake_mode, warnings.catch_warnings(), force_eager():
         warnings.simplefilter("ignore")
         model.train()
         apply_model_techniques(model, config)
@@ -141,7 +145,7 @@ def probe_model(
         stopped = forward_done = False
         try:
             with BatchValues(batch, inputs), tracker:
-                train_step(model, inputs, loss_fn, optimizer, config, autocast_dtype, fake=True, loop=loop)
+                train_step(model, inputs, loss_fn, optimizer, config, autocast_dtype, True, loop, accumulate)
         except MemoryLimitExceeded:
             stopped = True
         except PhaseReached:

@@ -22,14 +22,13 @@ from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, 
 from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
 from lightning_lowmem.planning.axes import model_side_key
 from lightning_lowmem.planning.estimate import (
-    CUBLAS_WORKSPACE_BYTES,
-    CUDA_CONTEXT_BYTES,
     TrainingConfig,
     data_dependent_errors_explained,
     default_loss,
     estimate_memory,
 )
 from lightning_lowmem.memory.report import CATEGORIES, MemoryReport
+from lightning_lowmem.planning.gpus import on_card
 
 _WEIGHTS_KEPT = ("precision", "checkpointing", "compression", "optimizer", "microbatch", "lora", "cross_entropy")
 """Techniques that keep every weight in the precision's dtype: a model side with only these holds at least them."""
@@ -47,6 +46,8 @@ class CandidateEvaluator:
         optimizer_kwargs: optimizer name -> the hyperparameters it takes from the optimizer asked for (the search's
             :meth:`~lightning_lowmem.planning.search.PlanSearch.kwargs_for`); a candidate's own win.
         attention_kernel: the CUDA attention kernel (see :func:`estimate_memory`).
+        accumulate_grad_batches, gpu: see :func:`estimate_memory` (``gpu``: a resolved
+            :class:`~lightning_lowmem.planning.gpus.GpuCard`).
     """
 
     def __init__(
@@ -59,8 +60,11 @@ class CandidateEvaluator:
         loop: str,
         optimizer_kwargs: Callable[[str], dict[str, Any]],
         attention_kernel: str = "auto",
+        accumulate_grad_batches: int = 1,
+        gpu: Any = None,
     ) -> None:
         self.module = module
+        self.accumulate, self.card = accumulate_grad_batches, gpu
         self.batch = batch
         self.user_loss_fn = loss_fn
         self.loss_fn = loss_fn or default_loss
@@ -149,6 +153,8 @@ class CandidateEvaluator:
                     config=config.replace(optimizer=self._optimizer(config.optimizer)),
                     loop=self.loop,
                     attention_kernel=self.attention_kernel,
+                    accumulate_grad_batches=self.accumulate,
+                    gpu=self.card,
                 )
             except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
                 self._failed[config] = err  # asked again (the search, the message), it fails the same way
@@ -190,6 +196,7 @@ class CandidateEvaluator:
                     limit_bytes=limit,
                     attention_kernel=self.attention_kernel,
                     forward_only=forward_only,
+                    accumulate=self.accumulate,
                 )
         except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
             self._failed[key] = err
@@ -251,6 +258,4 @@ class CandidateEvaluator:
             source="estimated",
             meta={"config": config.to_dict(), "label": config.describe(), "loop": self.loop, "method": method},
         )
-        if self.device == "cuda":
-            report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
-        return report
+        return on_card(report, self.device, self.card)

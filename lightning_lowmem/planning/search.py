@@ -28,14 +28,13 @@ from torch import nn
 from lightning_lowmem.functional.config.techniques import SHARDINGS, OptimizerConfig, ShardingConfig
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
-from lightning_lowmem.planning._fake_step import tensor_leaves
+from lightning_lowmem.planning._fake_step import accumulation_steps, tensor_leaves
 from lightning_lowmem.planning.axes import AXES, AxisContext, axis, leanness
 from lightning_lowmem.planning.estimate import (
-    CUBLAS_WORKSPACE_BYTES,
-    CUDA_CONTEXT_BYTES,
     EstimationError,
     TrainingConfig,
 )
+from lightning_lowmem.planning.gpus import card_overheads, resolve_card
 from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.plan_report import Candidate, Plan, no_fit_error, peak_label, short_error
 from lightning_lowmem.planning.priors import DEFAULT_LR, expected_slowdown, numerics_caveat
@@ -77,7 +76,7 @@ class PlanSearch:
         self,
         module: nn.Module,
         batch: Any,
-        budget: int | str,
+        budget: int | str | None,
         *,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         optimizer: str | OptimizerConfig | None = None,
@@ -94,6 +93,8 @@ class PlanSearch:
         progress: Progress | None = None,
         attention_kernel: str = "auto",
         full_check: str = "always",
+        accumulate_grad_batches: int = 1,
+        gpu: str | None = None,
     ) -> None:
         from lightning_lowmem.planning._evaluate import CandidateEvaluator
 
@@ -101,6 +102,12 @@ class PlanSearch:
             raise ValueError(f"`full_check`={full_check!r} is unknown; choose 'always' or 'near-budget'")
         self.full_check = full_check
         self.started = time.perf_counter()
+        self.card = resolve_card(gpu, device)
+        self.accumulate = accumulation_steps(accumulate_grad_batches)
+        if budget is None:
+            if self.card is None:
+                raise ValueError("`budget` is missing: give the bytes the step may use (e.g. '8GiB') or a `gpu`")
+            budget, include_overheads = self.card.capacity_bytes, True
         self.budget = budget
         self.budget_bytes = parse_bytes(budget, name="budget")
         if not 0 <= margin < 1:
@@ -149,7 +156,7 @@ class PlanSearch:
         self.include_overheads, self.progress = include_overheads, progress
         self.usable = int(self.budget_bytes * (1 - margin))
         self.family = _family(wanted.name)
-        overheads = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES if include_overheads and device == "cuda" else 0
+        overheads = card_overheads(self.card) if include_overheads and device == "cuda" else 0
         self.limit = self.usable - overheads  # a model-side run that passes this (without optimizer state) cannot fit
         self.evaluator = CandidateEvaluator(
             module,
@@ -159,6 +166,8 @@ class PlanSearch:
             loop=loop,
             optimizer_kwargs=self.kwargs_for,
             attention_kernel=attention_kernel,
+            accumulate_grad_batches=self.accumulate,
+            gpu=self.card,
         )
         self.evaluator.reserve_optimizers = sorted({c.optimizer.name for stage in self.stages for c in stage})
         self.evaluated: dict[TrainingConfig, Candidate] = {}
@@ -187,7 +196,7 @@ class PlanSearch:
 
     def space(self, overrides: dict[str, list[Any]] | None = None) -> list[TrainingConfig]:
         """Every combination of the axes' values (``overrides`` replaces some axes), in :data:`AXES` order, less those
-        that cannot train (an optimizer-in-backward steps on every backward: no micro-batches)."""
+        that cannot train (an optimizer-in-backward steps on every backward: no micro-batches, no accumulation)."""
         values = {**self.axis_values, **(overrides or {})}
         configs = []
         for combination in itertools.product(*(values[row.argument] for row in AXES)):
@@ -195,7 +204,8 @@ class PlanSearch:
             if settings["lora"] is not None and not settings["lora"]:
                 settings["lora"] = None  # {} means no LoRA
             config = TrainingConfig(**settings)
-            if not (config.microbatch is not None and config.optimizer.in_backward):
+            steps_in_backward = config.microbatch is not None or self.accumulate > 1
+            if not (steps_in_backward and config.optimizer.in_backward):
                 configs.append(config)
         return configs
 

@@ -329,6 +329,7 @@ class LowMemoryOptions:
             settings=self._technique_settings,
             optimizer_kwargs=self._optimizer_kwargs,
             progress=progress,
+            accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
         )
         self.config = applied_plan(
             plan, self.explicit, configured, self._optimizer_kwargs

@@ -53,8 +53,10 @@ def test_the_estimate_takes_the_branch_the_real_step_takes():
     assert padded.peak_bytes - unpadded.peak_bytes >= MASK_BYTES  # the padded batch built its mask
     no_mask = estimate({"input_ids": torch.zeros(4, 32, dtype=torch.long)})  # the model's own all-ones mask
     assert padded.peak_bytes - no_mask.peak_bytes >= MASK_BYTES
-    meta = {key: value.to("meta") for key, value in batch(False).items()}  # no values: zeros, i.e. padded
-    assert estimate(meta).peak_bytes == padded.peak_bytes
+    # no values: the mask counts as all ones (unpadded), as planning.attention.batch_is_padded takes it (before
+    # issue #33: zeros, i.e. padded -- the real all-ones mask and the meta one took two branches)
+    meta = {key: value.to("meta") for key, value in batch(False).items()}
+    assert estimate(meta).peak_bytes == unpadded.peak_bytes
 
 
 class ActivationBranch(nn.Module):
