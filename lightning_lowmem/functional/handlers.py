@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from torch import nn
 
@@ -46,7 +46,7 @@ from lightning_lowmem.functional.config.pruning import PruningConfig
 from lightning_lowmem.functional.config.qat import QATConfig
 from lightning_lowmem.functional.registry import register_technique
 
-__all__: list[str] = []  # nothing to import: the handlers are found through the registry
+__all__ = ["restore_point"]  # the handlers themselves are found through the registry
 
 _COMPRESSION = "activation compression"  # the reason activation compression holds the KV cache off
 
@@ -85,6 +85,12 @@ class _Structure:
             param.requires_grad_(requires_grad)
         for encoder, nested in self.nested_tensor.items():
             encoder.use_nested_tensor = nested
+
+
+def restore_point(module: nn.Module) -> Callable[[], None]:
+    """How to give ``module`` back its structure as it is now: every submodule, parameter object and
+    ``requires_grad`` flag (what a transform that swaps layers, e.g. ``prepare_qat_``, changes)."""
+    return _Structure.of(module).restore
 
 
 @contextlib.contextmanager
