@@ -414,6 +414,8 @@ def _is_real(tensor: Any) -> bool:
     order=5,
     label=lambda c: None if c is None else f"prune({c.method or c.pruning_fn} {c.final_sparsity})",
     to_shorthand=_changed_fields("pruning"),
+    not_estimated="which weights it prunes depends on their values, which fake tensors do not have (its masks add "
+    "1 byte per pruned weight)",
 )
 def _pruning(module: nn.Module, config: PruningConfig, applied: Any) -> None:
     """Prune once to the config's final sparsity (``ScheduledPruning`` schedules it over training): bool masks as

@@ -39,6 +39,7 @@ from lightning_lowmem.planning._fake_step import (
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.planning.attention import fake_attention, validate_attention_kernel
+from lightning_lowmem.planning.axes import check_estimable
 from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.sharding import ShardedStep
 from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
@@ -187,6 +188,7 @@ def estimate_memory(
         raise TypeError(
             f"`config` must be a TrainingConfig or a dict of its arguments, got {type(config).__name__}: {config!r}"
         )
+    check_estimable(config, "estimate_memory")  # a technique fake tensors cannot run: one line, before any work
     if config.precision is None:  # "as configured": the `precision` argument
         config = config.replace(precision=precision)
     if config.optimizer is None:  # the module's configure_optimizers' own, its arguments replaced by optimizer_kwargs
