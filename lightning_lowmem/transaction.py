@@ -11,8 +11,8 @@ technique keeps or undoes its change as it always did.
 
 Example::
 
-    >>> from types import SimpleNamespace
-    >>> trainer, undone = SimpleNamespace(), []
+    >>> class Trainer: ...
+    >>> trainer, undone = Trainer(), []
     >>> join(trainer).on_undo(lambda: undone.append("lora"))
     >>> join(trainer).on_undo(lambda: undone.append("checkpointing"))
     >>> rollback(trainer); undone

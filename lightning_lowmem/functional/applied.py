@@ -131,10 +131,8 @@ def apply(
 ) -> Applied:
     """Apply ``config``'s model-side techniques to ``module``, in place; return the handle that undoes them.
 
-    Each technique's registered handler runs in its registered order: quantization, LoRA (adapters on the
-    possibly quantized layers), activation checkpointing (wrapping whole blocks, adapters included), the
-    chunked cross-entropy (the output head's forward and a Hugging Face causal LM's loss), then the
-    KV-cache hold for activation compression.
+    Each technique's registered handler runs in its registered order (the built-ins' order and why:
+    :mod:`lightning_lowmem.functional.handlers`).
 
     Args:
         module: any ``nn.Module`` (real, meta or fake parameters).

@@ -1,11 +1,18 @@
 """The built-in techniques: for each config of :mod:`lightning_lowmem.functional.config`, the handler that
 :func:`~lightning_lowmem.functional.apply` runs, and the shorthands :class:`TrainingConfig` takes for it.
 
-Registered in ``describe()`` order (precision, LoRA, quantization, checkpointing, compression, the chunked
-loss, optimizer, micro-batches, sharding, pruning, QAT); applied in ``order``: a one-shot prune (5),
-quantization (10), QAT's fake quantizers (15), LoRA (20, adapters on the possibly quantized layers),
-activation checkpointing (30, wrapping whole blocks, adapters included), the chunked cross-entropy (40), the
-KV-cache hold activation compression needs (50). Precision, the optimizer, micro-batching and sharding change
+Registered in ``describe()`` order; applied in their registered ``order``, which is written here once (the
+doctest below reads it from the registry): a one-shot prune first, then quantization, QAT's fake quantizers,
+LoRA (adapters on the possibly quantized layers), activation checkpointing (wrapping whole blocks, adapters
+included), the chunked cross-entropy, and the KV-cache hold activation compression needs::
+
+    >>> from lightning_lowmem.functional.registry import techniques
+    >>> [t.field for t in techniques()]  # describe() / to_dict() order
+    ['precision', 'lora', 'quantization', 'checkpointing', 'compression', 'cross_entropy', 'optimizer', 'microbatch', 'sharding', 'pruning', 'qat']
+    >>> [(t.field, t.order) for t in sorted(techniques(), key=lambda t: t.order) if t.order]  # apply() order
+    [('pruning', 5), ('quantization', 10), ('qat', 15), ('lora', 20), ('checkpointing', 30), ('cross_entropy', 40), ('compression', 50)]
+
+Precision, the optimizer, micro-batching and sharding change
 nothing in the module (order 0): their step-side part is their config's (``OptimizerConfig.build``,
 ``MicrobatchConfig.split``) or their registered ``step_context`` (activation compression's
 ``compress_activations``), and precision is the precision plugin's (Lightning's, or the estimator's fake copy).

@@ -133,9 +133,8 @@ def register_technique(
     Args:
         config_type: the technique's frozen config class.
         field: its :class:`~lightning_lowmem.functional.config.TrainingConfig` keyword, e.g. ``"lora"``.
-        order: where it runs in :func:`~lightning_lowmem.functional.apply`, smaller first (the built-ins:
-            quantization 10, LoRA 20, checkpointing 30, chunked loss 40, KV-cache hold 50; the step-side
-            techniques 0).
+        order: where it runs in :func:`~lightning_lowmem.functional.apply`, smaller first (the built-ins' orders:
+            :mod:`lightning_lowmem.functional.handlers`; the step-side techniques 0).
         shorthand: ``fn(value, *, flat_keyword=None, ...) -> config | mapping | None`` for what users
             write instead of a config (``lora=8``); its keyword-only parameters become flat keywords of
             ``TrainingConfig`` (``micro_batch_size=4``). Default: ``config_type(value)`` for a value that is
