@@ -167,7 +167,7 @@ def _lora(module: nn.Module, config: LoRAConfig, applied: Any) -> None:
     from lightning_lowmem.functional.lora.adapters import apply_lora_
 
     applied.on_undo(_Structure.of(module).restore)
-    applied.lora = apply_lora_(module, **config.kwargs())
+    applied.reports["lora"] = apply_lora_(module, **config.kwargs())
 
 
 # ----------------------------------------------------------------------------- quantization
@@ -196,7 +196,7 @@ def _quantization(module: nn.Module, config: QuantizationConfig, applied: Any) -
     if isinstance(config.mode, str):
         from lightning_lowmem.functional.quantization.ptq import quantize_
 
-        applied.quantization = quantize_(module, config.mode, group_size=config.group_size)
+        applied.reports["quantization"] = quantize_(module, config.mode, group_size=config.group_size)
         return
     from torchao.quantization import quantize_ as torchao_quantize_
 
@@ -237,13 +237,13 @@ def _checkpointing(module: nn.Module, config: CheckpointingConfig, applied: Any)
     from lightning_lowmem.functional.checkpointing import checkpoint_, uncheckpoint_
 
     def undo() -> None:
-        if applied.checkpointed:
-            uncheckpoint_(module, applied.checkpointed)
-            applied.checkpointed = []
+        if applied.reports.get("checkpointing"):
+            uncheckpoint_(module, applied.reports["checkpointing"])
+            applied.reports["checkpointing"] = []
 
     applied.on_undo(undo)
     policy = list(config.policy) if isinstance(config.policy, tuple) else config.policy
-    applied.checkpointed = checkpoint_(module, policy, nested=config.nested, strict=applied.strict).wrapped
+    applied.reports["checkpointing"] = checkpoint_(module, policy, nested=config.nested, strict=applied.strict).wrapped
 
 
 # ----------------------------------------------------------------------------- activation compression
@@ -281,7 +281,7 @@ def _compression(module: nn.Module, config: CompressionConfig, applied: Any) -> 
     cache, which keeps keys / values whole (what compression cannot pack)."""
     from lightning_lowmem.functional.compression import CompressionStats
 
-    applied.compression_stats = CompressionStats()
+    applied.reports["compression"] = CompressionStats()
     if not applied.hold_kv_cache:
         return
     from lightning_lowmem.model_io import disable_kv_cache_, restore_kv_cache_
@@ -327,12 +327,11 @@ def _cross_entropy(module: nn.Module, config: CrossEntropyConfig, applied: Any) 
     from lightning_lowmem.functional.cross_entropy.models import chunk_cross_entropy_
 
     def undo() -> None:
-        if applied.cross_entropy is not None:
-            applied.cross_entropy.undo()
-            applied.cross_entropy = None
+        if applied.reports.get("cross_entropy") is not None:
+            applied.reports.pop("cross_entropy").undo()
 
     applied.on_undo(undo)
-    applied.cross_entropy = chunk_cross_entropy_(module, chunk_size=config.chunk_size, head=config.head)
+    applied.reports["cross_entropy"] = chunk_cross_entropy_(module, chunk_size=config.chunk_size, head=config.head)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -452,7 +451,7 @@ def _pruning(module: nn.Module, config: PruningConfig, applied: Any) -> None:
                 delattr(sub, name + MASK_SUFFIX)
 
     applied.on_undo(undo)
-    applied.pruning = prune_(module, config)
+    applied.reports["pruning"] = prune_(module, config)
     done: set[int] = set()
     for sub, name in owners:
         param, mask = getattr(sub, name), get_mask(sub, name)
@@ -481,4 +480,4 @@ def _qat(module: nn.Module, config: QATConfig, applied: Any) -> None:
     from lightning_lowmem.functional.quantization.qat import prepare_qat_
 
     applied.on_undo(_Structure.of(module).restore)
-    applied.qat = prepare_qat_(module, config)
+    applied.reports["qat"] = prepare_qat_(module, config)
