@@ -131,6 +131,7 @@ register_technique(
     PrecisionConfig,
     field="precision",
     order=0,
+    default="32-true",
     label=lambda c: c.preset if c is not None else "configured precision",
     to_shorthand=lambda c: {"precision": c.preset if c is not None else None},
 )(_nothing)
@@ -356,6 +357,7 @@ register_technique(
     OptimizerConfig,
     field="optimizer",
     order=0,
+    default="adamw",
     shorthand=_optimizer_shorthand,
     label=lambda c: c.name if c is not None else "configured optimizer",
     to_shorthand=_optimizer_to_shorthand,

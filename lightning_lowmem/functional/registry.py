@@ -66,6 +66,7 @@ class Technique:
             runs in (activation compression), or ``None``.
         not_estimated: why the estimator (fake tensors) cannot run the technique, or ``None`` when it can; a
             config with it is refused by ``estimate_memory`` / ``plan_memory`` in one line saying this.
+        default: what ``TrainingConfig()`` sets when the keyword is not given (``None``: off).
     """
 
     config_type: type
@@ -78,6 +79,7 @@ class Technique:
     to_shorthand: Callable[[Any], dict[str, Any]]
     step_context: Callable[[Any, Any], Any] | None = None
     not_estimated: str | None = None
+    default: Any = None
 
     def build(self, value: Any, **flat: Any) -> Any:
         """The config for ``value`` (a config, a mapping of its arguments, a shorthand, or ``None``)."""
@@ -127,6 +129,7 @@ def register_technique(
     to_shorthand: Callable[[Any], dict[str, Any]] | None = None,
     step_context: Callable[[Any, Any], Any] | None = None,
     not_estimated: str | None = None,
+    default: Any = None,
 ) -> Callable[[Handler], Handler]:
     """Register the decorated ``fn(module, config, applied) -> None`` as the handler of ``config_type``.
 
@@ -148,6 +151,8 @@ def register_technique(
             ``None`` (the technique has no step side, or its own, like the optimizer's ``OptimizerConfig.build``).
         not_estimated: why the estimator cannot run it on fake tensors (its effect depends on the weights'
             values); ``estimate_memory`` and ``plan_memory`` then refuse a config with it. Default: ``None``.
+        default: the value ``TrainingConfig()`` takes when the keyword is not given (what a user would write,
+            e.g. ``"32-true"`` for precision). Default: ``None`` (off).
 
     Returns:
         The decorator; it returns the handler unchanged.
@@ -187,6 +192,7 @@ def register_technique(
             to_shorthand=to_shorthand or _default_to_shorthand(field),
             step_context=step_context,
             not_estimated=not_estimated,
+            default=default,
         )
         return handler
 

@@ -25,7 +25,7 @@ def model_and_batch():
 
 def test_the_axes_are_one_table_of_plan_memory_arguments_and_config_fields():
     parameters = inspect.signature(plan_memory).parameters
-    fields = set(TrainingConfig.__dataclass_fields__)
+    fields = set(TrainingConfig.keywords())
     assert [row.argument for row in AXES] == [
         "precisions",
         "checkpointing",
