@@ -576,3 +576,25 @@ def test_hf_config_without_a_vocabulary_size_says_which_default_it_used(tmp_path
         model = hf_config_model(str(folder))
     assert model.get_input_embeddings().weight.shape == (32000, 64)
     assert model.get_input_embeddings().weight.device.type == "meta"
+
+
+def test_estimate_reads_what_each_callback_says_it_trains_with(tmp_path, capsys):
+    """No class names: AutoMicrobatch's micro-batches and QAT's fake quantization are estimated (they were left out);
+    pruning, which fake tensors cannot run, is left out (#35)."""
+    config = tmp_path / "callbacks.yaml"
+    config.write_text(
+        MODEL_DATA_YAML
+        + """  callbacks:
+    - class_path: lightning_lowmem.AutoMicrobatch
+      init_args: {micro_batch_size: 2}
+    - class_path: lightning_lowmem.QuantizationAwareTraining
+      init_args: {mode: int8_weight_only}
+    - class_path: lightning_lowmem.ScheduledPruning
+      init_args: {pruning_fn: l1_unstructured, amount: 0.5}
+"""
+    )
+    assert main(["estimate", "--device", "cpu", "--json", "--config", str(config), "--batch-shape", "4x16,4x16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["meta"]["config"]["micro_batch_size"] == 2
+    assert report["meta"]["config"]["qat"] == {"mode": "int8_weight_only"}
+    assert "pruning" not in report["meta"]["config"] and "prune" not in report["meta"]["label"]

@@ -24,13 +24,13 @@ from lightning_lowmem.memory.monitoring import (
     summary_table,
     with_all_ranks,
 )
-from lightning_lowmem.composition import check_composition
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.warnings import LowMemWarning
 
 PREFIX = "lowmem/memory"
 
 
-class MemoryMonitor(L.Callback):
+class MemoryMonitor(TechniqueCallback):
     """Log memory figures during training and print a breakdown table when ``fit`` ends.
 
     Two depths:
@@ -80,6 +80,8 @@ class MemoryMonitor(L.Callback):
         True
     """
 
+    tags = frozenset({"monitor"})  # technique: None, it only measures
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,
@@ -109,8 +111,7 @@ class MemoryMonitor(L.Callback):
 
     # ------------------------------------------------------------------ setup / teardown
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._device = trainer.strategy.root_device.type
         if self.snapshot_on_oom:
             if self._device == "cuda":
@@ -120,7 +121,7 @@ class MemoryMonitor(L.Callback):
                 rank_zero_warn(f"MemoryMonitor(snapshot_on_oom=True) needs CUDA; this run is on {self._device!r}.")
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def release(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop_deep()
         self._remove_step_hooks()
         if self._recording:
@@ -129,6 +130,7 @@ class MemoryMonitor(L.Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)  # a failed setup: every technique's change undone
         self._stop_deep()
         self._remove_step_hooks()
         if self._recording and isinstance(exception, torch.OutOfMemoryError):

@@ -98,8 +98,14 @@ def _first_batch(datamodule: Any) -> Any:
 def configured_techniques(cli: Any) -> dict[str, Any]:
     """:class:`~lightning_lowmem.functional.config.TrainingConfig` arguments for what the config turns on: the
     trainer's precision, the model's optimizer name and the memory callbacks' / strategy's configs (plus
-    ``memory_budget``). Unknown callbacks add nothing."""
+    ``memory_budget``). A callback adds the config of the technique it says it trains with (its ``technique``
+    field and ``config``: the technique callbacks' base); one the estimator cannot run (pruning) and unknown
+    callbacks add nothing."""
+    from lightning_lowmem.functional.config import TrainingConfig
     from lightning_lowmem.functional.optimizers.catalog import available_optimizers
+    from lightning_lowmem.functional.registry import techniques
+
+    estimable = {t.field for t in techniques() if t.not_estimated is None}
 
     trainer_config = cli.config.get("trainer") or {}
     precision = str(trainer_config.get("precision") or "32-true")
@@ -112,19 +118,12 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
     callbacks = (cli.config_init.get("trainer") or {}).get("callbacks") or []
     strategy = (cli.config_init.get("trainer") or {}).get("strategy")
     for item in [*(callbacks if isinstance(callbacks, list) else [callbacks]), strategy]:
-        name = type(item).__name__
+        field = getattr(item, "technique", None)  # what a technique callback says it trains with
         config = getattr(item, "config", None)  # the callbacks' / strategies' functional.config objects
-        if name == "ActivationCheckpointing":
-            found["checkpointing"] = config
-        elif name == "ActivationCompression":
-            found["compression"] = config
-        elif name == "MemoryEfficientOptimizer":
-            found["optimizer"] = config
-        elif name == "LowRankAdapters":
-            found["lora"] = config
-        elif name == "ChunkedCrossEntropy":
-            found["cross_entropy"] = config
-        elif name in ("LowMemoryStrategy", "LowMemoryDDPStrategy") and config is not None:
+        if isinstance(field, str) and config is not None:
+            if field in estimable:
+                found[field] = config
+        elif isinstance(config, TrainingConfig) and not getattr(item, "shards_parameters", False):
             for field in ("checkpointing", "compression", "optimizer"):
                 if getattr(config, field) is not None:
                     found[field] = getattr(config, field)
@@ -330,7 +329,7 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
     # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
     # precision and optimizer are the baseline the search starts from
-    fixed = TrainingConfig.of(config.checkpointing, config.compression, config.lora, config.cross_entropy)
+    fixed = config.replace(precision=None, optimizer=None)
     wanted: dict[str, Any] = {"precision": config.precision_preset, "optimizer": config.optimizer}
     # a candidate that cannot run on fake tensors is listed with its error in the plan table; torch
     # also logs the failing op's traceback, which the table already summarises

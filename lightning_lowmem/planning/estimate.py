@@ -45,6 +45,7 @@ from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.planning.attention_kernels import fake_attention, validate_attention_kernel
 from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
 from lightning_lowmem.planning.gpus import CUDA_CONTEXT_BYTES, card_simulation, on_card, resolve_card
+from lightning_lowmem.planning.axes import check_estimable
 from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.sharding import ShardedStep
 from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
@@ -207,6 +208,7 @@ def estimate_memory(
     device = card.device if card is not None else device
     accumulate = accumulation_steps(accumulate_grad_batches)
     refuse_accumulation_in_backward(accumulate, config)
+    check_estimable(config, "estimate_memory")  # a technique fake tensors cannot run: one line, before any work
     if device not in ("cpu", "cuda"):
         raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")
     if not isinstance(module, nn.Module):

@@ -29,7 +29,7 @@ from lightning_lowmem.functional.config.techniques import SHARDINGS, OptimizerCo
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
 from lightning_lowmem.planning._fake_step import accumulation_steps, tensor_leaves
-from lightning_lowmem.planning.axes import AXES, AxisContext, axis, leanness
+from lightning_lowmem.planning.axes import AXES, AxisContext, axis, carried, check_estimable, leanness
 from lightning_lowmem.planning.estimate import (
     EstimationError,
     TrainingConfig,
@@ -118,6 +118,7 @@ class PlanSearch:
         if unknown:
             raise ValueError(f"unknown search axes {sorted(unknown)}; axes: {', '.join(row.argument for row in AXES)}")
         given = {row.argument: (axes or {}).get(row.argument) for row in AXES}
+        self.carried = carried(config) if config is not None else {}  # in every candidate: no axis searches them
         if config is not None:
             precision, fixed = fixed_axes(config, precision)
             if config.optimizer is not None:  # it replaces `optimizer`
@@ -203,7 +204,7 @@ class PlanSearch:
             settings = {row.field: value for row, value in zip(AXES, combination, strict=True)}
             if settings["lora"] is not None and not settings["lora"]:
                 settings["lora"] = None  # {} means no LoRA
-            config = TrainingConfig(**settings)
+            config = TrainingConfig(**settings, **self.carried)
             steps_in_backward = config.microbatch is not None or self.accumulate > 1
             if not (steps_in_backward and config.optimizer.in_backward):
                 configs.append(config)
@@ -458,6 +459,7 @@ def fixed_axes(config: TrainingConfig, precision: str) -> tuple[str, dict[str, l
             f"plan_memory plans a training mix; `config` sets quantization ({config.describe()!r}). Estimate a "
             "quantized mix with estimate_memory(config=...)."
         )
+    check_estimable(config, "plan_memory")  # pruning: refused in one line (a technique no axis searches is carried)
     fixed: dict[str, list[Any]] = {}
     if config.precision is not None:
         precision = config.precision.preset

@@ -121,6 +121,18 @@ class LowMemoryOptions:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     @override
+    def on_train_start(self) -> None:
+        if self._transaction is not None:
+            self._transaction.commit()  # training starts: the setup's changes stay
+        super().on_train_start()  # type: ignore[misc]
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._transaction is not None and self._transaction.open:
+            self._transaction.rollback()  # failed before training: every change of this fit undone, last first
+        super().on_exception(exception)  # type: ignore[misc]
+
+    @override
     def teardown(self) -> None:
         self._release_options()
         super().teardown()  # type: ignore[misc]
@@ -198,6 +210,7 @@ class LowMemoryOptions:
         self._converted: list[Any] = []  # optimizers built from `config.optimizer`
         self._guarded = False
         self._loader_checked = False
+        self._transaction: Any = None  # this fit's setup (lightning_lowmem.transaction), until training starts
 
     # ------------------------------------------------------------------ the config, in the flat vocabulary
     @property
@@ -246,6 +259,11 @@ class LowMemoryOptions:
             self._plan(trainer, module, device_type)
         if self.precision_preset is not None and self.precision_preset.endswith("-mixed"):
             self.precision_plugin = precision_plugin(self.precision_preset, device_type)  # autocast on this device
+        if fitting:  # a failure before training undoes this with the callbacks' changes, last first
+            from lightning_lowmem.transaction import join
+
+            self._transaction = join(trainer)
+            self._transaction.on_undo(self._release_options)
         if self.applied is None:
             # compression (its KV-cache hold) only while fitting; checkpointing for every stage, as before
             model_side = self.config if fitting else self.config.replace(compression=None)

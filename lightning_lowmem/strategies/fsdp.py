@@ -84,6 +84,8 @@ class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
     """
 
     strategy_name = "lowmem_fsdp"
+    #: its parameters are DTensor shards (what lightning_lowmem.composition refuses some techniques for)
+    shards_parameters = True
 
     def __init__(
         self,

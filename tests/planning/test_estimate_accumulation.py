@@ -59,7 +59,7 @@ def test_estimate_equals_the_peak_of_a_fit_with_accumulate_grad_batches(tmp_path
 
 def test_torch_loop_estimate_equals_the_measured_accumulating_step():
     """torch's order (forward, backward ... step, zero_grad) over 3 batches on real tensors, measured."""
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
     from lightning_lowmem.planning.estimate import _train_step, default_loss
     from tests.nanogpt import nano_loader
 
