@@ -29,7 +29,7 @@ import torch
 
 from lightning_lowmem.functional.optimizers import plain, stochastic_rounding
 
-SLICE_BYTES = 8 * 2**20
+SLICE_BYTES = 32 * 2**20
 """The most bytes of the variance estimate :class:`InPlaceAdafactor` holds at once (a slice of rows)."""
 
 
