@@ -18,9 +18,8 @@ gradient accumulation) are probed at run time and computed once the feature exis
 Where the source's model code differs from Hugging Face's (the estimate runs HF's): LitGPT fuses q/k/v into one
 linear, so its LoRA applies one dropout where HF's separate q_proj/k_proj/v_proj adapters apply three (each keeps
 its dropped input and mask: TinyLlama r=32 on every linear, 8 x 512 tokens: 2 x 24 MiB a layer, about 1.0 GiB of
-the +1.26 GiB); LitGPT
-keeps the head and the embedding as two tensors (falcon, gemma: untied here too) and runs phi-2's GELU as torch's
-tanh GELU (``hidden_act="gelu_pytorch_tanh"`` here); torchtune's figures are with ``torch.compile``, which the
+the +1.26 GiB); LitGPT keeps the head and the embedding as two tensors (falcon, gemma: untied here too) and runs
+phi-2's GELU as torch's tanh GELU (``hidden_act="gelu_pytorch_tanh"`` here); torchtune's figures are with ``torch.compile``, which the
 eager estimate does not model; the HF doc's BERT ran eager attention (``attn_implementation="eager"`` here).
 """
 
