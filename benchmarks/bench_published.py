@@ -355,7 +355,7 @@ def _cell(row: Row, report: Any, why: str, seconds: float) -> dict[str, Any]:
     if report is None:
         return {**cells, "ours": "-", "error %": "-", "verdict (theirs / ours)": "-", "note": why}
     ours = _ours(report, row)
-    error = "" if row.published is None else round(100 * (ours - row.published) / row.published, 1)
+    error = "" if row.published is None else round(100 * (ours - row.published) / row.published, 2)
     verdict = "-"
     if row.card:
         theirs_fit = row.published is not None
