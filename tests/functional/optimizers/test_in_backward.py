@@ -160,25 +160,14 @@ def test_adafactor_in_backward_matches_plain_adafactor_and_drops_the_variance_co
     assert estimated.peak_bytes == lean_peak
 
 
-def test_leanest_recipe_on_a_small_untied_llama_estimate_equals_the_real_step(monkeypatch, one_thread):
-    """#33 item 7's recipe at a small scale (HF Llama, untied 8192 x 512 head, bf16-true + checkpointing + chunked
-    loss + adafactor_in_backward): the real step's peak equals the estimate, with the in-place step and with torch's
-    Adafactor inside, whose variance estimate of the head's size makes the peak higher."""
-    pytest.importorskip("transformers")
+def _small_llama_peaks(config):
+    """(estimated, measured) peak bytes of one step of #33 item 7's recipe shape at a small scale: HF Llama with an
+    untied 8192 x 512 head, batch 2 x 32, under ``config`` (applied as the estimate applies it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_lowmem.functional.config import TrainingConfig
-    from lightning_lowmem.functional.optimizers import in_backward, plain
     from lightning_lowmem.memory import measure_memory
     from lightning_lowmem.planning.estimate import _apply_model_techniques, _train_step, estimate_memory
 
-    monkeypatch.setattr(in_backward, "SLICE_BYTES", 64 * 1024)  # 64 rows of the head at a time
-    config = TrainingConfig(
-        precision="bf16-true",
-        activation_checkpointing="auto",
-        cross_entropy="chunked",
-        optimizer="adafactor_in_backward",
-    )
     llama = LlamaConfig(
         hidden_size=512,
         intermediate_size=1024,
@@ -198,24 +187,60 @@ def test_leanest_recipe_on_a_small_untied_llama_estimate_equals_the_real_step(mo
         torch.manual_seed(0)
         return LlamaForCausalLM(llama)
 
-    def peaks():
-        estimated = estimate_memory(model(), batch, loss_fn=loss, device="cpu", config=config, loop="torch")
-        module = model().to(torch.bfloat16)
-        _apply_model_techniques(module, config)
-        optimizer = build_optimizer(config.optimizer.name, [p for p in module.parameters() if p.requires_grad])
-        _train_step(module, batch, loss, optimizer, config, None, loop="torch")
-        measured = measure_memory(
-            _train_step, module, batch, loss, optimizer, config, None, loop="torch", module=module
-        )
-        optimizer.remove_hooks()
-        return estimated.peak_bytes, measured.peak_bytes
+    estimated = estimate_memory(model(), batch, loss_fn=loss, device="cpu", config=config, loop="torch")
+    module = model().to(torch.bfloat16)
+    _apply_model_techniques(module, config)
+    optimizer = build_optimizer(config.optimizer.name, [p for p in module.parameters() if p.requires_grad])
+    _train_step(module, batch, loss, optimizer, config, None, loop="torch")
+    measured = measure_memory(_train_step, module, batch, loss, optimizer, config, None, loop="torch", module=module)
+    optimizer.remove_hooks()
+    return estimated.peak_bytes, measured.peak_bytes
 
-    lean_estimated, lean_measured = peaks()
+
+def _leanest_config(**extra):
+    from lightning_lowmem.functional.config import TrainingConfig
+
+    return TrainingConfig(
+        precision="bf16-true",
+        activation_checkpointing="auto",
+        cross_entropy="chunked",
+        optimizer="adafactor_in_backward",
+        **extra,
+    )
+
+
+def test_leanest_recipe_on_a_small_untied_llama_estimate_equals_the_real_step(monkeypatch, one_thread):
+    """#33 item 7's recipe at a small scale (HF Llama, untied 8192 x 512 head, bf16-true + checkpointing + chunked
+    loss + adafactor_in_backward): the real step's peak equals the estimate, with the in-place step and with torch's
+    Adafactor inside, whose variance estimate of the head's size makes the peak higher."""
+    pytest.importorskip("transformers")
+    from lightning_lowmem.functional.optimizers import in_backward, plain
+
+    monkeypatch.setattr(in_backward, "SLICE_BYTES", 64 * 1024)  # 64 rows of the head at a time
+    lean_estimated, lean_measured = _small_llama_peaks(_leanest_config())
     assert lean_estimated == lean_measured
     monkeypatch.setitem(in_backward._INNER_BUILDERS, "adafactor", plain.BUILDERS["adafactor"])
-    torch_estimated, torch_measured = peaks()
+    torch_estimated, torch_measured = _small_llama_peaks(_leanest_config())
     assert torch_estimated == torch_measured
     head = 8192 * 512 * 2  # 8 MiB; the logits of 64 tokens are 3 MiB
     # torch's peak is the head's step (its gradient + a variance estimate of its size); the in-place step's is
     # lower: the chunked loss's backward, as at 8B (docs/estimate.md, "The leanest 8B full fine-tune")
     assert torch_measured - lean_measured > head // 2
+
+
+def test_leanest_recipe_with_int8_compression_estimate_equals_the_real_step(monkeypatch, one_thread):
+    """The leanest recipe + int8 activation compression (the checkpointed blocks' saved inputs stored as int8):
+    the real step's peak equals the estimate and is lower than without compression by about half the boundaries'
+    bytes (2 blocks' bf16 inputs of 2 x 32 x 512 = 64 KiB each, kept as 32 KiB int8 + 256 B of scales)."""
+    pytest.importorskip("transformers")
+    from lightning_lowmem.functional.optimizers import in_backward
+
+    monkeypatch.setattr(in_backward, "SLICE_BYTES", 64 * 1024)
+    plain_estimated, plain_measured = _small_llama_peaks(_leanest_config())
+    config = _leanest_config(activation_compression="int8", compression_min_bytes=0)
+    estimated, measured = _small_llama_peaks(config)
+    assert estimated == measured
+    assert plain_estimated == plain_measured
+    assert plain_measured - measured >= 2 * (
+        32 * 1024 - 256
+    )  # at least the two boundaries' halves (measured: 126.6 KiB)
