@@ -22,7 +22,7 @@ the +1.26 GiB); LitGPT keeps the head and the embedding as two tensors (falcon, 
 phi-2's GELU as torch's tanh GELU (``hidden_act="gelu_pytorch_tanh"`` here); torchtune's figures are with ``torch.compile``, which the
 eager estimate does not model; the HF doc's BERT ran eager attention (``attn_implementation="eager"`` here).
 torchao's ViT-H is timm's ``vit_huge_patch14_224`` (one fused q/k/v linear, SDPA): the same dimensions as HF's
-``ViTForImageClassification`` run here (separate q/k/v, SDPA; 630.8M parameters in both), with ``torch.compile``
+``ViTForImageClassification`` run here (separate q/k/v, SDPA; 630.8M parameters, timm says 630M), with ``torch.compile``
 (not modelled) and CUDA BF16 autocast (estimated with the autocast rules the package has for ``bf16-mixed``).
 """
 
