@@ -1,9 +1,11 @@
 """LoRA / QLoRA vs full fine-tuning: charlm pretrained on one part of the stdlib, fine-tuned on another.
 
 1. Pretrain a charlm (4 x 128) on stdlib files outside ``asyncio/`` and save its weights.
-2. From those weights, fine-tune on ``asyncio/*`` for the same number of steps three ways: full
-   fine-tuning, LoRA (``LowRankAdapters``), QLoRA (int8 base). Report validation loss on ``asyncio``,
-   the training step's peak memory and model state (memory core, one real step each), and step time.
+2. From those weights, fine-tune on ``asyncio/*`` for the same number of steps: full fine-tuning, LoRA
+   (``LowRankAdapters``), QLoRA (int8 base; int8 / NF4 with ``quantize_frozen``). Report validation loss on
+   ``asyncio``, the training step's peak memory and model state (memory core, one real step each), and step time.
+3. Issue #33's Hugging Face Llama case (:mod:`benchmarks.qlora_llama`): bf16 LoRA vs int8 / NF4 QLoRA, the peak of
+   a real fit and its estimate.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ METHODS: dict[str, tuple[float, dict[str, Any] | None]] = {
     "LoRA r=8": (6e-3, dict(r=8, alpha=16)),
     "QLoRA r=8, int8 base": (6e-3, dict(r=8, alpha=16, quantize_base="int8")),
     QLORA_FROZEN: (6e-3, dict(r=8, alpha=16, quantize_base="int8", quantize_frozen=True)),
+    "QLoRA r=8, NF4 base + NF4 lm_head / 4-bit embeddings": (
+        6e-3,
+        dict(r=8, alpha=16, quantize_base="nf4", quantize_frozen=True),
+    ),
 }
 
 
@@ -183,9 +189,13 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "LoRA wraps every linear layer but lm_head; embeddings and lm_head stay fp32 and, at n_embd=128, "
         "are ~16% of the parameters, which bounds QLoRA's parameter-byte ratio from below on this small model "
         "(the 4x256 row: embeddings are a smaller share); `quantize_frozen=True` stores them int8 too. Step times come from a 2-core machine shared "
-        "with other jobs: compare them only within this table. QLoRA's peak includes the float copy that "
-        "each int8 weight-only linear dequantizes on CPU."
+        "with other jobs: compare them only within this table. Frozen quantized linears keep only the quantized "
+        "weight for backward (int8 / NF4 dequantized a slab at a time)."
     )
+    from benchmarks.qlora_llama import qlora_llama
+
+    llama_rows, llama_targets, llama_notes = qlora_llama()
+    rows, targets, notes = rows + llama_rows, targets + llama_targets, notes + llama_notes
     if device == "cuda" or smoke():  # QLoRA int4 (tinygemm, CUDA): benchmarks/int4_cuda.py; smoke runs it on CPU
         from benchmarks.int4_cuda import qlora_int4
 

@@ -58,8 +58,10 @@ class LowRankAdapters(TechniqueCallback):
             projections included), ``"all-conv"`` (every ``nn.Conv2d``), ``"all"`` (both) or layer
             name patterns / class names (``["c_attn", "c_proj"]``, ``"h.*.mlp.*"``, ``"Conv1D"``);
             each pattern must match a layer. Default: ``"all-linear"``.
-        quantize_base: ``None``, ``"int8"`` or ``"int4"``: hold the wrapped layers' frozen weights
-            quantized (QLoRA, via torchao). Default: ``None``.
+        quantize_base: ``None``, ``"nf4"``, ``"int8"`` or ``"int4"``: hold the wrapped layers' frozen weights
+            quantized (QLoRA, via torchao): ``"nf4"`` (QLoRA's 4-bit NormalFloat; CPU and CUDA) is the 4-bit
+            choice, ``"int4"`` needs CUDA. The base is quantized in the dtype the Trainer's precision trains in
+            (``bf16-true``: from bf16 weights). Default: ``None``.
         quantize_frozen: with ``quantize_base``, also quantize the other frozen weights (``lm_head``,
             embedding tables; tied weights stay float). Default: ``False``.
         save_base_weights: also keep the frozen base weights in checkpoints. Default: ``False``.
@@ -138,6 +140,10 @@ class LowRankAdapters(TechniqueCallback):
         else:
             if self.base_weights_path is not None:
                 load_base_weights_(pl_module, self.base_weights_path)
+            if self.quantize_base is not None:
+                # quantize in the dtype it trains in: the precision plugin's conversion (bf16-true: bf16) first,
+                # which Lightning repeats after `setup` (a quantized base keeps its format through it)
+                self._convert_for_quantization(trainer, pl_module)
             device = trainer.strategy.root_device
             if self.quantize_base == "int4" and device.type == "cuda":
                 # torchao's int4 (tinygemm) packs weights for the device they are on: quantize where they will
@@ -154,6 +160,19 @@ class LowRankAdapters(TechniqueCallback):
 
     def _forget_report(self) -> None:
         self.report = None
+
+    def _convert_for_quantization(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The precision plugin's conversion, now; a failed setup gives each converted tensor its old data back."""
+        tensors = [*pl_module.parameters(), *pl_module.buffers()]
+        before = [(tensor, tensor.data) for tensor in tensors]
+        trainer.precision_plugin.convert_module(pl_module)
+        changed = [(tensor, data) for tensor, data in before if tensor.data is not data]
+
+        def restore() -> None:
+            for tensor, data in changed:
+                tensor.data = data
+
+        self.on_rollback(restore)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -144,7 +144,8 @@ def fully_shard_(
     Raises:
         TypeError: ``module`` is not an ``nn.Module``; bad policy type.
         ValueError: the policy matches no submodule (the message lists the model's module classes);
-            the model holds quantized parameters FSDP2 cannot split (a QLoRA base).
+            the model holds quantized parameters FSDP2 cannot split (a QLoRA int8 / int4 base), or NF4 ones on one
+            process (torch's FSDP2 skips its all-gather extension for a single process).
         RuntimeError: no process group is initialised.
 
     Example::
@@ -182,7 +183,17 @@ def fully_shard_(
             f"FSDP cannot shard {len(unshardable)} quantized parameter(s) of {type(module).__name__}, e.g. "
             f"{', '.join(unshardable[:3])}: FSDP2 splits only plain tensors and tensor subclasses that implement "
             "`fsdp_pre_all_gather` (torchao's NF4 / float8). Train the LoRA adapters on an unquantized base "
-            "(LowRankAdapters(quantize_base=None)), or keep QLoRA with strategy='lowmem_ddp'."
+            "(LowRankAdapters(quantize_base=None)), on an NF4 base without quantize_frozen "
+            "(LowRankAdapters(quantize_base='nf4'): NF4 shards), or keep QLoRA with strategy='lowmem_ddp'."
+        )
+    extended = [name for name, param in module.named_parameters() if hasattr(param, "fsdp_pre_all_gather")]
+    world_size = mesh.size() if mesh is not None else dist.get_world_size()
+    if extended and world_size == 1:
+        raise ValueError(
+            f"FSDP on one process cannot run {len(extended)} parameter(s) held as tensor subclasses with FSDP2's "
+            f"all-gather extension, e.g. {extended[0]} ({type(module.get_parameter(extended[0])).__name__}): torch "
+            f"{torch.__version__}'s FSDP2 skips the all-gather (and so `fsdp_pre_all_gather` / `fsdp_post_all_gather`) "
+            "for a single process. Shard over 2 or more processes, or train one process without lowmem_fsdp."
         )
     if isinstance(mixed_precision, str) or mixed_precision is None:
         mixed_precision = mixed_precision_policy(mixed_precision)

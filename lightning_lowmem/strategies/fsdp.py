@@ -15,7 +15,8 @@ sharding itself (no ``configure_model`` needed) and the options of ``LowMemoryDD
   (``torch.distributed.checkpoint``). Either resumes on a different number of processes.
 
 Composes with ``ActivationCheckpointing`` (nested too), ``ActivationCompression``, ``LowRankAdapters``
-(a frozen base is sharded like any weight; a quantized QLoRA base is an error), the optimizers in
+(a frozen base is sharded like any weight, an NF4 QLoRA base too, on 2 or more processes; an int8 / int4 base is
+an error), the optimizers in
 :data:`~lightning_lowmem.functional.fsdp.DTENSOR_OPTIMIZERS` (8-bit AdamW and the in-backward variants
 included), ``MemoryMonitor`` and ``memory_budget``.
 """
@@ -343,7 +344,11 @@ class _FullStateLauncher(lightning_multiprocessing_launcher()):  # type: ignore[
     """
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        from lightning_lowmem.functional.lora.quantized_base import dequantized, is_quantized
+
         full = trainer.strategy.full_state_dict()  # also with save_distributed_checkpoint=True
+        # a QLoRA (NF4) base goes back in float: the main process's module never had it quantized
+        full = {key: dequantized(value) if is_quantized(value) else value for key, value in full.items()}
         module = trainer.lightning_module
         module.state_dict = lambda *args, **kwargs: full  # the base class asks the module
         try:

@@ -273,7 +273,7 @@ class LoRAConfig:
         dropout: dropout on the adapters' input, in [0, 1). Default: 0.0.
         target: ``"all-linear"``, ``"all-conv"``, ``"all"``, a layer name pattern / class name, or a list of
             them (kept as a tuple). Default: ``"all-linear"``.
-        quantize_base: ``None``, ``"int8"`` or ``"int4"`` (QLoRA). Default: ``None``.
+        quantize_base: ``None``, ``"nf4"``, ``"int8"`` or ``"int4"`` (QLoRA). Default: ``None``.
         quantize_frozen: with ``quantize_base``, also quantize the other frozen weights. Default: ``False``.
         freeze_base: freeze every non-adapter parameter. Default: ``True``.
         train_modules: modules trained in full beside the adapters (a fresh classification head): ``"auto"``
@@ -318,7 +318,7 @@ class LoRAConfig:
             )
         if not isinstance(self.quantize_frozen, bool) or (self.quantize_frozen and self.quantize_base is None):
             raise ValueError(
-                f"`quantize_frozen`={self.quantize_frozen!r} must be a bool and needs `quantize_base` ('int8' or 'int4')."
+                f"`quantize_frozen`={self.quantize_frozen!r} must be a bool and needs `quantize_base` ('nf4', 'int8' or 'int4')."
             )
 
     def kwargs(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ Hugging Face ``Conv1D`` with a :class:`LoraLinear` that computes ``base(x) + (al
 :class:`~lightning_lowmem.functional.lora.layers.LoraMultiheadAttention` that runs on the adapted weights. Which
 layers: :mod:`.targets`. ``B`` starts at zero, so the wrapped model's output equals the original's at step 0.
 Every non-adapter parameter is frozen: only ``A`` and ``B`` get gradients and optimizer state. With
-``quantize_base`` the frozen weights of the wrapped linear layers are stored in int8 / int4 through torchao
+``quantize_base`` the frozen weights of the wrapped linear layers are stored in NF4 / int8 / int4 through torchao
 (QLoRA), adapters stay in the weights' original floating dtype.
 
 The wrappers keep the base layer's parameter names (``<layer>.weight``, ``<layer>.bias``,
@@ -61,7 +61,7 @@ __all__ = [
     "unmerge_lora_",
 ]
 
-QUANTIZE_CHOICES = (None, "int8", "int4")
+QUANTIZE_CHOICES = (None, "nf4", "int8", "int4")
 # Heads ``train_modules="auto"`` trains in full: Hugging Face's task heads, freshly initialised when a
 # pretrained body is loaded into a ``*ForSequenceClassification`` / ``*ForImageClassification`` (PEFT's
 # ``modules_to_save`` for classification).
@@ -77,7 +77,7 @@ class LoraReport:
         wrapped: qualified names of the layers that received adapters.
         r: adapter rank.
         alpha: adapter scale numerator (the update is scaled by ``alpha / r``).
-        quantize_base: ``None``, ``"int8"`` or ``"int4"``.
+        quantize_base: ``None``, ``"nf4"``, ``"int8"`` or ``"int4"``.
         trainable_params: parameters that require grad after the call (the adapters).
         total_params: all parameters of the module (logical element count, quantized ones included).
         trained: qualified names of the modules trained in full beside the adapters (``train_modules``).
@@ -144,8 +144,12 @@ def apply_lora_(
             matches ``"h.0.attn.c_attn"``), as an fnmatch glob (``"h.*.mlp.*"``), or a class name
             (``"Conv1D"``); an attention's ``in_proj_weight`` is named ``<attention>.in_proj_weight``. Each
             pattern must match at least one layer. Default: ``"all-linear"``.
-        quantize_base: ``None``, ``"int8"`` or ``"int4"``: store the wrapped layers' frozen weights
-            quantized with torchao weight-only quantization (QLoRA). Default: ``None``.
+        quantize_base: ``None``, ``"nf4"``, ``"int8"`` or ``"int4"``: store the wrapped layers' frozen weights
+            quantized with torchao (QLoRA): ``"nf4"`` is QLoRA's 4-bit NormalFloat (``NF4Tensor``, blocks of 64
+            weights, double-quantized scales; CPU and CUDA) and the 4-bit choice to use; ``"int8"`` int8
+            weight-only (CPU and CUDA); ``"int4"`` torchao's int4 tinygemm kernels (CUDA only). Quantize a
+            model already in the dtype it trains in: the dequantized weight has the dtype it was quantized
+            from. Default: ``None``.
         freeze_base: set ``requires_grad=False`` on every non-adapter parameter of ``module``
             (embeddings and norms included). Default: ``True``.
         quantize_frozen: with ``quantize_base``, also store the *other* frozen weights in the same
@@ -184,7 +188,7 @@ def apply_lora_(
         raise TypeError(f"`quantize_frozen` must be True or False, got {quantize_frozen!r}.")
     if quantize_frozen and quantize_base is None:
         raise ValueError(
-            "`quantize_frozen`=True needs `quantize_base` ('int8' or 'int4'): the format to store them in."
+            "`quantize_frozen`=True needs `quantize_base` ('nf4', 'int8' or 'int4'): the format to store them in."
         )
     existing = lora_layers(module)
     if existing:
@@ -410,12 +414,13 @@ def unmerge_lora_(module: nn.Module) -> int:
 def merged_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s state dict as the original architecture expects it: adapters folded into float weights.
 
-    Adapter keys are dropped, quantized weights are dequantized, and Conv1D weights are transposed back
-    to (in, out), so the result loads with ``strict=True`` into a fresh copy of the un-wrapped model.
+    Adapter keys are dropped, quantized weights (``quantize_frozen`` ones too) are dequantized, and Conv1D
+    weights are transposed back to (in, out), so the result loads with ``strict=True`` into a fresh copy of the un-wrapped model.
     The module itself is not changed.
     """
     state = {key: value for key, value in module.state_dict().items() if not key.endswith(ADAPTER_SUFFIXES)}
     with torch.no_grad():
+        state.update({key: dequantized(value) for key, value in state.items() if is_quantized(value)})
         for name, layer in lora_layers(module).items():
             key = f"{name}.{layer.weight_name}" if name else layer.weight_name
             weight = dequantized(layer.weight) if is_quantized(layer.weight) else layer.weight.detach()

@@ -45,7 +45,8 @@ def lora_config(module: nn.Module) -> dict[str, Any]:
     quantized = {is_quantized(layer.weight) for layer in layers.values()}
     quantize_base = None
     if True in quantized:
-        quantize_base = "int4" if "int4" in type(first.weight).__name__.lower() else "int8"
+        name = type(first.weight).__name__.lower()
+        quantize_base = "nf4" if "nf4" in name else "int4" if "int4" in name else "int8"
     return {
         "target": list(layers),
         "r": first.r,

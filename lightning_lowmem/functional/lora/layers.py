@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_lowmem.functional.multihead_attention import MHA_WEIGHTS
-from lightning_lowmem.functional.lora.quantized_base import frozen_linear, is_quantized
+from lightning_lowmem.functional.lora.quantized_base import KeepsQuantizedWeight, frozen_linear, is_quantized
 
 __all__ = [
     "ADAPTER_SUFFIXES",
@@ -39,7 +39,7 @@ def is_hf_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
-class LoraLinear(nn.Linear):
+class LoraLinear(KeepsQuantizedWeight, nn.Linear):
     """A frozen linear layer plus a trainable low-rank update: ``y = x W^T + b + s * (x A^T) B^T``.
 
     Subclasses ``nn.Linear`` (same ``weight`` (out, in) / ``bias`` names) so tools that act on linear
