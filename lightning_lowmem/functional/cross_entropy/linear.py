@@ -25,6 +25,10 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from lightning_lowmem._compat import is_fake
+from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads
+from lightning_lowmem.functional.cross_entropy.tied import TiedGradient, claim
+
 __all__ = ["REDUCTIONS", "default_chunk_size", "linear_cross_entropy"]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -104,8 +108,10 @@ def linear_cross_entropy(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when contiguous
     flat_targets = targets.reshape(-1)
     rows = chunk_size if chunk_size is not None else default_chunk_size(flat_hidden.shape[0], weight.shape[0])
+    in_graph = torch.is_grad_enabled()
+    tied = claim(weight, flat_hidden) if in_graph and weight.requires_grad else None
     loss = _LinearCrossEntropy.apply(
-        flat_hidden, weight, bias, flat_targets, ignore_index, float(label_smoothing), reduction, rows
+        flat_hidden, weight, bias, flat_targets, ignore_index, float(label_smoothing), reduction, rows, tied, in_graph
     )
     return loss.view(targets.shape) if reduction == "none" else loss
 
@@ -127,11 +133,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         smoothing: float,
         reduction: str,
         rows: int,
+        tied: TiedGradient | None,
+        in_graph: bool,
     ) -> torch.Tensor:
         num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
         counted = targets != ignore_index  # (N,)
         safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # valid indices everywhere
+        _check_targets(safe_targets, vocab_size, ignore_index)
         accumulate = _accumulation_dtype(hidden)
+        ctx.tied, ctx.fused_grads = tied, None
+        ctx.autocast = _autocast_state(hidden.device.type)
+        if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype == accumulate:
+            needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
+            loss, ctx.fused_grads = fused_loss_and_grads(
+                hidden, weight, bias, safe_targets, counted, smoothing, reduction, rows, needs  # type: ignore[arg-type]
+            )
+            return loss
         running_max = hidden.new_full((num_tokens,), float("-inf"), dtype=accumulate)
         running_sum = hidden.new_zeros(num_tokens, dtype=accumulate)  # sum of exp(logit - running_max)
         picked = hidden.new_zeros(num_tokens, dtype=accumulate)  # each token's target logit
@@ -163,7 +180,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = counted.sum()
         ctx.save_for_backward(hidden, weight, bias, safe_targets, counted, lse, count)
         ctx.smoothing, ctx.reduction, ctx.columns = smoothing, reduction, columns
-        ctx.autocast = _autocast_state(hidden.device.type)
         if reduction == "none":
             return losses
         total = losses.sum()
@@ -172,6 +188,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the gradients are computed with in-place ops: no double backward
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.fused_grads is not None:  # computed in forward for grad_output = 1: scale them
+            grads, ctx.fused_grads = ctx.fused_grads, None
+            grads = [grad.mul_(grad_output) if grad is not None else None for grad in grads]
+            grads[1] = _deliver(ctx.tied, grads[1])
+            return (*grads, None, None, None, None, None, None, None)
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         num_tokens, vocab_size, smoothing = hidden.shape[0], weight.shape[0], ctx.smoothing
@@ -203,26 +224,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits[token_index, hits] -= in_slice.to(accumulate) * (1.0 - smoothing)
             if grad_bias is not None:
                 grad_bias[start:stop] = scale @ grad_logits
-            grad_logits = grad_logits.to(dtype)
+            grad_logits_acc, grad_logits = grad_logits, grad_logits.to(dtype)
             if grad_weight is not None:  # (columns, H), one matmul over all tokens, written in place
                 if grad_weight.dtype == dtype:
                     torch.matmul(grad_logits.T, scaled_hidden, out=grad_weight[start:stop])
                 else:  # autocast: the matmul in its dtype, the gradient in the weight's
                     grad_weight[start:stop] = grad_logits.T @ scaled_hidden
-            if grad_hidden is not None:  # (N, H), accumulated in fp32 (in place when the matmul is fp32)
-                if grad_logits.dtype == accumulate:
-                    grad_hidden.addmm_(grad_logits, weight_slice)
-                else:
-                    grad_hidden += grad_logits @ weight_slice
-            del grad_logits
+            if grad_hidden is not None:  # (N, H), the matmul in fp32 too: one rounding, at the end
+                grad_hidden.addmm_(grad_logits_acc, weight_slice.to(accumulate))
+            del grad_logits, grad_logits_acc
         if grad_hidden is not None:
             grad_hidden = grad_hidden.mul_(scale[:, None]).to(hidden.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        grad_weight = _deliver(ctx.tied, grad_weight)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _columns(rows: int, num_tokens: int, vocab_size: int) -> int:
     """Classes per vocabulary slice: a slice holds as many logits as ``rows`` tokens' whole logits."""
     return max(1, min(vocab_size, math.ceil(rows * vocab_size / max(num_tokens, 1))))
+
+
+def _deliver(tied: TiedGradient | None, grad_weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight gradient to return: ``None`` once handed to the tied embedding's backward (which returns it)."""
+    if tied is None or grad_weight is None:
+        return grad_weight
+    tied.deliver(grad_weight)
+    return None
+
+
+def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise as ``F.cross_entropy`` does for a class index outside ``[0, V)`` (one min / max; not on fake tensors)."""
+    if targets.numel() == 0 or targets.device.type == "meta" or is_fake(targets):
+        return
+    low, high = (int(value) for value in torch.aminmax(targets))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise IndexError(
+            f"`targets` holds class index {bad}, outside [0, {vocab_size}) for a weight of {vocab_size} classes: "
+            f"targets must be class indices or ignore_index={ignore_index} (shifted labels padded with it?)"
+        )
 
 
 def _accumulation_dtype(hidden: torch.Tensor) -> torch.dtype:
