@@ -146,7 +146,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype == accumulate:
             needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
             loss, ctx.fused_grads = fused_loss_and_grads(
-                hidden, weight, bias, safe_targets, counted, smoothing, reduction, rows, needs  # type: ignore[arg-type]
+                hidden,
+                weight,
+                bias,
+                safe_targets,
+                counted,
+                smoothing,
+                reduction,
+                rows,
+                needs,  # type: ignore[arg-type]
             )
             return loss
         running_max = hidden.new_full((num_tokens,), float("-inf"), dtype=accumulate)
@@ -196,8 +204,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         num_tokens, vocab_size, smoothing = hidden.shape[0], weight.shape[0], ctx.smoothing
-        # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored. It
-        # scales rows of the logits' gradient, so it is applied to the (smaller) hidden states and their gradient
+        # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored: it
+        # scales the rows of each slice's logits' gradient (in fp32, before the matmuls round anything)
         accumulate = lse.dtype
         scale = grad_output.to(accumulate)
         if ctx.reduction == "mean":
@@ -205,7 +213,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = torch.where(counted, scale.expand(num_tokens), torch.zeros_like(lse))  # (N,)
         dtype = ctx.autocast or hidden.dtype  # the forward's matmul dtype (autocast's, else the inputs')
         hidden_c = hidden.to(dtype)  # no copy without autocast
-        scaled_hidden = (hidden_c * scale[:, None].to(dtype)) if need_weight else None  # (N, H)
         grad_hidden = torch.zeros(hidden.shape, dtype=accumulate, device=hidden.device) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         grad_bias = torch.empty_like(bias) if need_bias else None
@@ -222,19 +229,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             in_slice = (targets >= start) & (targets < stop) & counted
             hits = torch.where(in_slice, targets - start, torch.zeros_like(targets))
             grad_logits[token_index, hits] -= in_slice.to(accumulate) * (1.0 - smoothing)
+            grad_logits.mul_(scale[:, None])  # in fp32, before any rounding (as the unchunked loss's backward)
             if grad_bias is not None:
-                grad_bias[start:stop] = scale @ grad_logits
+                grad_bias[start:stop] = grad_logits.sum(dim=0)
             grad_logits_acc, grad_logits = grad_logits, grad_logits.to(dtype)
             if grad_weight is not None:  # (columns, H), one matmul over all tokens, written in place
                 if grad_weight.dtype == dtype:
-                    torch.matmul(grad_logits.T, scaled_hidden, out=grad_weight[start:stop])
+                    torch.matmul(grad_logits.T, hidden_c, out=grad_weight[start:stop])
                 else:  # autocast: the matmul in its dtype, the gradient in the weight's
-                    grad_weight[start:stop] = grad_logits.T @ scaled_hidden
+                    grad_weight[start:stop] = grad_logits.T @ hidden_c
             if grad_hidden is not None:  # (N, H), the matmul in fp32 too: one rounding, at the end
                 grad_hidden.addmm_(grad_logits_acc, weight_slice.to(accumulate))
             del grad_logits, grad_logits_acc
         if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(scale[:, None]).to(hidden.dtype)
+            grad_hidden = grad_hidden.to(hidden.dtype)
         grad_weight = _deliver(ctx.tied, grad_weight)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
