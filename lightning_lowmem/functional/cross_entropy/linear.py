@@ -2,18 +2,24 @@
 
 A language model's training peak is usually its output head: ``B·T·V`` logits (128,256 classes for a
 Llama-3 vocabulary), an fp32 upcast of them and the log-softmax saved for backward, all alive at the start of
-the loss backward. Here the forward walks the vocabulary in slices and keeps, per token, only the log-sum-exp
-(4 bytes, an online log-sum-exp over the slices); the backward recomputes the logits one slice at a time and
-writes each slice's weight gradient once (a single matmul over all tokens, so it is accumulated in the
-kernel's own fp32 precision, not over chunks in bf16), while the hidden-state gradient is accumulated in fp32.
-Walking the vocabulary (not the tokens) reads the head's weight once per pass; there are usually far fewer
-tokens in a batch than classes. The price is one more head matmul (the recomputation): 4 instead of 3.
+the loss backward. Two paths, both holding at most one chunk of logits:
 
-The approach follows Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward) with
-plain torch ops, so it runs on CPU and CUDA, under autocast, and on fake tensors (the estimator traces it).
-Liger-Kernel's fused linear cross-entropy computes the gradients in the forward instead (no recomputation,
-but a full-vocabulary fp32 weight-gradient buffer for bf16 weights); torchtune's ``CEWithChunkedOutputLoss``
-chunks the logits but still materialises all of them.
+* **One pass** (fp32 / fp64 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.fused`): chunks of tokens,
+  each chunk's whole logits give its log-sum-exp and the gradient with respect to them at once, so the forward
+  computes all gradients (three matmuls, as the unchunked loss) and the backward scales them by ``grad_output``.
+* **Two passes** (bf16 / fp16 weights, autocast, ``"none"``): the forward walks the vocabulary in slices and keeps,
+  per token, only the log-sum-exp (an online log-sum-exp over the slices); the backward recomputes the logits one
+  slice at a time and writes each slice's weight gradient once (one matmul over all tokens, not accumulated over
+  chunks in bf16), the hidden-state gradient accumulated in fp32 (each slice's matmul in fp32, so it is rounded
+  once). The price is one more head matmul: 4 instead of 3.
+
+A weight tied to an input embedding (under :func:`chunk_cross_entropy_`) gets one gradient buffer: the loss hands
+its weight gradient to the embedding's backward, which adds its rows into it (:mod:`.tied`).
+
+The two-pass path follows Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward), the one-pass
+path Liger-Kernel's fused linear cross-entropy (gradients in forward), both with plain torch ops, so they run on
+CPU and CUDA, under autocast, and on fake tensors (the estimator traces them). torchtune's
+``CEWithChunkedOutputLoss`` chunks the logits but still materialises all of them.
 """
 
 from __future__ import annotations
