@@ -186,3 +186,12 @@ def test_meter_and_estimate_equal_the_peak_rss_of_a_run_without_them():
     assert buffer <= rss < 1.5 * buffer  # one gradient buffer, a chunk of logits
     assert abs(measured - rss) <= 0.02 * rss
     assert abs(estimated - rss) <= 0.02 * rss
+
+
+def test_a_second_backward_through_the_one_pass_path_is_refused():
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, torch.randint(40, (6,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"backward ran twice \(retain_graph=True\)"):
+        loss.backward()

@@ -147,10 +147,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # valid indices everywhere
         _check_targets(safe_targets, vocab_size, ignore_index)
         accumulate = _accumulation_dtype(hidden)
-        ctx.tied, ctx.fused_grads = tied, None
+        ctx.tied, ctx.fused_grads, ctx.fused = tied, None, False
         ctx.autocast = _autocast_state(hidden.device.type)
         if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype == accumulate:
             needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
+            ctx.fused = True
             loss, ctx.fused_grads = fused_loss_and_grads(
                 hidden,
                 weight,
@@ -202,7 +203,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the gradients are computed with in-place ops: no double backward
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        if ctx.fused_grads is not None:  # computed in forward for grad_output = 1: scale them
+        if ctx.fused:
+            if ctx.fused_grads is None:
+                raise RuntimeError(
+                    "linear_cross_entropy's backward ran twice (retain_graph=True): the fp32 one-pass path computes "
+                    "its gradients once, in forward. Call it again for a second backward"
+                )
+            # computed in forward for grad_output = 1: scale them
             grads, ctx.fused_grads = ctx.fused_grads, None
             grads = [grad.mul_(grad_output) if grad is not None else None for grad in grads]
             grads[1] = _deliver(ctx.tied, grads[1])
