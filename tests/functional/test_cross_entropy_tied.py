@@ -195,3 +195,24 @@ def test_a_second_backward_through_the_one_pass_path_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match=r"backward ran twice \(retain_graph=True\)"):
         loss.backward()
+
+
+def test_hugging_face_llama_with_tied_embeddings_one_buffer_same_gradients():
+    pytest.importorskip("transformers")
+    from lightning_lowmem.demo.hf import build_hf_model
+
+    dims = dict(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    reference = build_hf_model("llama", num_attention_heads=4, num_key_value_heads=2, **dims)
+    chunked = build_hf_model("llama", num_attention_heads=4, num_key_value_heads=2, **dims)
+    chunked.load_state_dict(reference.state_dict())
+    assert chunked.lm_head.weight is chunked.model.embed_tokens.weight
+    report = chunk_cross_entropy_(chunked, chunk_size=16)
+    assert report.tied_embeddings == ["model.embed_tokens"]
+    ids = torch.randint(500, (2, 24))
+    reference(input_ids=ids, labels=ids).loss.backward()
+    chunked(input_ids=ids, labels=ids).loss.backward()
+    for (name, ours), theirs in zip(chunked.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-7, msg=name)
+    report.undo()
+    assert "forward" not in chunked.model.embed_tokens.__dict__
