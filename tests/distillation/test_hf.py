@@ -269,4 +269,6 @@ def test_chunked_cross_entropy_distils_to_the_same_weights_without_the_students_
     for name, reference in plain.items():
         torch.testing.assert_close(ours[name], reference, rtol=1e-4, atol=1e-6, msg=name)
     logits_bytes = 4 * 64 * 4096 * 4  # one (B, T, V) fp32 logits tensor of the student
-    assert plain_peak - chunked_peak >= 0.9 * logits_bytes  # the teacher's logits (no grad) are still made whole
+    # the teacher's logits (no grad) are still made whole; the fp32 one-pass loss holds its (V, H) weight gradient
+    # from its forward on (V x H = 0.5 MiB here), beside them
+    assert plain_peak - chunked_peak >= 0.85 * logits_bytes

@@ -75,7 +75,8 @@ def test_mean_over_no_counted_target_is_nan_like_f_cross_entropy():
 
 @pytest.mark.parametrize("mode", ["bf16 inputs", "bf16 autocast"])
 def test_bf16_gradients_as_accurate_as_the_unchunked_bf16_step(mode):
-    """fp32 loss and fp32 accumulation: no less accurate (vs float64) than the unchunked bf16 expression."""
+    """fp32 loss and fp32 accumulation: no less accurate (vs float64) than the unchunked bf16 expression (hidden
+    and weight gradients: a slice's matmul is accumulated in fp32 and rounded once, scaled before rounding)."""
     h0, w0, _, targets = _inputs(dtype=torch.float32, tokens=(300,), hidden=64, vocab=5000)
     exact_h, exact_w = h0.detach().double().requires_grad_(), w0.detach().double().requires_grad_()
     exact = _grads(
@@ -97,8 +98,8 @@ def test_bf16_gradients_as_accurate_as_the_unchunked_bf16_step(mode):
         return [((g.double() - e).norm() / e.norm()).item() for g, e in zip(grads, exact, strict=True)]
 
     ours, theirs = run(True), run(False)
-    for error, reference_error in zip(ours, theirs, strict=True):
-        assert error < 5e-3 and error < 1.5 * reference_error
+    for error, reference_error in zip(ours, theirs, strict=True):  # each slice accumulated in fp32 first
+        assert error < 5e-3 and error <= reference_error * 1.001
 
 
 def test_peak_under_a_sixth_of_the_unchunked_loss():

@@ -2,18 +2,24 @@
 
 A language model's training peak is usually its output head: ``B·T·V`` logits (128,256 classes for a
 Llama-3 vocabulary), an fp32 upcast of them and the log-softmax saved for backward, all alive at the start of
-the loss backward. Here the forward walks the vocabulary in slices and keeps, per token, only the log-sum-exp
-(4 bytes, an online log-sum-exp over the slices); the backward recomputes the logits one slice at a time and
-writes each slice's weight gradient once (a single matmul over all tokens, so it is accumulated in the
-kernel's own fp32 precision, not over chunks in bf16), while the hidden-state gradient is accumulated in fp32.
-Walking the vocabulary (not the tokens) reads the head's weight once per pass; there are usually far fewer
-tokens in a batch than classes. The price is one more head matmul (the recomputation): 4 instead of 3.
+the loss backward. Two paths, both holding at most one chunk of logits:
 
-The approach follows Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward) with
-plain torch ops, so it runs on CPU and CUDA, under autocast, and on fake tensors (the estimator traces it).
-Liger-Kernel's fused linear cross-entropy computes the gradients in the forward instead (no recomputation,
-but a full-vocabulary fp32 weight-gradient buffer for bf16 weights); torchtune's ``CEWithChunkedOutputLoss``
-chunks the logits but still materialises all of them.
+* **One pass** (fp32 / fp64 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.fused`): chunks of tokens,
+  each chunk's whole logits give its log-sum-exp and the gradient with respect to them at once, so the forward
+  computes all gradients (three matmuls, as the unchunked loss) and the backward scales them by ``grad_output``.
+* **Two passes** (bf16 / fp16 weights, autocast, ``"none"``): the forward walks the vocabulary in slices and keeps,
+  per token, only the log-sum-exp (an online log-sum-exp over the slices); the backward recomputes the logits one
+  slice at a time and writes each slice's weight gradient once (one matmul over all tokens, not accumulated over
+  chunks in bf16), the hidden-state gradient accumulated in fp32 (each slice's matmul in fp32, so it is rounded
+  once). The price is one more head matmul: 4 instead of 3.
+
+A weight tied to an input embedding (under :func:`chunk_cross_entropy_`) gets one gradient buffer: the loss hands
+its weight gradient to the embedding's backward, which adds its rows into it (:mod:`.tied`).
+
+The two-pass path follows Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward), the one-pass
+path Liger-Kernel's fused linear cross-entropy (gradients in forward), both with plain torch ops, so they run on
+CPU and CUDA, under autocast, and on fake tensors (the estimator traces them). torchtune's
+``CEWithChunkedOutputLoss`` chunks the logits but still materialises all of them.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
+
+from lightning_lowmem._compat.fake_mode import is_fake
+from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads
+from lightning_lowmem.functional.cross_entropy.tied import TiedGradient, claim
 
 __all__ = ["REDUCTIONS", "default_chunk_size", "linear_cross_entropy"]
 
@@ -104,8 +114,10 @@ def linear_cross_entropy(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when contiguous
     flat_targets = targets.reshape(-1)
     rows = chunk_size if chunk_size is not None else default_chunk_size(flat_hidden.shape[0], weight.shape[0])
+    in_graph = torch.is_grad_enabled()
+    tied = claim(weight, flat_hidden) if in_graph and weight.requires_grad else None
     loss = _LinearCrossEntropy.apply(
-        flat_hidden, weight, bias, flat_targets, ignore_index, float(label_smoothing), reduction, rows
+        flat_hidden, weight, bias, flat_targets, ignore_index, float(label_smoothing), reduction, rows, tied, in_graph
     )
     return loss.view(targets.shape) if reduction == "none" else loss
 
@@ -127,11 +139,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
         smoothing: float,
         reduction: str,
         rows: int,
+        tied: TiedGradient | None,
+        in_graph: bool,
     ) -> torch.Tensor:
         num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
         counted = targets != ignore_index  # (N,)
         safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # valid indices everywhere
+        _check_targets(safe_targets, vocab_size, ignore_index)
         accumulate = _accumulation_dtype(hidden)
+        ctx.tied, ctx.fused_grads, ctx.fused = tied, None, False
+        ctx.autocast = _autocast_state(hidden.device.type)
+        if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype == accumulate:
+            needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
+            ctx.fused = True
+            loss, ctx.fused_grads = fused_loss_and_grads(
+                hidden,
+                weight,
+                bias,
+                safe_targets,
+                counted,
+                smoothing,
+                reduction,
+                rows,
+                needs,  # type: ignore[arg-type]
+            )
+            return loss
         running_max = hidden.new_full((num_tokens,), float("-inf"), dtype=accumulate)
         running_sum = hidden.new_zeros(num_tokens, dtype=accumulate)  # sum of exp(logit - running_max)
         picked = hidden.new_zeros(num_tokens, dtype=accumulate)  # each token's target logit
@@ -163,7 +195,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = counted.sum()
         ctx.save_for_backward(hidden, weight, bias, safe_targets, counted, lse, count)
         ctx.smoothing, ctx.reduction, ctx.columns = smoothing, reduction, columns
-        ctx.autocast = _autocast_state(hidden.device.type)
         if reduction == "none":
             return losses
         total = losses.sum()
@@ -172,11 +203,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the gradients are computed with in-place ops: no double backward
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.fused:
+            if ctx.fused_grads is None:
+                raise RuntimeError(
+                    "linear_cross_entropy's backward ran twice (retain_graph=True): the fp32 one-pass path computes "
+                    "its gradients once, in forward. Call it again for a second backward"
+                )
+            # computed in forward for grad_output = 1: scale them
+            grads, ctx.fused_grads = ctx.fused_grads, None
+            grads = [grad.mul_(grad_output) if grad is not None else None for grad in grads]
+            grads[1] = _deliver(ctx.tied, grads[1])
+            return (*grads, None, None, None, None, None, None, None)
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         num_tokens, vocab_size, smoothing = hidden.shape[0], weight.shape[0], ctx.smoothing
-        # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored. It
-        # scales rows of the logits' gradient, so it is applied to the (smaller) hidden states and their gradient
+        # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored: it
+        # scales the rows of each slice's logits' gradient (in fp32, before the matmuls round anything)
         accumulate = lse.dtype
         scale = grad_output.to(accumulate)
         if ctx.reduction == "mean":
@@ -184,7 +226,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = torch.where(counted, scale.expand(num_tokens), torch.zeros_like(lse))  # (N,)
         dtype = ctx.autocast or hidden.dtype  # the forward's matmul dtype (autocast's, else the inputs')
         hidden_c = hidden.to(dtype)  # no copy without autocast
-        scaled_hidden = (hidden_c * scale[:, None].to(dtype)) if need_weight else None  # (N, H)
         grad_hidden = torch.zeros(hidden.shape, dtype=accumulate, device=hidden.device) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         grad_bias = torch.empty_like(bias) if need_bias else None
@@ -201,28 +242,48 @@ class _LinearCrossEntropy(torch.autograd.Function):
             in_slice = (targets >= start) & (targets < stop) & counted
             hits = torch.where(in_slice, targets - start, torch.zeros_like(targets))
             grad_logits[token_index, hits] -= in_slice.to(accumulate) * (1.0 - smoothing)
+            grad_logits.mul_(scale[:, None])  # in fp32, before any rounding (as the unchunked loss's backward)
             if grad_bias is not None:
-                grad_bias[start:stop] = scale @ grad_logits
-            grad_logits = grad_logits.to(dtype)
+                grad_bias[start:stop] = grad_logits.sum(dim=0)
+            grad_logits_acc, grad_logits = grad_logits, grad_logits.to(dtype)
             if grad_weight is not None:  # (columns, H), one matmul over all tokens, written in place
                 if grad_weight.dtype == dtype:
-                    torch.matmul(grad_logits.T, scaled_hidden, out=grad_weight[start:stop])
+                    torch.matmul(grad_logits.T, hidden_c, out=grad_weight[start:stop])
                 else:  # autocast: the matmul in its dtype, the gradient in the weight's
-                    grad_weight[start:stop] = grad_logits.T @ scaled_hidden
-            if grad_hidden is not None:  # (N, H), accumulated in fp32 (in place when the matmul is fp32)
-                if grad_logits.dtype == accumulate:
-                    grad_hidden.addmm_(grad_logits, weight_slice)
-                else:
-                    grad_hidden += grad_logits @ weight_slice
-            del grad_logits
+                    grad_weight[start:stop] = grad_logits.T @ hidden_c
+            if grad_hidden is not None:  # (N, H), the matmul in fp32 too: one rounding, at the end
+                grad_hidden.addmm_(grad_logits_acc, weight_slice.to(accumulate))
+            del grad_logits, grad_logits_acc
         if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(scale[:, None]).to(hidden.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        grad_weight = _deliver(ctx.tied, grad_weight)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _columns(rows: int, num_tokens: int, vocab_size: int) -> int:
     """Classes per vocabulary slice: a slice holds as many logits as ``rows`` tokens' whole logits."""
     return max(1, min(vocab_size, math.ceil(rows * vocab_size / max(num_tokens, 1))))
+
+
+def _deliver(tied: TiedGradient | None, grad_weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight gradient to return: ``None`` once handed to the tied embedding's backward (which returns it)."""
+    if tied is None or grad_weight is None:
+        return grad_weight
+    tied.deliver(grad_weight)
+    return None
+
+
+def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise as ``F.cross_entropy`` does for a class index outside ``[0, V)`` (one min / max; not on fake tensors)."""
+    if targets.numel() == 0 or targets.device.type == "meta" or is_fake(targets):
+        return
+    low, high = (int(value) for value in torch.aminmax(targets))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise IndexError(
+            f"`targets` holds class index {bad}, outside [0, {vocab_size}) for a weight of {vocab_size} classes: "
+            f"targets must be class indices or ignore_index={ignore_index} (shifted labels padded with it?)"
+        )
 
 
 def _accumulation_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_lowmem.functional.cross_entropy.linear import REDUCTIONS, linear_cross_entropy
+from lightning_lowmem.functional.cross_entropy.tied import tie_embedding_gradient_, tied_embeddings
 
 __all__ = [
     "ChunkedLoss",
@@ -180,9 +181,12 @@ class ChunkedLoss:
         heads: names of the output heads that defer their logits in training.
         losses: names of the Hugging Face causal LMs whose ``loss_function`` computes the chunked loss.
         chunk_size: tokens per chunk (``None``: :func:`default_chunk_size`).
+        tied_embeddings: names of the input embeddings that share a head's weight: in training their backward
+            adds its rows into the loss's weight gradient, one ``(V, H)`` buffer (:mod:`.tied`).
     """
 
     heads: list[str] = field(default_factory=list)
+    tied_embeddings: list[str] = field(default_factory=list)
     losses: list[str] = field(default_factory=list)
     chunk_size: int | None = None
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -191,7 +195,7 @@ class ChunkedLoss:
         """Give the heads their own ``forward`` and the models their own loss back (idempotent)."""
         while self._undo:
             self._undo.pop()()
-        self.heads, self.losses = [], []
+        self.heads, self.losses, self.tied_embeddings = [], [], []
 
 
 def chunk_cross_entropy_(module: nn.Module, *, chunk_size: int | None = None, head: str | None = None) -> ChunkedLoss:
@@ -314,6 +318,10 @@ def _defer_head(module: nn.Module, name: str, head: nn.Module, report: ChunkedLo
     head.forward = types.MethodType(forward, head)  # type: ignore[method-assign]
     report.heads.append(name)
     report._undo.append(lambda: head.__dict__.pop("forward", None))
+    for embedding_name, embedding in tied_embeddings(module, head.weight):
+        if embedding_name not in report.tied_embeddings and "forward" not in embedding.__dict__:
+            report._undo.append(tie_embedding_gradient_(embedding))
+            report.tied_embeddings.append(embedding_name)
 
 
 def _route_loss(name: str, model: nn.Module, chunk_size: int | None, report: ChunkedLoss) -> None:
