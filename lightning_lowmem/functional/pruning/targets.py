@@ -68,8 +68,8 @@ def resolve_targets(
     Example::
 
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> [(fqn, name) for fqn, _, name in resolve_targets(model, ["2.weight"])]
-        [('2', 'weight')]
+        >>> [(fqn, name) for fqn, _, name in resolve_targets(model, ["0.weight"])]
+        [('0', 'weight')]
     """
     pairs = []
     for item in parameters_to_prune:
