@@ -36,7 +36,7 @@ def _charlm() -> tuple[torch.nn.Module, Any, str]:
 
 def _gpt2() -> tuple[torch.nn.Module, Any, str]:
     """A GPT-2 tiny config (2 x 64, byte vocabulary), batch 8 x 128 with attention mask and labels."""
-    from lightning_lowmem.demo.hf import HFLanguageModel
+    from lightning_lowmem.models.hf import HFLanguageModel
 
     seq = 16 if smoke() else 128
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from torch import nn
 
 from benchmarks.common import mib
 from lightning_lowmem.demo.digits import load_digits_tensors
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.functional.optimizers.savings import lean_optimizer_warning
 from lightning_lowmem.functional.quantization import StaticQuantizationError, quantize_
 from lightning_lowmem.memory import measure_memory, state_bytes

@@ -97,7 +97,7 @@ def _hf_val_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]])
 def _hf_rows(device: str, quick: bool) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """A transformers GPT-2 teacher (3x96) teaches a GPT-2 student (2x48) token by token over dict batches with
     ragged padding; the same student (same initial weights, steps, data order) trained alone is the baseline."""
-    from lightning_lowmem.demo.hf import HFLanguageModel, HFTextDataModule, build_hf_model
+    from lightning_lowmem.models.hf import HFLanguageModel, HFTextDataModule, build_hf_model
 
     teacher_steps, student_steps = (60, 40) if quick else (250, 250)
     data = HFTextDataModule("causal", seq_len=64, batch_size=16, max_chars=300_000)

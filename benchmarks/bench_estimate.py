@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from benchmarks._plan_timing import run_timings, timing_targets
 from benchmarks.common import CudaPeak, clear_cuda_workspaces, mib, smoke
 from lightning_lowmem.demo import CharLM, DigitsClassifier
-from lightning_lowmem.functional.optimizers.registry import available_optimizers, build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import available_optimizers, build_optimizer
 from lightning_lowmem.memory import measure_memory, state_bytes
 from lightning_lowmem.planning.estimate import (
     TrainingConfig,
@@ -149,7 +149,7 @@ def _workload(name: str, batch_size: int, device: str, size: dict[str, Any]) -> 
         x = torch.randint(0, 256, (batch_size, size["charlm"]["block_size"]), device=device)
         return CharLM(**size["charlm"]), (x, x.roll(-1, 1))
     if name == "gpt2":
-        from lightning_lowmem.demo.hf import HFLanguageModel
+        from lightning_lowmem.models.hf import HFLanguageModel
 
         ids = torch.randint(0, 256, (batch_size, size["seq"]), device=device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

@@ -33,7 +33,7 @@ TOLERANCE = 0.10
 
 def _workloads() -> dict[str, Any]:
     from lightning_lowmem.demo.charlm import CharLM
-    from lightning_lowmem.demo.hf import HFLanguageModel
+    from lightning_lowmem.models.hf import HFLanguageModel
 
     return {
         "charlm 8x256": (lambda: CharLM(**CHARLM), _charlm_batch, _charlm_loss),

@@ -29,11 +29,11 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.common import mib
-from lightning_lowmem.demo.hf import HFTextDataModule, build_hf_model
+from lightning_lowmem.models.hf import HFTextDataModule, build_hf_model
 from lightning_lowmem.functional.checkpointing import checkpoint_
 from lightning_lowmem.functional.compression import compress_activations
 from lightning_lowmem.functional.lora.adapters import apply_lora_
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import measure_memory
 
 CONFIGS = {  # the shapes: 4 layers of width 128, vocabulary 512

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import mib, smoke
-from lightning_lowmem.demo.hf import build_hf_model
+from lightning_lowmem.models.hf import build_hf_model
 from lightning_lowmem.functional.applied import apply
 from lightning_lowmem.functional.compression import compress_activations
 from lightning_lowmem.functional.config import TrainingConfig
 from lightning_lowmem.functional.cross_entropy import linear_cross_entropy
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import measure_memory, track_memory
 from lightning_lowmem.planning.estimate import estimate_memory
 

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.bench_llm import MODELS, _batches, _Run, _setups
 from benchmarks.common import mib, smoke
-from lightning_lowmem.demo.hf import build_hf_model
+from lightning_lowmem.models.hf import build_hf_model
 from lightning_lowmem.memory import measure_memory
 
 LENGTHS = (256, 512, 1024, 2048, 4096)

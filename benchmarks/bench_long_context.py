@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import CudaPeak, clear_cuda_workspaces, mib, smoke
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import measure_memory
 from lightning_lowmem.planning.estimate import TrainingConfig, _train_step, default_loss, estimate_memory
 from lightning_lowmem.planning.plan import plan_memory
@@ -58,7 +58,7 @@ def _lengths(device: str, quick: bool) -> tuple[int, ...]:
 
 
 def _workload(name: str, length: int, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    from lightning_lowmem.demo.hf import HFLanguageModel
+    from lightning_lowmem.models.hf import HFLanguageModel
 
     family, config = WORKLOADS[name]
     positions = {"n_positions": length} if family == "gpt2" else {"max_position_embeddings": length}

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import mib, smoke
 from lightning_lowmem.demo.charlm import CharGPT, CharLMDataModule, GPTConfig
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import measure_memory, state_bytes
 
 N_LAYER, N_EMBD, N_HEAD, BLOCK_SIZE, BATCH_SIZE, LR = 6, 128, 4, 64, 16, 3e-3

@@ -161,7 +161,7 @@ def _hf_val_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]])
 def _hf_gpt2(device: str, quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A randomly initialised transformers GPT-2 (2 layers, width 64) trained on the stdlib corpus: dense, 50%
     unstructured (cubic, default targets: embeddings and the tied head left alone), 50% of the FFN units removed."""
-    from lightning_lowmem.demo.hf import HFLanguageModel, HFTextDataModule
+    from lightning_lowmem.models.hf import HFLanguageModel, HFTextDataModule
     from lightning_lowmem.functional.pruning.unstructured import get_mask
 
     steps = 60 if quick else 200

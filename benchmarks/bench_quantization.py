@@ -271,7 +271,7 @@ def _hf(quick: bool) -> list[dict[str, Any]]:
 
     import lightning as L
 
-    from lightning_lowmem.demo.hf import FAMILIES, HFLanguageModel, HFTextDataModule
+    from lightning_lowmem.models.hf import FAMILIES, HFLanguageModel, HFTextDataModule
     from lightning_lowmem.functional.quantization.ptq import quantize_
 
     steps = 20 if quick else 150

@@ -33,7 +33,7 @@ from benchmarks.common import CudaPeak, mib, smoke
 from lightning_lowmem.demo.charlm import CharGPT, CharLMDataModule, GPTConfig
 from lightning_lowmem.functional.checkpointing import checkpoint_
 from lightning_lowmem.functional.compression import compress_activations
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import CATEGORIES, measure_memory, state_bytes
 
 N_LAYER, N_EMBD, N_HEAD, BLOCK_SIZE, BATCH_SIZE, LR = 6, 128, 4, 64, 32, 3e-3

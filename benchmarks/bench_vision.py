@@ -22,7 +22,7 @@ from benchmarks._vision_baselines import checkpointing_rows, torchao_rows
 from benchmarks._vision_rows import markdown, optimizer_rows, quantization_rows, trained_cnns
 from benchmarks.common import mib, smoke
 from lightning_lowmem.functional.checkpointing import checkpoint_, resolve_policy
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import measure_memory
 from lightning_lowmem.planning.estimate import (
     TrainingConfig,

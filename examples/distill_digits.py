@@ -88,7 +88,7 @@ def gpt2(steps: int, root: Path) -> None:
     attention_mask, labels; ragged right padding). Nothing to override: both models are called `model(**batch)`,
     the KD term reads `.logits` on the positions that are neither padding nor `labels == -100`, the hard term is
     the student's own (shifted) `.loss`."""
-    from lightning_lowmem.demo.hf import HFLanguageModel, HFTextDataModule
+    from lightning_lowmem.models.hf import HFLanguageModel, HFTextDataModule
 
     data = HFTextDataModule("causal", seq_len=64, batch_size=16, max_chars=300_000)
     teacher = HFLanguageModel("gpt2", config={"n_layer": 4, "n_embd": 128}, lr=3e-3)

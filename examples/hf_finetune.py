@@ -35,7 +35,7 @@ from lightning_lowmem import (
     MemoryMonitor,
 )
 from lightning_lowmem.demo import HFLanguageModel, HFTextDataModule
-from lightning_lowmem.demo.hf import FAMILIES
+from lightning_lowmem.models.hf import FAMILIES
 from lightning_lowmem.memory import format_bytes, state_bytes
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")

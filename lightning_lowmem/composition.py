@@ -6,17 +6,18 @@ Each of our callbacks calls :func:`check_composition` first thing in its ``setup
 checks the whole Trainer), and the low-memory strategies call it before they apply their options. A refusal
 is one line naming both sides, why they do not compose and what to do instead.
 
-The module imports neither the callbacks nor the strategies (they import it): a callback is recognised by its
-class name (or a base class's name, so subclasses count), read through :data:`DESCRIBE`. A new callback that
-must join the checks adds one entry there; a new incompatibility adds one :class:`Rule` to :data:`RULES`.
+The module imports neither the callbacks nor the strategies (they import it): a callback says what it is
+(``composition_technique()``, from the technique callbacks' base class: its label and its tags), a strategy
+whether it shards parameters (``shards_parameters``) and which options it was given (``explicit``). A new
+callback joins the checks by its tags; a new incompatibility adds one :class:`Rule` to :data:`RULES`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-__all__ = ["RULES", "Rule", "Technique", "check_composition", "techniques_of"]
+__all__ = ["RULES", "Rule", "Technique", "check_composition", "optimizer_tags", "techniques_of"]
 
 
 @dataclass(frozen=True)
@@ -46,29 +47,10 @@ def _optimizer(label: str, name: str) -> Technique:
     return Technique(label, frozenset(tags), optimizer=name)
 
 
-def _pruning(callback: Any) -> Technique:
-    structural = bool(getattr(callback, "structural", False))
-    label = "ScheduledPruning(structural=True)" if structural else f"ScheduledPruning({callback.method!r})"
-    return Technique(label, frozenset({"pruning"} | ({"structural_pruning"} if structural else set())))
+def optimizer_tags(name: str) -> frozenset[str]:
+    """An optimizer technique's tags: ``optimizer``, and ``in_backward`` for one that steps inside backward."""
+    return _optimizer(name, name).tags
 
-
-#: class name -> what that callback contributes (one entry per callback).
-DESCRIBE: dict[str, Callable[[Any], Technique]] = {
-    "MemoryEfficientOptimizer": lambda cb: _optimizer(f"MemoryEfficientOptimizer({cb.optimizer!r})", cb.optimizer),
-    "ActivationCompression": lambda cb: Technique(f"ActivationCompression({cb.mode!r})", frozenset({"compression"})),
-    "ActivationCheckpointing": lambda cb: Technique(
-        f"ActivationCheckpointing({cb.policy!r})", frozenset({"checkpointing"})
-    ),
-    "AutoMicrobatch": lambda cb: Technique("AutoMicrobatch", frozenset({"microbatch"})),
-    "LowRankAdapters": lambda cb: Technique(f"LowRankAdapters(r={cb.r})", frozenset({"lora"})),
-    "ScheduledPruning": _pruning,
-    "PostTrainingQuantization": lambda cb: Technique(f"PostTrainingQuantization({cb.mode!r})", frozenset({"ptq"})),
-    "QuantizationAwareTraining": lambda cb: Technique(
-        f"QuantizationAwareTraining({cb.mode!r})", frozenset({"qat"} | ({"grouped_qat"} if "4" in cb.mode else set()))
-    ),  # the 4-bit modes quantize in groups of `group_size` input channels
-    "MemoryMonitor": lambda cb: Technique("MemoryMonitor", frozenset({"monitor"})),
-    "ChunkedCrossEntropy": lambda cb: Technique("ChunkedCrossEntropy", frozenset({"chunked_loss"})),
-}
 
 _ONCE = "keep one of them"
 RULES: tuple[Rule, ...] = (
@@ -194,17 +176,16 @@ RULES: tuple[Rule, ...] = (
 
 
 def _callback_technique(callback: Any) -> Technique | None:
-    for cls in type(callback).__mro__:
-        if cls.__name__ in DESCRIBE and cls.__module__.startswith("lightning_lowmem."):
-            return DESCRIBE[cls.__name__](callback)
-    return None
+    """What a callback says it is (``composition_technique()``, the technique callbacks' base), or ``None``."""
+    describe = getattr(callback, "composition_technique", None)
+    return describe() if callable(describe) else None
 
 
 def _strategy_techniques(strategy: Any) -> Iterable[Technique]:
     """The options a low-memory strategy was given explicitly (its ``explicit`` :class:`TrainingConfig`)."""
     name = type(strategy).__name__
     found = []
-    if any(cls.__name__ == "LowMemoryFSDPStrategy" for cls in type(strategy).__mro__):  # FSDP2: DTensor parameters
+    if getattr(strategy, "shards_parameters", False):  # FSDP2: DTensor parameters
         found.append(Technique(name, frozenset({"sharded_parameters"})))
     config = getattr(strategy, "explicit", None)
     if config is None:

@@ -239,7 +239,7 @@ def disable_kv_cache_(module: nn.Module, reason: str = "activation checkpointing
 
     Example::
 
-        >>> from lightning_lowmem.demo.hf import build_hf_model
+        >>> from lightning_lowmem.models.hf import build_hf_model
         >>> model = build_hf_model("gpt2")
         >>> with warnings.catch_warnings(record=True):
         ...     disable_kv_cache_(model), model.config.use_cache

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_lowmem.demo.hf import FAMILIES, HFLanguageModel, HFTextDataModule  # noqa: E402
+from lightning_lowmem.models.hf import FAMILIES, HFLanguageModel, HFTextDataModule  # noqa: E402
 
 __all__ = ["FAMILIES", "constant_bytes", "hf_batch", "hf_data", "hf_module", "size_ratio", "t5_tied_names"]
 

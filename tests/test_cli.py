@@ -182,20 +182,22 @@ def test_estimate_without_a_model_says_how_to_give_one(capsys):
 
 
 def test_estimate_json_plan(capsys):
-    assert main(["estimate", "--budget", "4GiB", "--device", "cpu", "--json", *CHARLM_ARGS]) == 0
+    assert main(["estimate", "--budget", "4GiB", "--device", "cpu", "--json", "--verbose", *CHARLM_ARGS]) == 0
     captured = capsys.readouterr()
     plan = json.loads(captured.out[captured.out.index("{") :])
     assert plan["chosen"]["label"] == "32-true + adamw"
     assert plan["chosen"]["fits"] is True and plan["chosen"]["predicted_peak_bytes"] > 0
-    assert "plan [1/" in captured.err and "32-true + adamw: " in captured.err  # the search, shown on stderr
+    assert "plan [1/" in captured.err and "32-true + adamw: " in captured.err  # --verbose: the search on stderr
     assert plan["seconds"] > 0
 
 
 def test_estimate_impossible_budget_fails_cleanly(capsys):
     assert main(["estimate", "--budget", "10KiB", "--device", "cpu", *CHARLM_ARGS]) == 1
+    assert "plan [" not in capsys.readouterr().err  # progress lines only with --verbose
+    assert main(["estimate", "--budget", "10KiB", "--device", "cpu", "--verbose", *CHARLM_ARGS]) == 1
     captured = capsys.readouterr()
     assert "no configuration fits" in captured.out
-    # the search on stderr: one line per candidate, numbered in order (long labels wrapped at 80 columns)
+    # --verbose: the search on stderr: one line per candidate, numbered in order (long labels wrapped at 80 columns)
     lines = captured.err.splitlines()
     assert lines[0].startswith("--budget '10KiB' = 10,240 B") and len(lines) > 10
     assert [line.split("/")[0] for line in lines[1:]] == [f"plan [{i}" for i in range(1, len(lines))]
@@ -206,7 +208,8 @@ def test_estimate_impossible_budget_fails_cleanly(capsys):
     ("budget", "error"),
     [
         ("-1", "error: --budget must be >= 0 bytes, got '-1'"),
-        ("lots", "error: --budget='lots' is not a byte size. Use a number with an optional unit from B, KB"),
+        ("lots", "error: --budget='lots' is not a byte size. Use a number with a unit from B, KB"),
+        ("24", "error: --budget='24' has no unit: did you mean '24GiB'? Give a size with its unit"),
     ],
 )
 def test_estimate_a_bad_budget_is_an_error_line_before_the_model_loads(budget, error, capsys):
@@ -488,7 +491,7 @@ def test_estimate_shows_each_phase_and_names_other(tmp_path, capsys):
     "extra, config, expected",
     [
         ([], {"model_type": None}, "has no `model_type`"),
-        (["--seq-len", "0"], {}, "--seq-len must be a positive number of tokens, got 0"),
+        (["--seq-len", "0"], {}, "--seq-len '0' is not a number of tokens: give a whole number, or one with k"),
         (["--precision", "bf16"], {}, "--precision='bf16' is not a known preset"),
         (["--model", "x.Y"], {}, "--hf-config takes no other model / data options"),
     ],
@@ -577,3 +580,25 @@ def test_hf_config_without_a_vocabulary_size_says_which_default_it_used(tmp_path
         model = hf_config_model(str(folder))
     assert model.get_input_embeddings().weight.shape == (32000, 64)
     assert model.get_input_embeddings().weight.device.type == "meta"
+
+
+def test_estimate_reads_what_each_callback_says_it_trains_with(tmp_path, capsys):
+    """No class names: AutoMicrobatch's micro-batches and QAT's fake quantization are estimated (they were left out);
+    pruning, which fake tensors cannot run, is left out (#35)."""
+    config = tmp_path / "callbacks.yaml"
+    config.write_text(
+        MODEL_DATA_YAML
+        + """  callbacks:
+    - class_path: lightning_lowmem.AutoMicrobatch
+      init_args: {micro_batch_size: 2}
+    - class_path: lightning_lowmem.QuantizationAwareTraining
+      init_args: {mode: int8_weight_only}
+    - class_path: lightning_lowmem.ScheduledPruning
+      init_args: {pruning_fn: l1_unstructured, amount: 0.5}
+"""
+    )
+    assert main(["estimate", "--device", "cpu", "--json", "--config", str(config), "--batch-shape", "4x16,4x16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["meta"]["config"]["micro_batch_size"] == 2
+    assert report["meta"]["config"]["qat"] == {"mode": "int8_weight_only"}
+    assert "pruning" not in report["meta"]["config"] and "prune" not in report["meta"]["label"]

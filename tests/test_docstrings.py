@@ -27,7 +27,7 @@ MODULES = _modules_with_examples()
 
 def test_the_examples_are_found():
     assert len(MODULES) > 40
-    assert "lightning_lowmem.functional.optimizers.registry" in MODULES
+    assert "lightning_lowmem.functional.optimizers.catalog" in MODULES
 
 
 @pytest.mark.parametrize("module_name", MODULES)

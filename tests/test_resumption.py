@@ -37,7 +37,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_lowmem._compat import force_eager
+from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
 from lightning_lowmem.functional.cross_entropy import chunked_cross_entropy
 

@@ -37,7 +37,7 @@ def test_an_older_version_is_one_clear_error_naming_it_and_the_fix(monkeypatch):
         match=r"^Hugging Face models needs transformers >= 4\.57; transformers 4\.40\.2 is "
         r"installed\..*pip install 'transformers>=4\.57'$",
     ):
-        from lightning_lowmem.demo.hf import _transformers
+        from lightning_lowmem.models.hf import _transformers
 
         _transformers()
     _versions.require("torchao", "quantization")  # not installed (as faked): the feature's own import says so

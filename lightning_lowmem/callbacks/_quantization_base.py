@@ -16,13 +16,14 @@ import lightning as L
 from torch import nn
 from typing_extensions import override
 
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.checkpoints import quantized as _quantized_checkpoints
 from lightning_lowmem.functional.quantization.matching import float_weights_for_load_, requantize_
 
 __all__ = ["QuantizationCallback"]
 
 
-class QuantizationCallback(L.Callback):
+class QuantizationCallback(TechniqueCallback):
     """Base of the quantization callbacks (not for direct use): subclasses set ``mode``, call
     :meth:`attach_load_hooks` in ``setup`` and override :meth:`on_quantized_weights_loaded`."""
 
@@ -79,7 +80,11 @@ class QuantizationCallback(L.Callback):
         _quantized_checkpoints.record_checkpoint(checkpoint, self.writer, record, instruct=instruct)
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def composition_label(self) -> str:
+        return f"{type(self).__name__}({self.mode!r})"
+
+    @override
+    def release(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for handle in self._load_handles:
             handle.remove()
         self._load_handles = []

@@ -10,13 +10,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem.composition import check_composition
-from lightning_lowmem.functional.applied import Applied, apply
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.functional.config import CheckpointingConfig
 from lightning_lowmem.warnings import LowMemWarning
 
 
-class ActivationCheckpointing(L.Callback):
+class ActivationCheckpointing(TechniqueCallback):
     """Wrap submodules of the LightningModule with non-reentrant activation checkpointing for ``fit``.
 
     Works with any single-process or DDP strategy and any precision (``bf16-mixed`` included):
@@ -64,6 +63,10 @@ class ActivationCheckpointing(L.Callback):
         ['model.h.0', 'model.h.1']
     """
 
+    technique = "checkpointing"
+    tags = frozenset({"checkpointing"})
+    undo_on_exception = True
+
     def __init__(self, policy: str | int | list[str] = "auto", nested: bool = False, strict: bool = True) -> None:
         self.config = CheckpointingConfig(policy, nested=nested)  # validates
         if not isinstance(strict, bool):
@@ -72,12 +75,10 @@ class ActivationCheckpointing(L.Callback):
         self.nested = nested
         self.strict = strict
         self.wrapped: list[str] = []
-        self._applied: Applied | None = None
-        self._restored_wrapped: list[str] | None = None
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def composition_label(self) -> str:
+        return f"ActivationCheckpointing({self.policy!r})"
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -94,40 +95,24 @@ class ActivationCheckpointing(L.Callback):
                 LowMemWarning,
                 stacklevel=2,
             )
-        self._applied = apply(pl_module, self.config, strict=self.strict)
+        self._applied = self.apply_config(pl_module, strict=self.strict)
         self.wrapped = list(self._applied.checkpointed)
         if self.wrapped:
             shown = ", ".join(self.wrapped[:6]) + (", ..." if len(self.wrapped) > 6 else "")
             rank_zero_info(
                 f"ActivationCheckpointing(policy={self.config.describe()}): {len(self.wrapped)} modules: {shown}"
             )
-        if self._restored_wrapped is not None and self._restored_wrapped != self.wrapped:
-            warnings.warn(
-                f"ActivationCheckpointing: the checkpoint was trained with modules {self._restored_wrapped} wrapped, "
-                f"this run wraps {self.wrapped} (policy {self.policy!r}). Weights load either way; only memory "
-                "and speed differ.",
-                LowMemWarning,
-                stacklevel=2,
-            )
-
-    @override
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Lightning skips callbacks' `teardown` when fit raises: hand the model back as it came (use_cache too)
-        self.teardown(trainer, pl_module, "fit")
-
-    @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._applied is not None:
-            self._applied.undo()
-            self._applied = None
+        self.warn_if_restored_differs(
+            "wrapped",
+            self.wrapped,
+            "the checkpoint was trained with modules {restored} wrapped, this run wraps {current} "
+            f"(policy {self.policy!r}). Weights load either way; only memory and speed differ.",
+            default=[],
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"policy": repr(self.policy), "nested": self.nested, "wrapped": list(self.wrapped)}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored_wrapped = list(state_dict.get("wrapped", []))  # compared in on_fit_start
 
 
 def _hf_checkpointing(module: torch.nn.Module) -> bool:

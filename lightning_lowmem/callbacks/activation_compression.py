@@ -10,17 +10,16 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem.functional.applied import Applied, apply
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.functional.compression import CompressionStats, compress_activations
 from lightning_lowmem.functional.config import CompressionConfig
 from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.warnings import NoEffectWarning
-from lightning_lowmem.composition import check_composition
 
 PREFIX = "lowmem/compression"
 
 
-class ActivationCompression(L.Callback):
+class ActivationCompression(TechniqueCallback):
     """Run every training step's forward under
     :func:`lightning_lowmem.functional.compression.compress_activations`.
 
@@ -61,6 +60,11 @@ class ActivationCompression(L.Callback):
         True
     """
 
+    technique = "compression"
+    changes_step = True  # every training step runs in its saved-tensor hooks
+    tags = frozenset({"compression"})
+    undo_on_exception = True
+
     def __init__(self, mode: str = "int8", min_bytes: int = COMPRESSION_MIN_BYTES, log_stats: bool = True) -> None:
         self.config = CompressionConfig(mode, min_bytes)  # validates
         self.mode = mode
@@ -69,15 +73,17 @@ class ActivationCompression(L.Callback):
         self.stats = CompressionStats()  # cumulative over the run (resumable)
         self._step_stats: CompressionStats | None = None
         self._region: contextlib.ExitStack | None = None
-        self._applied: Applied | None = None  # holds a Hugging Face model's KV cache off while fitting
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(mode=self.mode, min_bytes=self.min_bytes)
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def composition_label(self) -> str:
+        return f"ActivationCompression({self.mode!r})"
+
+    @override
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.mode == "cpu" and stage == "fit" and trainer.strategy.root_device.type == "cpu":
             warnings.warn(
                 "ActivationCompression(mode='cpu') on a CPU device: activations already live in host memory, "
@@ -90,7 +96,7 @@ class ActivationCompression(L.Callback):
                 f"ActivationCompression: saved activations packed as {self.mode} (>= {self.min_bytes} bytes)"
             )
             # a Hugging Face model's training-time KV cache keeps the uncompressed keys / values alive: apply holds it
-            self._applied = apply(pl_module, self.config)
+            self.apply_config(pl_module)
 
     @override
     def on_train_batch_start(
@@ -119,15 +125,8 @@ class ActivationCompression(L.Callback):
         self._step_stats = None
 
     @override
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, pl_module, "fit")  # Lightning calls no `teardown` when fit raises
-
-    @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._close()
-        if self._applied is not None:
-            self._applied.undo()  # the KV cache back as it was
-            self._applied = None
+    def release(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close()  # then teardown undoes the applied config: the KV cache back as it was
 
     def _close(self) -> None:
         if self._region is not None:

@@ -10,12 +10,12 @@ from typing_extensions import override
 
 from lightning_lowmem.functional.config import MicrobatchConfig
 from lightning_lowmem.functional.microbatch import MicrobatchLoop, batch_size_of, slice_batch
-from lightning_lowmem.composition import check_composition
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 
 __all__ = ["AutoMicrobatch", "batch_size_of", "slice_batch"]
 
 
-class AutoMicrobatch(L.Callback):
+class AutoMicrobatch(TechniqueCallback):
     """Survive out-of-memory errors in training by splitting the batch into micro-batches.
 
     When a training step raises ``torch.OutOfMemoryError`` (CUDA, ROCm and XPU raise it; a plain
@@ -63,6 +63,10 @@ class AutoMicrobatch(L.Callback):
         {'micro_batch_size': None}
     """
 
+    technique = "microbatch"
+    changes_step = True  # its loop runs forward and backward per micro-batch
+    tags = frozenset({"microbatch"})
+
     def __init__(self, micro_batch_size: int | None = None) -> None:
         self.config = MicrobatchConfig(micro_batch_size) if micro_batch_size is not None else None  # validates
         self._loop = MicrobatchLoop(micro_batch_size, info=rank_zero_info)
@@ -77,8 +81,7 @@ class AutoMicrobatch(L.Callback):
         self._loop.micro_batch_size = value
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._loop.wrap(pl_module)
 
@@ -104,7 +107,7 @@ class AutoMicrobatch(L.Callback):
             )
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def release(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._loop.unwrap()
 
     @override

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem.composition import check_composition
-from lightning_lowmem.functional.applied import Applied, apply
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.functional.config import CrossEntropyConfig
-from lightning_lowmem.warnings import LowMemWarning
 
 
-class ChunkedCrossEntropy(L.Callback):
+class ChunkedCrossEntropy(TechniqueCallback):
     """Compute the output head's cross-entropy in chunks of tokens while fitting: the ``B·T·V`` logits, their
     fp32 upcast and the log-softmax saved for backward (the peak of a language model with a real vocabulary)
     are never made. Loss and gradients equal the unchunked ones within fp32 rounding; the head's matmul runs
@@ -54,51 +51,33 @@ class ChunkedCrossEntropy(L.Callback):
         ['model.lm_head']
     """
 
+    technique = "cross_entropy"
+    tags = frozenset({"chunked_loss"})
+    undo_on_exception = True
+
     def __init__(self, chunk_size: int | None = None, head: str | None = None) -> None:
         self.config = CrossEntropyConfig("chunked", chunk_size=chunk_size, head=head)  # validates
         self.chunk_size = chunk_size
         self.head = head
         self.heads: list[str] = []
-        self._applied: Applied | None = None
-        self._restored: dict[str, Any] | None = None
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._applied is not None:
             return
-        self._applied = apply(pl_module, self.config)
+        self._applied = self.apply_config(pl_module)
         self.heads = list(self._applied.cross_entropy.heads)
         routed = self._applied.cross_entropy.losses
         how = f"the loss of {routed} computed from them" if routed else "compute the loss with chunked_cross_entropy"
         size = self.chunk_size if self.chunk_size is not None else "auto"
         rank_zero_info(f"ChunkedCrossEntropy(chunk_size={size}): {self.heads} defer their logits in training; {how}")
-        if self._restored is not None and self._restored.get("heads") not in (None, self.heads):
-            warnings.warn(
-                f"ChunkedCrossEntropy: the checkpoint was trained with heads {self._restored['heads']} deferred, this "
-                f"run defers {self.heads}. Weights load either way; only memory differs.",
-                LowMemWarning,
-                stacklevel=2,
-            )
-
-    @override
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        # Lightning skips callbacks' `teardown` when fit raises: hand the model back as it came
-        self.teardown(trainer, pl_module, "fit")
-
-    @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._applied is not None:
-            self._applied.undo()
-            self._applied = None
+        self.warn_if_restored_differs(
+            "heads",
+            self.heads,
+            "the checkpoint was trained with heads {restored} deferred, this run defers {current}. Weights load "
+            "either way; only memory differs.",
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"chunk_size": self.chunk_size, "head": self.head, "heads": list(self.heads)}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = dict(state_dict)  # compared in on_fit_start

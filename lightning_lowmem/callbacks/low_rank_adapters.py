@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
-from lightning_lowmem.functional.applied import apply
 from lightning_lowmem.functional.config import LoRAConfig
 from lightning_lowmem.functional.lora.adapters import (
     ALL_LINEAR,
@@ -25,21 +25,20 @@ from lightning_lowmem.functional.lora.bookkeeping import (
     check_same_settings,
     check_weights_path,
     checkpoint_record,
-    drop_frozen_,
     load_base_weights_,
     parameter_metrics,
     settings_conflict,
     wrap_summary,
 )
 from lightning_lowmem.functional.lora.files import export_root, lora_config
-from lightning_lowmem.composition import check_composition
+from lightning_lowmem.functional.optimizers.convert import drop_frozen_
 
 PREFIX = "lowmem/lora"
 WRITER = "LowRankAdapters"
 FORMAT_VERSION = 1
 
 
-class LowRankAdapters(L.Callback):
+class LowRankAdapters(TechniqueCallback):
     """Wrap chosen linear / convolution layers with LoRA adapters at ``setup`` and train only the adapters.
 
     At ``setup`` (before ``configure_optimizers`` runs) every matching ``nn.Linear`` / Hugging Face
@@ -91,6 +90,10 @@ class LowRankAdapters(L.Callback):
         (1408, 6)
     """
 
+    technique = "lora"
+    tags = frozenset({"lora"})
+    undo_on_teardown = False  # the adapters are the fit's result (undone only when the fit fails before training)
+
     def __init__(
         self,
         r: int = 8,
@@ -124,8 +127,11 @@ class LowRankAdapters(L.Callback):
         self.removed_from_optimizers = 0
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def composition_label(self) -> str:
+        return f"LowRankAdapters(r={self.r})"
+
+    @override
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         guard_module_loading(trainer, pl_module)  # check what wrote a checkpoint before Lightning loads it
         if lora_layers(pl_module):  # a second fit / validate on the same wrapped module
             config = lora_config(pl_module)
@@ -139,11 +145,17 @@ class LowRankAdapters(L.Callback):
                 # torchao's int4 (tinygemm) packs weights for the device they are on: quantize where they will
                 # train (Lightning moves the module after `setup`; moving it first changes nothing else)
                 pl_module.to(device)
-            # kept after fit (adapters are the trained result); functional.apply's handle could undo it
-            self.report = apply(pl_module, self.config).lora
+            # kept after fit (adapters are the trained result); undone if the fit fails before training
+            self.report = self.apply_config(pl_module).lora
+            self.on_rollback(self._forget_report)
             rank_zero_info(wrap_summary(self.report))
         if not self.save_base_weights:
+            strict_loading = pl_module.strict_loading
+            self.on_rollback(lambda: setattr(pl_module, "strict_loading", strict_loading))
             pl_module.strict_loading = False  # adapter-only checkpoints lack the (pretrained) base keys
+
+    def _forget_report(self) -> None:
+        self.report = None
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -153,6 +165,8 @@ class LowRankAdapters(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # the setup is committed
+        self._applied = None  # so the undo handle (QLoRA: the float weights) is not kept
         metrics = parameter_metrics(pl_module, PREFIX)
         for logger in trainer.loggers:  # once per fit: a logger call, not pl_module.log's per-step repeat
             logger.log_metrics(metrics, step=trainer.global_step)
@@ -179,8 +193,9 @@ class LowRankAdapters(L.Callback):
             checkpoint["state_dict"] = adapter_entries(checkpoint["state_dict"], trained_modules(pl_module))
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def release(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         unguard_module_loading(pl_module)
+        self._applied = None  # after the rollback's undo (last first), or the committed setup's handle
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

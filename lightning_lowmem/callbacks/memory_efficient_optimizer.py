@@ -9,18 +9,19 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.checkpoints import guard_module_loading, record, unguard_module_loading
 from lightning_lowmem.checkpoints.optimizer_state import FORMAT_VERSION, WRITER, refuse_resume, resume_message
 from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.optimizers.convert import convert_optimizers
-from lightning_lowmem.functional.optimizers.registry import check_loaded_state
+from lightning_lowmem.functional.optimizers.catalog import check_loaded_state
 from lightning_lowmem.functional.optimizers.savings import lean_optimizer_warning
 from lightning_lowmem.functional.optimizers.state import mark_state_dict
-from lightning_lowmem.composition import check_composition
+from lightning_lowmem.composition import optimizer_tags
 from lightning_lowmem.warnings import LowMemWarning
 
 
-class MemoryEfficientOptimizer(L.Callback):
+class MemoryEfficientOptimizer(TechniqueCallback):
     """Replace every optimizer returned by ``configure_optimizers`` with ``optimizer`` over the same
     param groups (same ``lr`` / ``weight_decay``), for users who cannot edit ``configure_optimizers``.
 
@@ -105,9 +106,23 @@ class MemoryEfficientOptimizer(L.Callback):
         """Its arguments (the config's hyperparameters)."""
         return self.config.kwargs
 
+    technique = "optimizer"
+    changes_step = True  # the optimizer step
+
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def composition_label(self) -> str:
+        return f"MemoryEfficientOptimizer({self.optimizer!r})"
+
+    @override
+    def composition_tags(self) -> frozenset[str]:
+        return optimizer_tags(self.optimizer)
+
+    @override
+    def composition_optimizer(self) -> str | None:
+        return self.optimizer
+
+    @override
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         guard_module_loading(trainer, pl_module)  # check what wrote a checkpoint before Lightning loads it
         if stage != "fit" or self._module is not None:
             return
@@ -159,7 +174,7 @@ class MemoryEfficientOptimizer(L.Callback):
         return {"optimizer": self.optimizer}
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def release(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         unguard_module_loading(pl_module)
         if self._module is not None:
             self._module.__dict__.pop("configure_optimizers", None)

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from typing_extensions import override
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.cuda_memory import cuda_dump_snapshot, cuda_record_memory_history
 from lightning_lowmem.memory import MemoryReport, track_memory
 from lightning_lowmem.memory.monitoring import (
     cheap_figures,
@@ -24,13 +24,13 @@ from lightning_lowmem.memory.monitoring import (
     summary_table,
     with_all_ranks,
 )
-from lightning_lowmem.composition import check_composition
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.warnings import LowMemWarning
 
 PREFIX = "lowmem/memory"
 
 
-class MemoryMonitor(L.Callback):
+class MemoryMonitor(TechniqueCallback):
     """Log memory figures during training and print a breakdown table when ``fit`` ends.
 
     Two depths:
@@ -80,6 +80,8 @@ class MemoryMonitor(L.Callback):
         True
     """
 
+    tags = frozenset({"monitor"})  # technique: None, it only measures
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,
@@ -109,26 +111,26 @@ class MemoryMonitor(L.Callback):
 
     # ------------------------------------------------------------------ setup / teardown
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._device = trainer.strategy.root_device.type
         if self.snapshot_on_oom:
             if self._device == "cuda":
-                _compat.cuda_record_memory_history(True)
+                cuda_record_memory_history(True)
                 self._recording = True
             else:
                 rank_zero_warn(f"MemoryMonitor(snapshot_on_oom=True) needs CUDA; this run is on {self._device!r}.")
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def release(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop_deep()
         self._remove_step_hooks()
         if self._recording:
-            _compat.cuda_record_memory_history(False)
+            cuda_record_memory_history(False)
             self._recording = False
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)  # a failed setup: every technique's change undone
         self._stop_deep()
         self._remove_step_hooks()
         if self._recording and isinstance(exception, torch.OutOfMemoryError):
@@ -136,7 +138,7 @@ class MemoryMonitor(L.Callback):
                 trainer.log_dir or trainer.default_root_dir, "memory_snapshot_oom.pickle"
             )
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            _compat.cuda_dump_snapshot(path)
+            cuda_dump_snapshot(path)
             rank_zero_warn(f"CUDA out of memory: allocator snapshot written to {path} (view at pytorch.org/memory_viz)")
 
     # ------------------------------------------------------------------ per step

@@ -36,7 +36,6 @@ from lightning_lowmem.functional.quantization.tolerance import (
 )
 from lightning_lowmem.model_io import BatchCallError, has_forward_batch, model_inputs
 from lightning_lowmem.warnings import LowMemWarning, NoEffectWarning
-from lightning_lowmem.composition import check_composition
 
 __all__ = ["PostTrainingQuantization", "load_quantized_checkpoint", "quantize_like_checkpoint"]
 
@@ -128,6 +127,8 @@ class PostTrainingQuantization(QuantizationCallback):
         >>> fast = PostTrainingQuantization("int8_static", module_name="model", compile=True)
     """
 
+    tags = frozenset({"ptq"})  # technique: None, it acts after training
+
     def __init__(
         self,
         mode: str = "int8_dynamic",
@@ -171,8 +172,7 @@ class PostTrainingQuantization(QuantizationCallback):
         self._static = StaticChild(module_name, compile) if module_name is not None else None
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device.type
         reason = unsupported_reason(self.mode, device)
         if reason is not None:  # now, not after the whole fit

@@ -12,6 +12,7 @@ from typing_extensions import override
 from lightning_lowmem.callbacks._quantization_base import QuantizationCallback
 from lightning_lowmem.functional.config.constants import GROUP_SIZE
 from lightning_lowmem.functional.config.qat import QATConfig
+from lightning_lowmem.functional.handlers import restore_point
 from lightning_lowmem.functional.quantization.layers import is_conv1d
 from lightning_lowmem.functional.quantization.ptq import dequantize_
 from lightning_lowmem.functional.quantization.qat import (
@@ -23,7 +24,6 @@ from lightning_lowmem.functional.quantization.qat import (
     set_fake_quant_enabled,
 )
 from lightning_lowmem.functional.quantization.report import QuantizationReport, warn_if_mostly_float
-from lightning_lowmem.composition import check_composition
 from lightning_lowmem.warnings import LowMemWarning
 
 __all__ = ["QuantizationAwareTraining"]
@@ -81,6 +81,12 @@ class QuantizationAwareTraining(QuantizationCallback):
     """
 
     requantize_float_loads = True
+    technique = "qat"
+
+    @override
+    def composition_tags(self) -> frozenset[str]:
+        # the 4-bit modes quantize in groups of `group_size` input channels
+        return frozenset({"qat"} | ({"grouped_qat"} if "4" in self.mode else set()))
 
     def __init__(
         self,
@@ -154,17 +160,28 @@ class QuantizationAwareTraining(QuantizationCallback):
     # --- when ----------------------------------------------------------------------------------------------
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.attach_load_hooks(trainer, pl_module)  # so that `ckpt_path=` may hold converted weights
         if stage != "fit":
             return
+        self.on_rollback(self._rollback_point(pl_module))
         if self.converted:  # fit called again: continue training from the quantized weights
             dequantize_(pl_module)
             self.converted = []
         self.prepared = sorted(set(self.prepared) | set(self.prepare(pl_module)))
         # the step is known only once Lightning restored a checkpoint: decided again in on_train_start
         self._set_fake_quant(pl_module, trainer.global_step >= self.start_step)
+
+    def _rollback_point(self, pl_module: nn.Module) -> Callable[[], None]:
+        """How to give back the layers and this callback's record as they are before ``prepare``."""
+        structure = restore_point(pl_module)
+        prepared, converted, conv1d = list(self.prepared), list(self.converted), list(self.conv1d)
+
+        def rollback() -> None:
+            structure()
+            self.prepared, self.converted, self.conv1d, self._fake_quant_on = prepared, converted, conv1d, None
+
+        return rollback
 
     def _set_fake_quant(self, pl_module: nn.Module, enabled: bool) -> None:
         if self._fake_quant_on is not enabled:
@@ -173,6 +190,7 @@ class QuantizationAwareTraining(QuantizationCallback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)  # the setup is committed
         self._set_fake_quant(pl_module, trainer.global_step >= self.start_step)  # the restored step, on resume
 
     @override

@@ -6,11 +6,11 @@ from typing import Any, Callable, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_lowmem.callbacks._technique_base import TechniqueCallback
 from lightning_lowmem.functional.config.pruning import DEFAULT_PARAMETER_NAMES, PruningConfig
 from lightning_lowmem.functional.pruning.bookkeeping import restore_masks_, sparsity_lines, sync_masks_, target_masks
 from lightning_lowmem.functional.pruning.masks import apply_masks_, layer_sparsity, remove_pruning_
@@ -18,13 +18,12 @@ from lightning_lowmem.functional.pruning.schedule import Amount, PruningSchedule
 from lightning_lowmem.functional.pruning.structural import example_row, shrink_to_state_dict_
 from lightning_lowmem.functional.pruning.targets import Target, describe_targets, resolve_targets, rewind_, snapshot
 from lightning_lowmem.functional.pruning.unstructured import PruningReport, prune_
-from lightning_lowmem.composition import check_composition
 from lightning_lowmem.model_io import has_forward_batch
 
 __all__ = ["ScheduledPruning"]
 
 
-class ScheduledPruning(Callback):
+class ScheduledPruning(TechniqueCallback):
     """Prune during training with ``bool`` masks, on a step schedule or ``ModelPruning``'s per-epoch rule.
 
     Every ``ModelPruning`` argument keeps its meaning, so migrating is renaming the class. Without
@@ -108,6 +107,15 @@ class ScheduledPruning(Callback):
     """
 
     PARAMETER_NAMES = DEFAULT_PARAMETER_NAMES
+    technique = "pruning"
+
+    @override
+    def composition_label(self) -> str:
+        return "ScheduledPruning(structural=True)" if self.structural else f"ScheduledPruning({self.method!r})"
+
+    @override
+    def composition_tags(self) -> frozenset[str]:
+        return frozenset({"pruning"} | ({"structural_pruning"} if self.structural else set()))
 
     def __init__(
         self,
@@ -274,8 +282,7 @@ class ScheduledPruning(Callback):
     # --- when ----------------------------------------------------------------------------------------------
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        check_composition(trainer, stage)  # every pair of switches composes, or none is applied
+    def setup_technique(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.structural and self._load_hook is None:  # before Lightning loads a `ckpt_path`'s weights
             self._load_hook = pl_module.register_load_state_dict_pre_hook(self._shrink_before_load)
         if stage != "fit":
@@ -406,7 +413,7 @@ class ScheduledPruning(Callback):
         shrink_to_state_dict_(module, state_dict, prefix)
 
     @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def release(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._example_input = None
         if self._load_hook is not None:
             self._load_hook.remove()

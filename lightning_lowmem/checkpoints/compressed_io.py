@@ -15,6 +15,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
+from lightning_lowmem._compat import tree_leaves
 from lightning_lowmem.checkpoints import file_format
 from lightning_lowmem.checkpoints.file_format import (
     CODECS,
@@ -23,6 +24,7 @@ from lightning_lowmem.checkpoints.file_format import (
     framed_pieces,
     framed_size,
     pack_chunks,
+    samples_say_plain,
     written_by_CompressedCheckpointIO,
 )
 from lightning_lowmem.checkpoints.reading import read_checkpoint
@@ -138,6 +140,12 @@ class CompressedCheckpointIO(CheckpointIO):
         packed, num_sparse = (
             pack_sparse_tree(checkpoint, self.min_sparsity, self.min_numel) if self.sparse else (checkpoint, 0)
         )
+        if num_sparse == 0 and samples_say_plain(tree_leaves(packed), self.codec, self.level, self.min_saving):
+            written = _save_plain(path, packed, self.fsync)  # dense weights: compression would not pay
+            chunks = -(-written // file_format.CHUNK_BYTES)
+            self.last_save_stats = {"raw_bytes": written, "file_bytes": written, "sparse_tensors": 0, "chunks": chunks}
+            self.last_save_stats["chunks_compressed"] = 0
+            return
         buffer = io.BytesIO()  # in memory, as TorchCheckpointIO does: a file left plain is byte for byte its file
         torch.save(packed, buffer)
         raw = buffer.getbuffer()
@@ -177,6 +185,20 @@ class CompressedCheckpointIO(CheckpointIO):
         fs = get_filesystem(path)
         if fs.exists(path):
             fs.rm(path, recursive=True)
+
+
+def _save_plain(path: PathLike, checkpoint: Any, fsync: bool) -> int:
+    """``torch.save`` ``checkpoint`` atomically to a local ``path`` through a file handle (the same bytes as into a
+    buffer, so TorchCheckpointIO's file), into a buffer written in one go for a remote one."""
+    if type(get_filesystem(path)).__name__ == "LocalFileSystem":
+        plain = (torch.Tensor, torch.nn.Parameter)  # a subclass's bytes are its own (codec "none" saves any)
+        tensors = [t for t in tree_leaves(checkpoint) if type(t) in plain and t.layout == torch.strided]
+        storages = {(t.untyped_storage().data_ptr(), t.device): t.untyped_storage().nbytes() for t in tensors}
+        size_hint = sum(storages.values()) + 2**20  # each storage once, plus the pickle and zip records
+        return file_format.atomic_save(path, lambda handle: torch.save(checkpoint, handle), fsync, size_hint)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return _write_pieces(path, [buffer.getbuffer()], fsync)
 
 
 def _write_pieces(path: PathLike, pieces: list[Any], fsync: bool) -> int:

@@ -2,7 +2,7 @@
 which state, and the messages that say so. The callback only calls them (no Lightning import here).
 
 A checkpoint's record (:mod:`~lightning_lowmem.checkpoints.records`) names the optimizer that wrote the state;
-two optimizers with the same :func:`~lightning_lowmem.functional.optimizers.registry.state_layout` continue each
+two optimizers with the same :func:`~lightning_lowmem.functional.optimizers.catalog.state_layout` continue each
 other (``"adamw8bit"`` and ``"adamw8bit_in_backward"``), others are refused before any weight is loaded.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_lowmem.functional.optimizers.registry import available_optimizers, state_layout
+from lightning_lowmem.functional.optimizers.catalog import available_optimizers, state_layout
 
 __all__ = ["FORMAT_VERSION", "WRITER", "describe_state", "refuse_resume", "resume_message"]
 

@@ -50,7 +50,7 @@ def consolidate_checkpoint(path: Any, output: Any = None) -> dict[str, Any]:
     """
     import torch
 
-    from lightning_lowmem._compat import lightning_sharded_checkpoint_reader
+    from lightning_lowmem._compat.lightning_internals import lightning_sharded_checkpoint_reader
 
     metadata_filename, load_distributed_checkpoint = lightning_sharded_checkpoint_reader()
 
@@ -128,7 +128,7 @@ def load_sharded_checkpoint(
         state = _plain_moments(get_optimizer_state_dict(module, optimizer))  # creates the state to load into
         load({key: state}, checkpoint_id=path)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(strict=strict))
-    from lightning_lowmem._compat import lightning_sharded_checkpoint_reader
+    from lightning_lowmem._compat.lightning_internals import lightning_sharded_checkpoint_reader
 
     return torch.load(path / lightning_sharded_checkpoint_reader()[0], weights_only=weights_only)
 

@@ -77,6 +77,6 @@ def main(argv: list[str] | None = None) -> int:
         lightning_cli(argv)
     except ConfigError as err:
         sub = command if command in LIGHTNING_SUBCOMMANDS else "fit"
-        print_error(str(err), f"see `lowmem {sub} --help`; LOWMEM_DEBUG=1 shows the full error")
+        print_error(str(err), err.hint or f"see `lowmem {sub} --help`; LOWMEM_DEBUG=1 shows the full error")
         return 2
     return 0

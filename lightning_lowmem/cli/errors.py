@@ -25,7 +25,12 @@ CONFIG_ERROR_TYPES: tuple[type[BaseException], ...] = (ValueError, TypeError, Im
 
 
 class ConfigError(ValueError):
-    """A configuration mistake; its message is the one line printed after ``error:``."""
+    """A configuration mistake; its message is the one line printed after ``error:``, ``hint`` the line after it
+    (``None``: the command's usual "see --help" line)."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 def did_you_mean(name: str, candidates: Iterable[str], prefix: str = "") -> str:
@@ -268,3 +273,15 @@ def strategy_hint(error: BaseException) -> str:
         return ""
     names = StrategyRegistry.available_strategies()
     return f"trainer.strategy: unknown strategy {match.group(1)!r}{did_you_mean(match.group(1), names)}"
+
+
+def duplicate_callback_line(error: BaseException) -> str:
+    """One line for Lightning's "Found more than one stateful callback of type `X`" (``""`` for another error)."""
+    match = re.search(r"more than one stateful callback of type `(\w+)`", str(error))
+    if not match:
+        return ""
+    name = match.group(1)
+    return (
+        f"trainer.callbacks: {name} is given twice; a fit takes one {name} (both would change the same layers and "
+        f"save the same state): merge their options into one {name}"
+    )

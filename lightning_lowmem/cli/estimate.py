@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -18,46 +19,18 @@ from lightning_lowmem.cli.errors import (
     one_line,
 )
 from lightning_lowmem._quiet import DropMessages
+from lightning_lowmem.cli.estimate_args import (
+    ESTIMATE_USAGE,
+    check_choices,
+    estimate_parser,
+    parse_length,
+    short_flag_techniques,
+)
 from lightning_lowmem.cli.runner import debug_enabled, print_error
 
-ESTIMATE_USAGE = """usage: lowmem estimate [--budget SIZE] [--device {cuda,cpu}] [--batch-shape SPEC] [--json]
-                       [--attention-kernel {auto,flash,efficient,math}] [--real-weights] [--fine-tune] [--devices N --strategy {ddp,zero1,fsdp}]
-                       (--config CONFIG.yaml | --model CLASS_PATH [--data CLASS_PATH]
-                        | --hf-config PATH [--batch-size B] [--seq-len T] [--precision P]) [...]
+__all__ = ["ESTIMATE_USAGE", "configured_techniques", "estimate_main", "parse_batch_shape"]
 
-Predict the peak memory of one training step without allocating it, and (with --budget) plan the
-cheapest technique mix that fits. Takes the same model / data / trainer options as `lowmem fit`; the
-precision and the memory callbacks of the config (ActivationCheckpointing, ActivationCompression,
-MemoryEfficientOptimizer, LowRankAdapters, ChunkedCrossEntropy) are what is estimated; with --budget the
-plan may add the chunked cross-entropy ('chunked CE') for a Hugging Face causal LM.
-
-options:
-  --budget SIZE       plan for this memory, e.g. 8GiB or 512MB (default: the config's
-                      LowMemoryStrategy memory_budget, if any). The search is shown on stderr.
-  --device DEVICE     cuda or cpu (default: cuda when this machine has one, else cpu)
-  --attention-kernel K  the CUDA attention kernel: auto (default: the one torch picks by dtype,
-                      mask and head dim), flash, efficient or math (forced, as sdpa_kernel forces it)
-  --batch-shape SPEC  the batch to estimate, instead of taking one from --data. Tensors are
-                      comma-separated shapes, integer (int64) unless a dtype is given:
-                        32x64,32x64                    a tuple (inputs, targets) of token ids
-                        64x1x8x8:float32,64            float images and int labels
-                        input_ids=4x128,attention_mask=4x128,labels=4x128
-                                                       a dict batch (Hugging Face models)
-  --hf-config PATH    a Hugging Face config.json (or a checkpoint folder holding one): the model it
-                      describes, built on the meta device (no download, no weights), trained on
-                      dict batches of --batch-size (default 1) x --seq-len (default 2048) tokens
-                      in --precision (default 32-true); e.g. "will Llama-2-7B fit on my 24 GB GPU?":
-                        lowmem estimate --hf-config ./Llama-2-7b-hf --seq-len 2048 --budget 24GiB
-  --json              machine-readable output
-  --real-weights      build the model for real (default: on the meta device, no weight memory)
-  --fine-tune         also plan LoRA / QLoRA candidates
-  --devices N         processes (GPUs) the step runs on; the batch is one process's batch
-  --strategy NAME     ddp, zero1 (lowmem_ddp + zero_optimizer) or fsdp (lowmem_fsdp): per-rank
-                      peaks, without the devices. With --budget (per GPU) and --devices N the
-                      plan searches the sharding too, unless --strategy fixes it"""
-
-
-# ----------------------------------------------------------------------------- startup noise
+# ----------------------------------------------------------------------------- batches
 _DTYPES = {
     "long": torch.int64,
     "int64": torch.int64,
@@ -125,8 +98,14 @@ def _first_batch(datamodule: Any) -> Any:
 def configured_techniques(cli: Any) -> dict[str, Any]:
     """:class:`~lightning_lowmem.functional.config.TrainingConfig` arguments for what the config turns on: the
     trainer's precision, the model's optimizer name and the memory callbacks' / strategy's configs (plus
-    ``memory_budget``). Unknown callbacks add nothing."""
-    from lightning_lowmem.functional.optimizers.registry import available_optimizers
+    ``memory_budget``). A callback adds the config of the technique it says it trains with (its ``technique``
+    field and ``config``: the technique callbacks' base); one the estimator cannot run (pruning) and unknown
+    callbacks add nothing."""
+    from lightning_lowmem.functional.config import TrainingConfig
+    from lightning_lowmem.functional.optimizers.catalog import available_optimizers
+    from lightning_lowmem.functional.registry import techniques
+
+    estimable = {t.field for t in techniques() if t.not_estimated is None}
 
     trainer_config = cli.config.get("trainer") or {}
     precision = str(trainer_config.get("precision") or "32-true")
@@ -139,19 +118,12 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
     callbacks = (cli.config_init.get("trainer") or {}).get("callbacks") or []
     strategy = (cli.config_init.get("trainer") or {}).get("strategy")
     for item in [*(callbacks if isinstance(callbacks, list) else [callbacks]), strategy]:
-        name = type(item).__name__
+        field = getattr(item, "technique", None)  # what a technique callback says it trains with
         config = getattr(item, "config", None)  # the callbacks' / strategies' functional.config objects
-        if name == "ActivationCheckpointing":
-            found["checkpointing"] = config
-        elif name == "ActivationCompression":
-            found["compression"] = config
-        elif name == "MemoryEfficientOptimizer":
-            found["optimizer"] = config
-        elif name == "LowRankAdapters":
-            found["lora"] = config
-        elif name == "ChunkedCrossEntropy":
-            found["cross_entropy"] = config
-        elif name in ("LowMemoryStrategy", "LowMemoryDDPStrategy") and config is not None:
+        if isinstance(field, str) and config is not None:
+            if field in estimable:
+                found[field] = config
+        elif isinstance(config, TrainingConfig) and not getattr(item, "shards_parameters", False):
             for field in ("checkpointing", "compression", "optimizer"):
                 if getattr(config, field) is not None:
                     found[field] = getattr(config, field)
@@ -162,26 +134,20 @@ def configured_techniques(cli: Any) -> dict[str, Any]:
 
 def estimate_main(argv: list[str]) -> int:
     """``lowmem estimate``: Rich table of the estimate, or of the candidates and the chosen plan."""
-    parser = argparse.ArgumentParser(prog="lowmem estimate", usage=ESTIMATE_USAGE, add_help=False)
-    parser.add_argument("--budget", default=None)
-    parser.add_argument("--device", default=None, choices=["cuda", "cpu"])
-    parser.add_argument("--attention-kernel", default="auto", choices=["auto", "flash", "efficient", "math"])
-    parser.add_argument("--batch-shape", default=None)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--real-weights", action="store_true")
-    parser.add_argument("--fine-tune", action="store_true")
-    parser.add_argument("--devices", default=None)
-    parser.add_argument("--strategy", default=None)
-    parser.add_argument("--hf-config", default=None)
-    parser.add_argument("--batch-size", default=1, type=int)
-    parser.add_argument("--seq-len", default=2048, type=int)
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("-h", "--help", action="store_true")
+    parser = estimate_parser()
     own, rest = parser.parse_known_args(argv)
     if own.help:
         print(ESTIMATE_USAGE)
         return 0
     hint = "see `lowmem estimate --help`"
+    try:
+        check_choices(own)
+        flags = short_flag_techniques(own)
+    except ConfigError as err:
+        print_error(str(err), hint)
+        return 2
+    if _card_refused(own, hint):
+        return 2
     if own.budget is not None:
         from lightning_lowmem.memory.units import describe_bytes
 
@@ -192,7 +158,7 @@ def estimate_main(argv: list[str]) -> int:
             return 2
         print(f"--budget {understood}", file=sys.stderr)
     if own.hf_config is not None:
-        return _estimate_hf_config(own, rest, hint)
+        return _estimate_hf_config(own, rest, flags, hint)
     if not any(a.startswith(("--config", "--model", "-c")) for a in rest):
         print_error(
             "lowmem estimate needs a model: give the same YAML as `lowmem fit` (--config path.yaml) or a model "
@@ -213,7 +179,10 @@ def estimate_main(argv: list[str]) -> int:
                 "lowmem estimate needs a batch: add --data CLASS_PATH (or a `data:` section) to take one from, or "
                 "--batch-shape, e.g. 32x64,32x64 or input_ids=4x128,attention_mask=4x128,labels=4x128"
             )
-        techniques = configured_techniques(cli)
+        techniques = {**configured_techniques(cli), **flags}
+        own.accumulate_grad_batches = _accumulation(cli)
+        if own.precision is not None:
+            techniques["precision"] = own.precision
     except ConfigError as err:
         print_error(str(err), hint)
         return 2
@@ -246,22 +215,41 @@ def estimate_main(argv: list[str]) -> int:
         return 2
 
 
-def _estimate_hf_config(own: argparse.Namespace, rest: list[str], hint: str) -> int:
-    """``--hf-config``: the model of a Hugging Face config.json on meta, a dict batch of meta tensors."""
+def _estimate_hf_config(own: argparse.Namespace, rest: list[str], flags: dict[str, Any], hint: str) -> int:
+    """``--hf-config``: the model of a Hugging Face config.json on meta, a dict batch of meta tensors; the
+    ``--trainer.*`` options (precision, callbacks, strategy) read as ``lowmem fit`` reads them."""
     from lightning_lowmem.cli.hf_config import hf_config_batch, hf_config_model
     from lightning_lowmem.functional.config import PrecisionConfig
 
-    if rest:
-        print_error(f"--hf-config takes no other model / data options, got {' '.join(rest)}", hint)
-        return 2
+    techniques: dict[str, Any] = {"precision": "32-true"}
     try:
-        PrecisionConfig(own.precision)
-        batch = hf_config_batch(own.batch_size, own.seq_len)
+        if any(not arg.startswith("--trainer.") and not arg.startswith("--seed_everything") for arg in rest[:1]):
+            raise ConfigError(
+                f"--hf-config takes no other model / data options, got {' '.join(rest)}; the --trainer.* options "
+                "(precision, callbacks, strategy) are read"
+            )
+        if rest:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from lightning_lowmem.cli.lowmem_cli import lightning_cli  # imports Lightning
+
+                cli = lightning_cli(
+                    ["--model", "lightning_lowmem.cli.lowmem_cli.HFConfigModel", *rest],
+                    run=False,
+                    estimate_only=True,
+                    meta_model=True,
+                )
+            techniques = configured_techniques(cli)
+            own.accumulate_grad_batches = _accumulation(cli)
+        techniques.update(flags)
+        if own.precision is not None:
+            techniques["precision"] = own.precision
+        PrecisionConfig(techniques["precision"])
+        batch = hf_config_batch(parse_length(own.batch_size, "--batch-size"), parse_length(own.seq_len, "--seq-len"))
         model = hf_config_model(own.hf_config)
     except (ConfigError, ValueError) as err:
         print_error(str(err).replace("`precision`", "--precision"), hint)
         return 2
-    techniques: dict[str, Any] = {"precision": own.precision}
     if own.devices is not None or own.strategy is not None:
         try:
             devices = int(own.devices) if own.devices is not None else 1
@@ -269,12 +257,13 @@ def _estimate_hf_config(own: argparse.Namespace, rest: list[str], hint: str) -> 
             print_error(f"--devices {own.devices!r} must be a number of processes (GPUs)", hint)
             return 2
         strategy = (own.strategy or "ddp").removeprefix("lowmem_")
-        if own.budget is None:
+        if own.budget is None and techniques.get("memory_budget") is None:
             techniques.update(world_size=devices, sharding=strategy)
         else:
             own.sharding_axis = (devices, [strategy] if own.strategy is not None else None)
-    device = own.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return _report(model, batch, techniques, device, own)
+    if own.device is None and not own.json:  # the question is about a GPU, asked from wherever
+        print("--device cuda (the default with --hf-config; --device cpu estimates a CPU step)", file=sys.stderr)
+    return _report(model, batch, techniques, own.device or "cuda", own)
 
 
 def _step_failed(model: Any, batch: Any, err: BaseException, from_shape: bool) -> str:
@@ -301,7 +290,7 @@ def _step_failed(model: Any, batch: Any, err: BaseException, from_shape: bool) -
 def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from lightning_lowmem.memory import format_bytes
+    from lightning_lowmem.cli.estimate_answer import print_answer
     from lightning_lowmem.model_io import describe_batch
     from lightning_lowmem.planning.estimate import EstimationError, TrainingConfig, estimate_memory
     from lightning_lowmem.planning.plan import plan_memory
@@ -320,7 +309,9 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     config = TrainingConfig(**{"optimizer": None, **techniques})  # no optimizer set: configure_optimizers'
     if own.budget is None:
         try:
-            report = estimate_memory(model, batch, device=device, config=config, attention_kernel=own.attention_kernel)
+            report = estimate_memory(
+                model, batch, device=device, config=config, attention_kernel=own.attention_kernel, **_step_options(own)
+            )
         except EstimationError as err:  # the step cannot run on fake tensors: one line, no traceback
             return _estimation_failed(err, own)
         if own.json:
@@ -332,19 +323,25 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
         else:
             console.print(report.to_table(title=f"Estimated training step on {where}: {label}"))
         console.print(f"batch: {describe_batch(batch)}", markup=False)
+        if "gpu" in report.meta:
+            console.print(_card_line(report.meta["gpu"]), markup=False)
         return 0
     loras = [None, {"r": 8}, {"r": 8, "quantize_base": "int8"}] if own.fine_tune else None
     # techniques the config switches on stay on, as LowMemoryStrategy keeps the options it was given;
     # precision and optimizer are the baseline the search starts from
-    fixed = TrainingConfig.of(config.checkpointing, config.compression, config.lora, config.cross_entropy)
+    fixed = config.replace(precision=None, optimizer=None)
     wanted: dict[str, Any] = {"precision": config.precision_preset, "optimizer": config.optimizer}
     # a candidate that cannot run on fake tensors is listed with its error in the plan table; torch
     # also logs the failing op's traceback, which the table already summarises
     fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
     fake_filter = DropMessages(r"^failed while attempting to run meta for ")
     fake_logger.addFilter(fake_filter)
+    errors = Console(stderr=True)
+    # progress: a transient bar on a terminal (it leaves no line); in a pipe or a log, one line per candidate only
+    # with --verbose
+    shown = contextlib.nullcontext(None) if not (own.verbose or errors.is_terminal) else rich_progress(errors)
     try:
-        with rich_progress(Console(stderr=True)) as progress:
+        with shown as progress:
             world_size, shardings = getattr(own, "sharding_axis", (1, None))
             plan = plan_memory(
                 model,
@@ -357,6 +354,8 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
                 world_size=world_size,
                 shardings=shardings,
                 attention_kernel=own.attention_kernel,
+                full_check="near-budget",
+                **_step_options(own),
                 **wanted,
             )
     except ValueError as err:
@@ -372,16 +371,48 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     if own.json:
         print(json.dumps(plan.to_dict(), indent=2, default=str))
         return 0
-    console.print(plan.to_table())
-    console.print(
-        f"chosen: [bold]{plan.config.describe()}[/bold] -> predicted peak "
-        f"{format_bytes(plan.predicted_peak_bytes)} (budget {format_bytes(plan.budget_bytes)}, device {where}; "
-        f"planned in {plan.seconds:.1f} s)"
-    )
-    for note in plan.notes:
-        if note.startswith("numerics:"):
-            console.print(note, style="yellow", markup=False)
+    print_answer(console, plan, where, own.verbose)
+    if plan.chosen is not None and "gpu" in plan.chosen.report.meta:
+        console.print(_card_line(plan.chosen.report.meta["gpu"]), markup=False)
     return 0
+
+
+def _card_refused(own: argparse.Namespace, hint: str) -> bool:
+    """Check ``--gpu`` (it implies ``--device cuda``); print one error line."""
+    from lightning_lowmem.planning.gpus import resolve_card
+
+    try:
+        if own.gpu is not None:
+            resolve_card(own.gpu, own.device or "cuda")
+            own.device = "cuda"
+    except ValueError as err:
+        print_error(
+            str(err).replace("`gpu`=", "--gpu ").replace("`device`=", "--device ").replace("`device`", "--device"), hint
+        )
+        return True
+    return False
+
+
+def _accumulation(cli: Any) -> int:
+    """The Trainer's ``accumulate_grad_batches`` as the config (or ``--trainer.accumulate_grad_batches``) sets it."""
+    return int((cli.config.get("trainer") or {}).get("accumulate_grad_batches") or 1)
+
+
+def _step_options(own: argparse.Namespace) -> dict[str, Any]:
+    """``--gpu`` and ``--trainer.accumulate_grad_batches`` as ``estimate_memory`` / ``plan_memory`` take them."""
+    return {"gpu": own.gpu, "accumulate_grad_batches": getattr(own, "accumulate_grad_batches", 1)}
+
+
+def _card_line(gpu: dict[str, Any]) -> str:
+    """The estimate on the card: allocated, reserved, what nvidia-smi would show, and whether it fits."""
+    from lightning_lowmem.memory import format_bytes
+
+    verdict = "fits" if gpu["fits"] else "does NOT fit"
+    return (
+        f"on {gpu['name']} ({format_bytes(gpu['capacity_bytes'])}): allocated {format_bytes(gpu['allocated_bytes'])}, "
+        f"reserved {format_bytes(gpu['reserved_bytes'])}, nvidia-smi ~{format_bytes(gpu['nvidia_smi_bytes'])} "
+        f"(reserved + CUDA context + cuBLAS workspace): {verdict}"
+    )
 
 
 def _estimation_failed(err: Exception, own: argparse.Namespace) -> int:

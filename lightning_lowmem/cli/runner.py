@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 
 from lightning_lowmem.cli.errors import init_arg_names
@@ -82,3 +83,113 @@ def print_error(message: str, hint: str) -> None:
 
 
 # ----------------------------------------------------------------------------- estimate
+
+
+# ----------------------------------------------------------------------------- a run that fails in setup
+HELD_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+"""Lightning's loggers: their INFO lines (``GPU available: ...``, ``Seed set to 0``, the model summary, tips) are held
+back until the run's first batch, so a mistake found in setup prints only its own line."""
+
+QUIET_WARNINGS = (r".*`tensorboardX` has been removed as a dependency.*",)
+"""Lightning warnings that say nothing about the user's run (``logger=True`` without TensorBoard installed)."""
+
+SETUP_ERROR_TYPES: tuple[type[BaseException], ...] = (
+    ValueError,
+    TypeError,
+    RuntimeError,
+    NotImplementedError,
+    ImportError,
+)
+"""What our own checks raise (each with the value given and what to do): one line when raised before the first step."""
+
+LOGGER_START_FILES = ("config.yaml", "hparams.yaml", "metrics.csv")
+"""What a logger (and LightningCLI's config saving) writes into ``version_N`` when a run starts; TensorBoard's
+``events.out.tfevents.*`` too."""
+
+
+class HeldLines:
+    """Holds Lightning's INFO log lines (not its warnings) until :meth:`release`; :meth:`drop` forgets them.
+
+    Installed as a filter on each handler of :data:`HELD_LOGGERS` (a logger's own filters do not see its children's
+    records). Idempotent to release or drop twice.
+    """
+
+    def __init__(self) -> None:
+        import logging
+
+        self.records: list[tuple[Any, Any]] = []
+        self.handlers: list[Any] = []
+        self._filter = logging.Filter()
+        self._filter.filter = self._hold  # type: ignore[method-assign]
+        for name in HELD_LOGGERS:
+            for handler in logging.getLogger(name).handlers:
+                handler.addFilter(self._filter)
+                self.handlers.append(handler)
+
+    def _hold(self, record: Any) -> bool:
+        import logging
+
+        if record.levelno >= logging.WARNING:
+            return True
+        handler = next((h for h in self.handlers if h.level <= record.levelno), None)
+        self.records.append((handler, record))
+        return False
+
+    def _remove(self) -> None:
+        for handler in self.handlers:
+            handler.removeFilter(self._filter)
+        self.handlers = []
+
+    def release(self) -> None:
+        """Print what was held (in order) and stop holding."""
+        handlers, records = self.handlers, self.records
+        self._remove()
+        self.records = []
+        emitted: set[int] = set()
+        for handler, record in records:
+            if handler is not None and handler in handlers and id(record) not in emitted:
+                emitted.add(id(record))
+                handler.handle(record)
+
+    def drop(self) -> None:
+        """Forget what was held and stop holding."""
+        self._remove()
+        self.records = []
+
+
+def raised_by_our_check(error: BaseException) -> bool:
+    """``error`` was raised by a ``raise`` statement of this package (a check with its own message), as one of
+    :data:`SETUP_ERROR_TYPES`; an error raised inside torch or Lightning, or any other type, is unexpected."""
+    import lightning_lowmem
+
+    if not isinstance(error, SETUP_ERROR_TYPES):
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    package = str(Path(lightning_lowmem.__file__).parent)
+    last = frames[-1]
+    return last.filename.startswith(package) and (last.line or "").lstrip().startswith("raise")
+
+
+def remove_leftover_log_dir(log_dir: str | None, remove_empty_parent: bool = False) -> bool:
+    """Remove ``log_dir`` (a failed run's ``version_N``) when it holds only what a logger writes when a run starts
+    (:data:`LOGGER_START_FILES`, TensorBoard event files, an empty ``checkpoints`` folder); ``True`` if removed.
+    ``remove_empty_parent``: also its parent (``lightning_logs``, created by this run) when nothing else is in it."""
+    import shutil
+
+    if not log_dir or not os.path.isdir(log_dir):
+        return False
+    for root, folders, files in os.walk(log_dir):
+        if root != log_dir and (os.path.relpath(root, log_dir) != "checkpoints" or files or folders):
+            return False
+        if root == log_dir and any(folder != "checkpoints" for folder in folders):
+            return False
+        for name in files if root == log_dir else []:
+            if name not in LOGGER_START_FILES and not name.startswith("events.out.tfevents"):
+                return False
+    shutil.rmtree(log_dir, ignore_errors=True)
+    parent = os.path.dirname(log_dir)
+    if remove_empty_parent and os.path.isdir(parent) and not os.listdir(parent):
+        os.rmdir(parent)
+    return True

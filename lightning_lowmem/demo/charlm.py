@@ -7,13 +7,9 @@ the vocabulary does not depend on the Python version that supplies the corpus.
 
 from __future__ import annotations
 
-import fnmatch
-import functools
 import hashlib
 import math
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -21,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_lowmem.models.corpus import load_corpus
 
 VOCAB_SIZE = 256
 
@@ -127,55 +125,7 @@ class CharGPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------- data
-def stdlib_files(include: list[str] | None = None, exclude: list[str] | None = None) -> list[Path]:
-    """Sorted ``.py`` files of the stdlib, relative patterns (fnmatch) to include / exclude.
-
-    ``test/`` and ``site-packages`` are always excluded. Patterns match the path relative to the
-    stdlib root, e.g. ``"email/*"`` or ``"json/*"``.
-    """
-    files = []
-    for path, rel in _stdlib_sources():
-        if include and not any(fnmatch.fnmatch(rel, pattern) for pattern in include):
-            continue
-        if exclude and any(fnmatch.fnmatch(rel, pattern) for pattern in exclude):
-            continue
-        files.append(path)
-    return files
-
-
-@functools.lru_cache(maxsize=1)
-def _stdlib_sources() -> tuple[tuple[Path, str], ...]:
-    """``(path, path relative to the stdlib root)`` of every stdlib ``.py`` file but tests, sorted.
-
-    Walked once per process (a few tenths of a second: the walk passes through ``site-packages``); every
-    data module of a run reads this list.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    sources = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith(("test/", "site-packages/")) or "/test/" in rel or "/tests/" in rel or "idle_test" in rel:
-            continue
-        sources.append((path, rel))
-    return tuple(sources)
-
-
-def load_corpus(max_chars: int, include: list[str] | None = None, exclude: list[str] | None = None) -> torch.Tensor:
-    """The corpus as a uint8 tensor of at most ``max_chars`` bytes (files in sorted order)."""
-    files = stdlib_files(include, exclude)
-    if not files:
-        raise ValueError(f"no stdlib .py file matches include={include!r} exclude={exclude!r}")
-    chunks, size = [], 0
-    for path in files:
-        data = path.read_bytes()
-        chunks.append(data)
-        size += len(data)
-        if size >= max_chars:
-            break
-    blob = b"\n".join(chunks)[:max_chars]
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-
-
+# the corpus (stdlib sources as bytes) lives in models/corpus.py, shared with the Hugging Face wrappers
 class BlockDataset(Dataset):
     """Non-overlapping windows of ``block_size + 1`` bytes: inputs and next-byte targets."""
 
@@ -326,7 +276,7 @@ class CharLM(L.LightningModule):
         return self(batch[0]).argmax(-1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_lowmem.functional.optimizers.registry import build_optimizer
+        from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
         return build_optimizer(
             self.hparams.optimizer, self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay

@@ -195,7 +195,7 @@ class DigitsClassifier(L.LightningModule):
         return self(batch[0]).argmax(-1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_lowmem.functional.optimizers.registry import build_optimizer
+        from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
         return build_optimizer(
             self.hparams.optimizer, self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay

@@ -43,7 +43,7 @@ def build_student_optimizer(
     name: str, parameters: Iterable[nn.Parameter], lr: float | None, weight_decay: float
 ) -> torch.optim.Optimizer:
     """The student's optimizer: ``name`` through the optimizer registry, at ``lr`` (``None``: :data:`DEFAULT_LR`)."""
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
     chosen = DEFAULT_LR if lr is None else lr
     return build_optimizer(name, [p for p in parameters if p.requires_grad], lr=chosen, weight_decay=weight_decay)

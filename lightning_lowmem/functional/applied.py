@@ -57,27 +57,22 @@ class Applied:
     Attributes:
         module: the transformed module.
         config: the applied config (a single technique's config is composed into a ``TrainingConfig``).
-        checkpointed: names of the submodules wrapped with activation checkpointing.
-        lora: the :class:`~lightning_lowmem.functional.lora.LoraReport`, or ``None``.
-        quantization: the quantization report, or ``None``.
-        cross_entropy: the :class:`~lightning_lowmem.functional.cross_entropy.ChunkedLoss` (heads deferred,
-            losses routed), or ``None``.
-        pruning: the :class:`~lightning_lowmem.functional.pruning.PruningReport` of a one-shot prune, or ``None``.
-        qat: the names of the layers fake-quantized for quantization-aware training, or ``None``.
-        compression_stats: the activation-compression figures of the steps run in :meth:`step_context`.
+        reports: what each handler reports, by technique field (``applied.reports["lora"]``); a handler stores
+            its report here (``applied.reports[field] = ...``), so a new technique needs no attribute. The
+            built-ins' reports are also read (and written) as attributes: ``checkpointed`` (names of the
+            submodules wrapped with activation checkpointing, ``[]``), ``lora`` (the
+            :class:`~lightning_lowmem.functional.lora.LoraReport`), ``quantization``, ``cross_entropy`` (the
+            :class:`~lightning_lowmem.functional.cross_entropy.ChunkedLoss`: heads deferred, losses routed),
+            ``pruning`` (the :class:`~lightning_lowmem.functional.pruning.PruningReport` of a one-shot prune),
+            ``qat`` (the names of the fake-quantized layers), ``compression_stats`` (the activation-compression
+            figures of the steps run in :meth:`step_context`); ``None`` for a technique not applied.
         strict: a handler that matches nothing raises (``False``: it warns), as :func:`apply` was told.
         hold_kv_cache: activation compression holds a Hugging Face model's KV cache off, as :func:`apply` was told.
     """
 
     module: nn.Module = field(repr=False)
     config: TrainingConfig
-    checkpointed: list[str] = field(default_factory=list)
-    lora: Any = None
-    quantization: Any = None
-    cross_entropy: Any = None
-    pruning: Any = None
-    qat: Any = None
-    compression_stats: Any = None
+    reports: dict[str, Any] = field(default_factory=dict)
     strict: bool = field(default=True, repr=False)
     hold_kv_cache: bool = field(default=True, repr=False)
     _undo: list[Callable[[], Any]] = field(default_factory=list, repr=False)
@@ -122,6 +117,29 @@ class Applied:
             self._undo.pop()()
 
 
+def _report(technique_field: str, default: Callable[[], Any] | None = None) -> property:
+    """``Applied.<name>``: a view of ``reports[technique_field]``."""
+
+    def get(self: Applied) -> Any:
+        if default is not None and self.reports.get(technique_field) is None:
+            self.reports[technique_field] = default()
+        return self.reports.get(technique_field)
+
+    def set_(self: Applied, value: Any) -> None:
+        self.reports[technique_field] = value
+
+    return property(get, set_, doc=f"``reports[{technique_field!r}]``")
+
+
+Applied.checkpointed = _report("checkpointing", list)  # type: ignore[attr-defined]
+Applied.lora = _report("lora")  # type: ignore[attr-defined]
+Applied.quantization = _report("quantization")  # type: ignore[attr-defined]
+Applied.cross_entropy = _report("cross_entropy")  # type: ignore[attr-defined]
+Applied.pruning = _report("pruning")  # type: ignore[attr-defined]
+Applied.qat = _report("qat")  # type: ignore[attr-defined]
+Applied.compression_stats = _report("compression")  # type: ignore[attr-defined]
+
+
 def apply(
     module: nn.Module,
     config: Any,
@@ -131,10 +149,8 @@ def apply(
 ) -> Applied:
     """Apply ``config``'s model-side techniques to ``module``, in place; return the handle that undoes them.
 
-    Each technique's registered handler runs in its registered order: quantization, LoRA (adapters on the
-    possibly quantized layers), activation checkpointing (wrapping whole blocks, adapters included), the
-    chunked cross-entropy (the output head's forward and a Hugging Face causal LM's loss), then the
-    KV-cache hold for activation compression.
+    Each technique's registered handler runs in its registered order (the built-ins' order and why:
+    :mod:`lightning_lowmem.functional.handlers`).
 
     Args:
         module: any ``nn.Module`` (real, meta or fake parameters).

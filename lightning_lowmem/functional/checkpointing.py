@@ -141,7 +141,9 @@ def _repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     The outermost are kept -- ``nn.Transformer``'s encoder *and* decoder layers, a GPT's ``Block`` s -- except
     that a stage (a repeated block with a container of two or more blocks of one class inside, like a ResNet
     stage) gives way to the blocks inside it: the peak while recomputing one block is lower than one stage's.
-    Plain containers (a ``Sequential`` stage) count as blocks only when no other class repeats.
+    Plain containers (a ``Sequential`` stage) count as blocks only when no other class repeats. A model with no
+    repeated block whose ``nn.ModuleList`` holds one block (a 1-layer GPT) gets that block: checkpointing it keeps
+    only its input, as for a deeper stack.
     """
     found: list[tuple[str, str, nn.Module]] = []  # (container name, block name, block)
     for container_name, container in module.named_modules():
@@ -153,6 +155,13 @@ def _repeated_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
             found.append((container_name, f"{container_name}.{child_name}" if container_name else child_name, child))
     counts = Counter(type(child) for _, _, child in found)
     repeated = [item for item in found if counts[type(item[2])] >= 2]
+    if not repeated:  # a stack of one block (a 1-layer GPT's ModuleList): that block is the one to recompute
+        repeated = [
+            item
+            for item in found
+            if isinstance(module.get_submodule(item[0]) if item[0] else module, nn.ModuleList)
+            and not isinstance(item[2], _CONTAINERS)
+        ]
     blocks = [item for item in repeated if not isinstance(item[2], _CONTAINERS)] or repeated
     by_container: dict[str, Counter] = {}
     for container_name, _, child in blocks:
@@ -295,21 +304,33 @@ def describe_policy(policy: Any) -> str:
 
 
 def no_match_message(module: nn.Module, policy: Any) -> str:
-    """Why ``policy`` matched nothing in ``module``: the classes it holds and the nearest names, for an error."""
+    """Why ``policy`` matched nothing in ``module``, for an error: the repeated block to name instead (what
+    ``"auto"`` picks: never a module holding every block, like ``LlamaModel``, which would recompute the whole
+    model), or the nearest module name for a name pattern."""
     import difflib
 
-    classes = Counter(user_class(sub).__name__ for sub in module.modules())
-    repeated = [name for name, count in classes.most_common() if count > 1]
-    shown = ", ".join(repeated[:12] + sorted(set(classes) - set(repeated))[: max(0, 16 - len(repeated))])
+    blocks = _repeated_blocks(module)
+    block_classes = list(dict.fromkeys(user_class(block).__name__ for _, block in blocks))
     words = [p for p in (policy if isinstance(policy, (tuple, list)) else [policy]) if isinstance(p, str)]
-    names = list(classes) + [name for name, _ in module.named_modules() if name]
-    close = [match for word in words for match in difflib.get_close_matches(word, names, n=2, cutoff=0.6)]
-    hint = f" Did you mean {' or '.join(repr(c) for c in dict.fromkeys(close))}?" if close else ""
+    names = [name for name, _ in module.named_modules() if name]
+    close = [
+        match
+        for word in words
+        for match in difflib.get_close_matches(word, block_classes if "." not in word else names, n=1, cutoff=0.5)
+    ]
+    if blocks:
+        counts = Counter(user_class(block).__name__ for _, block in blocks)
+        found = ", ".join(f"{counts[name]} x {name}" for name in block_classes)
+        suggestion = close[0] if close else block_classes[0]
+        hint = f"Did you mean {suggestion!r}? Its repeated blocks are {found} ({blocks[0][0]}, ...), what 'auto' picks"
+    else:
+        classes = sorted({user_class(sub).__name__ for sub in module.modules()})
+        hint = f"It has no repeated block; its module classes: [{', '.join(classes[:16])}]"
+        if close:
+            hint = f"Did you mean {close[0]!r}? " + hint
     return (
-        f"activation checkpointing policy {describe_policy(policy)} matched no submodule of {user_class(module).__name__}.{hint} "
-        f"Its module classes (repeated first): [{shown}]. Use a class name, a module-name pattern (e.g. 'model.h.*') "
-        "or 'auto' (its repeated blocks: children of an nn.ModuleList / nn.Sequential holding parameters and "
-        "submodules, of a class that occurs at least twice)"
+        f"activation checkpointing policy {describe_policy(policy)} matched no submodule of "
+        f"{user_class(module).__name__}. {hint}. Use a class name, a module-name pattern (e.g. 'model.h.*') or 'auto'"
     )
 
 
@@ -335,7 +356,8 @@ def checkpoint_(
             * ``"auto"``: the outermost repeated blocks -- children of an ``nn.ModuleList`` or
               ``nn.Sequential`` anywhere in the model, holding parameters and submodules, of a class
               that occurs at least twice (a GPT's blocks; ``nn.Transformer``'s encoder and decoder
-              layers; the blocks of a ResNet's stages). What it chose is logged at INFO.
+              layers; the blocks of a ResNet's stages); where none repeats, the block of an
+              ``nn.ModuleList`` holding one (a 1-layer GPT). What it chose is logged at INFO.
             * an int ``k`` (or a digit string): every k-th of those blocks, starting with the first
               (``1`` = all of them; ``2`` = blocks 0, 2, 4, ...).
             * a class name (``"Block"``; also the qualified name): every submodule of that class.

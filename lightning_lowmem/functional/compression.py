@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.autograd import view_base
+from lightning_lowmem._compat.fake_mode import is_fake
 from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES, COMPRESSION_MODES
 from lightning_lowmem.memory.measure import tagged_allocations
 
@@ -99,7 +100,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _is_parameter_like(tensor: torch.Tensor) -> bool:
     if isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
         return True
-    base = _compat.view_base(tensor)
+    base = view_base(tensor)
     return base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad))
 
 
@@ -122,7 +123,7 @@ def _chunk_starts(chunks: range, tensor: torch.Tensor) -> Any:
     temporaries no larger than the first chunk's (the last may be smaller) and writes into storage that
     already exists: the first chunk shows the loop's peak, so only it runs (a 7B model's estimate runs
     thousands of chunks otherwise, and the planner runs this for every int8 candidate)."""
-    if len(chunks) > 1 and _compat.is_fake(tensor):
+    if len(chunks) > 1 and is_fake(tensor):
         return (chunks[0],)
     return chunks
 
@@ -140,7 +141,7 @@ def _quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for start in _chunk_starts(chunks, tensor):
         block = rows[start : start + chunks.step].to(torch.float32, copy=True)  # (chunk, N)
         block_scale = block.abs().amax(dim=1, keepdim=True)  # (chunk, 1)
-        if _compat.is_fake(tensor):  # estimate_memory: the rest is in place / into slices, allocating nothing
+        if is_fake(tensor):  # estimate_memory: the rest is in place / into slices, allocating nothing
             del block, block_scale
             break
         block_scale.clamp_min_(1e-12).div_(127.0)
@@ -201,7 +202,7 @@ class _Packer:
         return self._offload(tensor)
 
     def _offload(self, tensor: torch.Tensor) -> Any:
-        if _compat.is_fake(tensor) or tensor.device.type != "cuda":  # estimator: a plain move is exact enough
+        if is_fake(tensor) or tensor.device.type != "cuda":  # estimator: a plain move is exact enough
             return ("host", tensor.to("cpu"), tensor.device)
         stream = self._side_streams.get(tensor.device)
         if stream is None:

@@ -1,11 +1,18 @@
 """The built-in techniques: for each config of :mod:`lightning_lowmem.functional.config`, the handler that
 :func:`~lightning_lowmem.functional.apply` runs, and the shorthands :class:`TrainingConfig` takes for it.
 
-Registered in ``describe()`` order (precision, LoRA, quantization, checkpointing, compression, the chunked
-loss, optimizer, micro-batches, sharding, pruning, QAT); applied in ``order``: a one-shot prune (5),
-quantization (10), QAT's fake quantizers (15), LoRA (20, adapters on the possibly quantized layers),
-activation checkpointing (30, wrapping whole blocks, adapters included), the chunked cross-entropy (40), the
-KV-cache hold activation compression needs (50). Precision, the optimizer, micro-batching and sharding change
+Registered in ``describe()`` order; applied in their registered ``order``, which is written here once (the
+doctest below reads it from the registry): a one-shot prune first, then quantization, QAT's fake quantizers,
+LoRA (adapters on the possibly quantized layers), activation checkpointing (wrapping whole blocks, adapters
+included), the chunked cross-entropy, and the KV-cache hold activation compression needs::
+
+    >>> from lightning_lowmem.functional.registry import techniques
+    >>> [t.field for t in techniques()]  # describe() / to_dict() order
+    ['precision', 'lora', 'quantization', 'checkpointing', 'compression', 'cross_entropy', 'optimizer', 'microbatch', 'sharding', 'pruning', 'qat']
+    >>> [(t.field, t.order) for t in sorted(techniques(), key=lambda t: t.order) if t.order]  # apply() order
+    [('pruning', 5), ('quantization', 10), ('qat', 15), ('lora', 20), ('checkpointing', 30), ('cross_entropy', 40), ('compression', 50)]
+
+Precision, the optimizer, micro-batching and sharding change
 nothing in the module (order 0): their step-side part is their config's (``OptimizerConfig.build``,
 ``MicrobatchConfig.split``) or their registered ``step_context`` (activation compression's
 ``compress_activations``), and precision is the precision plugin's (Lightning's, or the estimator's fake copy).
@@ -25,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from torch import nn
 
@@ -46,7 +53,7 @@ from lightning_lowmem.functional.config.pruning import PruningConfig
 from lightning_lowmem.functional.config.qat import QATConfig
 from lightning_lowmem.functional.registry import register_technique
 
-__all__: list[str] = []  # nothing to import: the handlers are found through the registry
+__all__ = ["restore_point"]  # the handlers themselves are found through the registry
 
 _COMPRESSION = "activation compression"  # the reason activation compression holds the KV cache off
 
@@ -87,6 +94,12 @@ class _Structure:
             encoder.use_nested_tensor = nested
 
 
+def restore_point(module: nn.Module) -> Callable[[], None]:
+    """How to give ``module`` back its structure as it is now: every submodule, parameter object and
+    ``requires_grad`` flag (what a transform that swaps layers, e.g. ``prepare_qat_``, changes)."""
+    return _Structure.of(module).restore
+
+
 @contextlib.contextmanager
 def _named(**arguments: str) -> Iterator[None]:
     """Errors of a config built from a shorthand name the argument the user wrote (``min_bytes`` ->
@@ -118,6 +131,7 @@ register_technique(
     PrecisionConfig,
     field="precision",
     order=0,
+    default="32-true",
     label=lambda c: c.preset if c is not None else "configured precision",
     to_shorthand=lambda c: {"precision": c.preset if c is not None else None},
 )(_nothing)
@@ -154,7 +168,7 @@ def _lora(module: nn.Module, config: LoRAConfig, applied: Any) -> None:
     from lightning_lowmem.functional.lora.adapters import apply_lora_
 
     applied.on_undo(_Structure.of(module).restore)
-    applied.lora = apply_lora_(module, **config.kwargs())
+    applied.reports["lora"] = apply_lora_(module, **config.kwargs())
 
 
 # ----------------------------------------------------------------------------- quantization
@@ -183,7 +197,7 @@ def _quantization(module: nn.Module, config: QuantizationConfig, applied: Any) -
     if isinstance(config.mode, str):
         from lightning_lowmem.functional.quantization.ptq import quantize_
 
-        applied.quantization = quantize_(module, config.mode, group_size=config.group_size)
+        applied.reports["quantization"] = quantize_(module, config.mode, group_size=config.group_size)
         return
     from torchao.quantization import quantize_ as torchao_quantize_
 
@@ -224,13 +238,13 @@ def _checkpointing(module: nn.Module, config: CheckpointingConfig, applied: Any)
     from lightning_lowmem.functional.checkpointing import checkpoint_, uncheckpoint_
 
     def undo() -> None:
-        if applied.checkpointed:
-            uncheckpoint_(module, applied.checkpointed)
-            applied.checkpointed = []
+        if applied.reports.get("checkpointing"):
+            uncheckpoint_(module, applied.reports["checkpointing"])
+            applied.reports["checkpointing"] = []
 
     applied.on_undo(undo)
     policy = list(config.policy) if isinstance(config.policy, tuple) else config.policy
-    applied.checkpointed = checkpoint_(module, policy, nested=config.nested, strict=applied.strict).wrapped
+    applied.reports["checkpointing"] = checkpoint_(module, policy, nested=config.nested, strict=applied.strict).wrapped
 
 
 # ----------------------------------------------------------------------------- activation compression
@@ -268,7 +282,7 @@ def _compression(module: nn.Module, config: CompressionConfig, applied: Any) -> 
     cache, which keeps keys / values whole (what compression cannot pack)."""
     from lightning_lowmem.functional.compression import CompressionStats
 
-    applied.compression_stats = CompressionStats()
+    applied.reports["compression"] = CompressionStats()
     if not applied.hold_kv_cache:
         return
     from lightning_lowmem.model_io import disable_kv_cache_, restore_kv_cache_
@@ -314,12 +328,11 @@ def _cross_entropy(module: nn.Module, config: CrossEntropyConfig, applied: Any) 
     from lightning_lowmem.functional.cross_entropy.models import chunk_cross_entropy_
 
     def undo() -> None:
-        if applied.cross_entropy is not None:
-            applied.cross_entropy.undo()
-            applied.cross_entropy = None
+        if applied.reports.get("cross_entropy") is not None:
+            applied.reports.pop("cross_entropy").undo()
 
     applied.on_undo(undo)
-    applied.cross_entropy = chunk_cross_entropy_(module, chunk_size=config.chunk_size, head=config.head)
+    applied.reports["cross_entropy"] = chunk_cross_entropy_(module, chunk_size=config.chunk_size, head=config.head)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -344,6 +357,7 @@ register_technique(
     OptimizerConfig,
     field="optimizer",
     order=0,
+    default="adamw",
     shorthand=_optimizer_shorthand,
     label=lambda c: c.name if c is not None else "configured optimizer",
     to_shorthand=_optimizer_to_shorthand,
@@ -408,6 +422,8 @@ def _is_real(tensor: Any) -> bool:
     order=5,
     label=lambda c: None if c is None else f"prune({c.method or c.pruning_fn} {c.final_sparsity})",
     to_shorthand=_changed_fields("pruning"),
+    not_estimated="which weights it prunes depends on their values, which fake tensors do not have (its masks add "
+    "1 byte per pruned weight)",
 )
 def _pruning(module: nn.Module, config: PruningConfig, applied: Any) -> None:
     """Prune once to the config's final sparsity (``ScheduledPruning`` schedules it over training): bool masks as
@@ -437,7 +453,7 @@ def _pruning(module: nn.Module, config: PruningConfig, applied: Any) -> None:
                 delattr(sub, name + MASK_SUFFIX)
 
     applied.on_undo(undo)
-    applied.pruning = prune_(module, config)
+    applied.reports["pruning"] = prune_(module, config)
     done: set[int] = set()
     for sub, name in owners:
         param, mask = getattr(sub, name), get_mask(sub, name)
@@ -466,4 +482,4 @@ def _qat(module: nn.Module, config: QATConfig, applied: Any) -> None:
     from lightning_lowmem.functional.quantization.qat import prepare_qat_
 
     applied.on_undo(_Structure.of(module).restore)
-    applied.qat = prepare_qat_(module, config)
+    applied.reports["qat"] = prepare_qat_(module, config)

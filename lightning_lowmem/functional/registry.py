@@ -64,6 +64,9 @@ class Technique:
         to_shorthand: the config's flat keywords in ``TrainingConfig.to_dict()`` (the inverse of ``shorthand``).
         step_context: ``fn(config, stats) -> context manager`` that every training step (forward and backward)
             runs in (activation compression), or ``None``.
+        not_estimated: why the estimator (fake tensors) cannot run the technique, or ``None`` when it can; a
+            config with it is refused by ``estimate_memory`` / ``plan_memory`` in one line saying this.
+        default: what ``TrainingConfig()`` sets when the keyword is not given (``None``: off).
     """
 
     config_type: type
@@ -75,6 +78,8 @@ class Technique:
     label: Callable[[Any], str | None]
     to_shorthand: Callable[[Any], dict[str, Any]]
     step_context: Callable[[Any, Any], Any] | None = None
+    not_estimated: str | None = None
+    default: Any = None
 
     def build(self, value: Any, **flat: Any) -> Any:
         """The config for ``value`` (a config, a mapping of its arguments, a shorthand, or ``None``)."""
@@ -123,15 +128,16 @@ def register_technique(
     label: Callable[[Any], str | None] | None = None,
     to_shorthand: Callable[[Any], dict[str, Any]] | None = None,
     step_context: Callable[[Any, Any], Any] | None = None,
+    not_estimated: str | None = None,
+    default: Any = None,
 ) -> Callable[[Handler], Handler]:
     """Register the decorated ``fn(module, config, applied) -> None`` as the handler of ``config_type``.
 
     Args:
         config_type: the technique's frozen config class.
         field: its :class:`~lightning_lowmem.functional.config.TrainingConfig` keyword, e.g. ``"lora"``.
-        order: where it runs in :func:`~lightning_lowmem.functional.apply`, smaller first (the built-ins:
-            quantization 10, LoRA 20, checkpointing 30, chunked loss 40, KV-cache hold 50; the step-side
-            techniques 0).
+        order: where it runs in :func:`~lightning_lowmem.functional.apply`, smaller first (the built-ins' orders:
+            :mod:`lightning_lowmem.functional.handlers`; the step-side techniques 0).
         shorthand: ``fn(value, *, flat_keyword=None, ...) -> config | mapping | None`` for what users
             write instead of a config (``lora=8``); its keyword-only parameters become flat keywords of
             ``TrainingConfig`` (``micro_batch_size=4``). Default: ``config_type(value)`` for a value that is
@@ -143,6 +149,10 @@ def register_technique(
         step_context: ``fn(config, stats) -> context manager`` each training step runs in
             (:meth:`Applied.step_context`); ``stats`` is ``Applied.compression_stats`` or the caller's. Default:
             ``None`` (the technique has no step side, or its own, like the optimizer's ``OptimizerConfig.build``).
+        not_estimated: why the estimator cannot run it on fake tensors (its effect depends on the weights'
+            values); ``estimate_memory`` and ``plan_memory`` then refuse a config with it. Default: ``None``.
+        default: the value ``TrainingConfig()`` takes when the keyword is not given (what a user would write,
+            e.g. ``"32-true"`` for precision). Default: ``None`` (off).
 
     Returns:
         The decorator; it returns the handler unchanged.
@@ -181,6 +191,8 @@ def register_technique(
             label=label or _default_label(field),
             to_shorthand=to_shorthand or _default_to_shorthand(field),
             step_context=step_context,
+            not_estimated=not_estimated,
+            default=default,
         )
         return handler
 

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.fake_mode import is_fake
 from lightning_lowmem._compat import tree_flatten
 
 
@@ -41,7 +41,7 @@ def is_plain(tensor: torch.Tensor) -> bool:
     kind = type(tensor)
     if kind in _PLAIN_TYPES:
         return True
-    if _compat.is_fake(tensor):
+    if is_fake(tensor):
         _PLAIN_TYPES.add(kind)  # looked up once per type, not once per tensor
         return True
     return not hasattr(tensor, "__tensor_flatten__")

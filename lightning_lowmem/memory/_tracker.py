@@ -35,7 +35,13 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.autograd import (
+    current_autograd_node_name,
+    in_backward,
+    move_post_accumulate_grad_hook_first,
+    top_saved_tensors_hooks,
+)
+from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem._compat import TorchDispatchMode
 from lightning_lowmem.memory._tensors import (  # noqa: F401 - iter_tensors / optimizer_state_tensors: used from here
     is_parameter,
@@ -174,7 +180,7 @@ class StorageTracker(TorchDispatchMode):
             self._handles.append(nn.modules.module.register_module_forward_hook(self._on_module_post))
         # observe saved tensors without replacing the hooks below (e.g. activation compression entered
         # first): pass each one on to them, so a tracked step stores activations exactly as an untracked one
-        below = _compat.top_saved_tensors_hooks()
+        below = top_saved_tensors_hooks()
         if below is None:
             pack, unpack = self._on_pack, _identity
         else:
@@ -182,7 +188,7 @@ class StorageTracker(TorchDispatchMode):
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._saved_hooks.__enter__()
         # compiled regions cannot run under a dispatch mode: run them eagerly (see module docstring)
-        self._eager_stance = _compat.force_eager()
+        self._eager_stance = force_eager()
         self._eager_stance.__enter__()
         _ACTIVE.append(self)
         self._stopped = False
@@ -432,7 +438,7 @@ class StorageTracker(TorchDispatchMode):
             stats["peak_bytes"] = max(stats["peak_bytes"], self._total)
 
     def _phase_now(self) -> str:
-        if _compat.in_backward():
+        if in_backward():
             return "backward"
         if self._last_phase in ("backward", "optimizer"):
             return "optimizer"  # after backward, until a module forward starts or a step ends
@@ -469,7 +475,7 @@ class StorageTracker(TorchDispatchMode):
         if param.grad is not None:
             self.mark(param.grad, "gradients")
         handle = param.register_post_accumulate_grad_hook(self._on_grad)
-        _compat.move_post_accumulate_grad_hook_first(param, handle)
+        move_post_accumulate_grad_hook_first(param, handle)
         self._hooked_params[id(param)] = handle
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -505,7 +511,7 @@ class StorageTracker(TorchDispatchMode):
         if self._phase == "optimizer":
             return "optimizer step"
         if self._phase == "backward":
-            node = _compat.current_autograd_node_name()
+            node = current_autograd_node_name()
             if any(loss in node for loss in _LOSS_NODES):
                 return "loss / logits"  # the gradient of the logits
             return "attention" if "ttention" in node else "backward temporaries"
@@ -530,7 +536,7 @@ class StorageTracker(TorchDispatchMode):
             self._kind_stack.pop()
 
     def _on_module_pre(self, module: nn.Module, args: Any) -> None:
-        if self._stopped or _compat.in_backward():  # checkpoint recomputation: not a new forward
+        if self._stopped or in_backward():  # checkpoint recomputation: not a new forward
             return
         self._last_phase = "forward"  # a module forward starts the forward phase
         kind = self._module_kind(module)

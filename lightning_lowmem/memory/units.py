@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "kb": 10**3,
     "mb": 10**6,
@@ -24,14 +23,16 @@ def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
 
     Args:
         value: an int/float count of bytes, or a string: a number followed by one of
-            B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); case-insensitive.
+            B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); case-insensitive. A string
+            needs its unit (``"24"`` is refused, "did you mean '24GiB'?": a budget typed as a bare number is never
+            meant as bytes); give bytes as an int or with ``B``.
         name: the argument name used in error messages.
 
     Returns:
         The number of bytes, rounded down to an int.
 
     Raises:
-        ValueError: the string does not parse or the value is negative.
+        ValueError: the string does not parse, has no unit, or the value is negative.
         TypeError: ``value`` is neither a number nor a string.
 
     Example::
@@ -45,13 +46,18 @@ def parse_bytes(value: int | float | str, *, name: str = "value") -> int:
         raise TypeError(f"`{name}` must be a byte count or a string like '8GiB', got {type(value).__name__}: {value!r}")
     if isinstance(value, str):
         match = _PATTERN.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
+        if match is not None and not match.group(2) and not match.group(1).startswith("-"):
             raise ValueError(
-                f"`{name}`={value!r} is not a byte size. Use a number with an optional unit from "
+                f"`{name}`={value!r} has no unit: did you mean '{value.strip()}GiB'? Give a size with its unit "
+                f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '24GiB' or '512MB'."
+            )
+        unit = match.group(2).lower() if match else None
+        if (match is None or unit not in _UNITS) and not (match and match.group(1).startswith("-")):
+            raise ValueError(
+                f"`{name}`={value!r} is not a byte size. Use a number with a unit from "
                 f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, e.g. '12GiB' or '512MB'."
             )
-        number = float(match.group(1)) * _UNITS[unit]
+        number = float(match.group(1)) * _UNITS.get(unit, 1)
     else:
         number = float(value)
     if number < 0:

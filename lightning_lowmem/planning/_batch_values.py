@@ -11,8 +11,10 @@ beside its fake twin, runs every op whose tensor inputs are all known (and whose
 positions, labels -- never activations) on the real copies too, and answers a value question about a known
 tensor with the real answer. A question about anything else (an activation, a parameter) still raises and
 becomes an :class:`~lightning_lowmem.planning._fake_step.EstimationError`. A batch on ``meta`` has no values:
-its tensors count as zeros (an attention mask of zeros pads every token, so the mask is built, as
-transformers 5 builds it for fake tensors).
+its masks (tensors under a key with ``mask`` in its name, e.g. ``attention_mask``) count as all ones -- no token
+padded, as :func:`~lightning_lowmem.planning.attention.batch_is_padded` takes them, so an all-ones mask makes the
+same choices (mask or none, attention kernel) whether it is given as a real tensor or on ``meta`` -- and its
+other tensors as zeros.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from lightning_lowmem import _compat
+
 from lightning_lowmem._compat import TorchDispatchMode, tree_flatten, tree_leaves, tree_unflatten
+from lightning_lowmem._compat.fake_mode import is_fake, no_dispatch_modes, op_mutates
 
 # outputs with more elements than this are left unknown (a (B, 1, T, T) mask of a long sequence, activations)
 KNOWN_NUMEL_LIMIT = 1 << 22
@@ -43,9 +46,9 @@ class BatchValues(TorchDispatchMode):
 
     Example::
 
-        >>> from lightning_lowmem import _compat
+        >>> from lightning_lowmem._compat.fake_mode import fake_tensor_mode
         >>> mask = torch.ones(2, 4, dtype=torch.long)
-        >>> with _compat.fake_tensor_mode():
+        >>> with fake_tensor_mode():
         ...     fake = torch.empty(2, 4, dtype=torch.long)
         ...     with BatchValues(mask, fake):
         ...         bool(fake.to(torch.bool).all())
@@ -55,14 +58,16 @@ class BatchValues(TorchDispatchMode):
     def __init__(self, real_batch: Any, fake_batch: Any) -> None:
         super().__init__()
         self.known = WeakTensorKeyDictionary()  # fake tensor -> its real CPU value
-        with _compat.no_dispatch_modes():  # real copies, even when made inside the fake mode
+        masks = _masks(real_batch)
+        with no_dispatch_modes():  # real copies, even when made inside the fake mode
             for real, fake in zip(tree_leaves(real_batch), tree_leaves(fake_batch), strict=True):
                 if not (isinstance(real, torch.Tensor) and isinstance(fake, torch.Tensor)):
                     continue
                 if real.numel() > KNOWN_NUMEL_LIMIT:
                     continue
-                if real.device.type == "meta":
-                    self.known[fake] = torch.zeros(real.shape, dtype=fake.dtype)
+                if real.device.type == "meta":  # no values: a mask unpadded, anything else zeros (module docstring)
+                    fill = torch.ones if id(real) in masks else torch.zeros
+                    self.known[fake] = fill(real.shape, dtype=fake.dtype)
                 else:
                     self.known[fake] = real.detach().to("cpu", fake.dtype, copy=True)
 
@@ -77,7 +82,7 @@ class BatchValues(TorchDispatchMode):
                 return answer
         out = func(*args, **kwargs)
         if not known:
-            if _compat.op_mutates(func):  # written with values we do not know: forget them rather than be stale
+            if op_mutates(func):  # written with values we do not know: forget them rather than be stale
                 for tensor in tensors:
                     self.known.pop(tensor, None)
             return out
@@ -91,7 +96,7 @@ class BatchValues(TorchDispatchMode):
                 for fake, real in zip(outs, real_outs, strict=True):
                     self.known[fake] = real
                 return out
-        for tensor in outs + (tensors if _compat.op_mutates(func) else []):  # too large, or failed for real
+        for tensor in outs + (tensors if op_mutates(func) else []):  # too large, or failed for real
             self.known.pop(tensor, None)
         return out
 
@@ -100,7 +105,7 @@ class BatchValues(TorchDispatchMode):
         there (e.g. a factory asking for a device this machine lacks)."""
         real_flat = [self.known[t] if isinstance(t, torch.Tensor) and not _literal(t) else t for t in flat]
         real_args, real_kwargs = tree_unflatten(real_flat, spec)
-        with _compat.no_dispatch_modes():
+        with no_dispatch_modes():
             try:
                 return func(*real_args, **real_kwargs)
             except Exception:  # noqa: BLE001 - unknown from here on: a value question about it raises as before
@@ -109,4 +114,15 @@ class BatchValues(TorchDispatchMode):
 
 def _literal(tensor: torch.Tensor) -> bool:
     """A real CPU tensor inside the fake step: a literal the model wrote (``torch.tensor([-1, 0])``), its value known."""
-    return tensor.device.type == "cpu" and not _compat.is_fake(tensor) and type(tensor) is torch.Tensor
+    return tensor.device.type == "cpu" and not is_fake(tensor) and type(tensor) is torch.Tensor
+
+
+def _masks(batch: Any, under_mask: bool = False) -> set[int]:
+    """The ids of the tensors under a dict key naming a mask (``attention_mask``, ``decoder_attention_mask``...)."""
+    if isinstance(batch, torch.Tensor):
+        return {id(batch)} if under_mask else set()
+    if isinstance(batch, dict):
+        return {i for key, value in batch.items() for i in _masks(value, under_mask or "mask" in str(key))}
+    if isinstance(batch, (list, tuple)):
+        return {i for value in batch for i in _masks(value, under_mask)}
+    return set()

@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.compiler import force_eager
+from lightning_lowmem._compat.fake_mode import fake_tensor_mode
 from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
     OptimizerScalars,
@@ -48,7 +49,8 @@ from lightning_lowmem.memory._tracker import (
     cuda_block_bytes,
     iter_tensors,
 )
-from lightning_lowmem.planning.attention import fake_attention
+from lightning_lowmem.planning.attention_kernels import fake_attention
+from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
 from lightning_lowmem.memory.report import CATEGORIES
 
 Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
@@ -110,6 +112,7 @@ def probe_model(
     limit_bytes: int | None = None,
     attention_kernel: str = "auto",
     forward_only: bool = False,
+    accumulate: int = 1,
 ) -> ModelProbe:
     """Run ``config``'s model side once on fake tensors (the optimizer is left out; see module docstring).
 
@@ -117,15 +120,17 @@ def probe_model(
     full estimate's second step. With ``limit_bytes`` the run stops as soon as more bytes than that are
     alive: a candidate that cannot fit is known without running the rest of its step. ``forward_only``: the
     run also stops when backward starts (about a third of a step's ops): below the limit by then, the
-    probe says only that (``ModelProbe.forward_only``).
+    probe says only that (``ModelProbe.forward_only``). ``accumulate``: the step runs that many batches (see
+    :func:`~lightning_lowmem.planning._fake_step.train_step`).
     """
     true_dtype = config.precision.true_dtype
     autocast_dtype = config.precision.autocast_dtype
     tracker = StorageTracker(device="cpu", round_bytes=_round(device), by_module=False)
-    fake_mode = _compat.fake_tensor_mode()
+    fake_mode = fake_tensor_mode()
     model = fake_module(module, true_dtype, fake_mode)
     attention = fake_attention(batch, device, attention_kernel)  # as estimate_memory: the real batch's masks
-    with attention, fake_mode, warnings.catch_warnings(), _compat.force_eager():
+    rules = cuda_autocast_rules(device, autocast_dtype)  # as estimate_memory: CUDA autocast's op rules
+    with attention, rules, fake_mode, warnings.catch_warnings(), force_eager():
         warnings.simplefilter("ignore")
         model.train()
         apply_model_techniques(model, config)
@@ -140,7 +145,7 @@ def probe_model(
         stopped = forward_done = False
         try:
             with BatchValues(batch, inputs), tracker:
-                train_step(model, inputs, loss_fn, optimizer, config, autocast_dtype, fake=True, loop=loop)
+                train_step(model, inputs, loss_fn, optimizer, config, autocast_dtype, True, loop, accumulate)
         except MemoryLimitExceeded:
             stopped = True
         except PhaseReached:
@@ -197,7 +202,7 @@ class _OptimizerRun:
 def _measure_optimizer(name: str, trainable: list, device: str, kwargs: dict[str, Any]) -> _OptimizerRun:
     rounding = _round(device) or (lambda n: n)
     tracker = StorageTracker(device="cpu", round_bytes=_round(device), by_module=False)
-    with _compat.fake_tensor_mode(), warnings.catch_warnings(), _compat.force_eager():
+    with fake_tensor_mode(), warnings.catch_warnings(), force_eager():
         warnings.simplefilter("ignore")
         params = [nn.Parameter(torch.empty_strided(shape, stride, dtype=dtype)) for shape, stride, dtype in trainable]
         optimizer = build_optimizer(name, params, kwargs)

@@ -17,19 +17,21 @@ import torch
 from torch import nn
 
 from lightning_lowmem.functional.config import OptimizerConfig
-from lightning_lowmem.planning.attention import validate_attention_kernel
+from lightning_lowmem.planning.attention_kernels import validate_attention_kernel
 from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
 from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
 from lightning_lowmem.planning.axes import model_side_key
 from lightning_lowmem.planning.estimate import (
-    CUBLAS_WORKSPACE_BYTES,
-    CUDA_CONTEXT_BYTES,
     TrainingConfig,
     data_dependent_errors_explained,
     default_loss,
     estimate_memory,
 )
-from lightning_lowmem.memory.report import MemoryReport
+from lightning_lowmem.memory.report import CATEGORIES, MemoryReport
+from lightning_lowmem.planning.gpus import on_card
+
+_WEIGHTS_KEPT = ("precision", "checkpointing", "compression", "optimizer", "microbatch", "lora", "cross_entropy")
+"""Techniques that keep every weight in the precision's dtype: a model side with only these holds at least them."""
 
 
 class CandidateEvaluator:
@@ -44,6 +46,8 @@ class CandidateEvaluator:
         optimizer_kwargs: optimizer name -> the hyperparameters it takes from the optimizer asked for (the search's
             :meth:`~lightning_lowmem.planning.search.PlanSearch.kwargs_for`); a candidate's own win.
         attention_kernel: the CUDA attention kernel (see :func:`estimate_memory`).
+        accumulate_grad_batches, gpu: see :func:`estimate_memory` (``gpu``: a resolved
+            :class:`~lightning_lowmem.planning.gpus.GpuCard`).
     """
 
     def __init__(
@@ -56,8 +60,11 @@ class CandidateEvaluator:
         loop: str,
         optimizer_kwargs: Callable[[str], dict[str, Any]],
         attention_kernel: str = "auto",
+        accumulate_grad_batches: int = 1,
+        gpu: Any = None,
     ) -> None:
         self.module = module
+        self.accumulate, self.card = accumulate_grad_batches, gpu
         self.batch = batch
         self.user_loss_fn = loss_fn
         self.loss_fn = loss_fn or default_loss
@@ -71,6 +78,7 @@ class CandidateEvaluator:
         self._failed: dict[Any, Exception] = {}  # a probe key / config that could not be built -> its error
         self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
         self._forward_peaks: dict[tuple, int] = {}  # model-side key -> its forward's peak, from a forward-only run
+        self._parameter_count: tuple[int, int] | None = None  # floating parameters' elements, other bytes
         self.reserve_optimizers: list[str] = []
         """Optimizers whose state a limited model-side run reserves, once each was profiled: the run stops
         once the model side plus the smallest state among them passes the limit (no candidate fits then)."""
@@ -145,6 +153,8 @@ class CandidateEvaluator:
                     config=config.replace(optimizer=self._optimizer(config.optimizer)),
                     loop=self.loop,
                     attention_kernel=self.attention_kernel,
+                    accumulate_grad_batches=self.accumulate,
+                    gpu=self.card,
                 )
             except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
                 self._failed[config] = err  # asked again (the search, the message), it fails the same way
@@ -167,6 +177,12 @@ class CandidateEvaluator:
         cached = self._probes.get(key)
         if cached is not None and (cached.stopped_at is None or (limit is not None and limit <= cached.stopped_at)):
             return cached, limit  # complete, or already proven above this limit
+        weights = self._weight_bytes(config)
+        if limit is not None and weights is not None and weights > limit:
+            # its weights alone pass the limit (an 8B model's float32 weights on a 24 GB card): no run needed
+            breakdown = dict.fromkeys(CATEGORIES, 0)
+            breakdown["parameters"] = weights
+            return ModelProbe(weights, breakdown, 0, dict.fromkeys(CATEGORIES, 0), (), limit), limit
         self.probes += 1
         try:
             with data_dependent_errors_explained(self.module, config, steps=2):
@@ -180,6 +196,7 @@ class CandidateEvaluator:
                     limit_bytes=limit,
                     attention_kernel=self.attention_kernel,
                     forward_only=forward_only,
+                    accumulate=self.accumulate,
                 )
         except (ImportError, RuntimeError, ValueError, NotImplementedError) as err:
             self._failed[key] = err
@@ -190,6 +207,24 @@ class CandidateEvaluator:
         self._probes[key] = probe
         self._trainable[(config.precision, config.lora)] = probe.trainable
         return probe, limit
+
+    def _weight_bytes(self, config: TrainingConfig) -> int | None:
+        """A lower bound of ``config``'s model side: its weights in the precision's dtype (adapters left out), or
+        ``None`` where a technique changes what the weights hold (a quantized base, QAT, pruning...)."""
+        lora = config.lora
+        if lora is not None and (lora.quantize_base is not None or lora.quantize_frozen):
+            return None
+        if any(value is not None for field, value in config.configs().items() if field not in _WEIGHTS_KEPT):
+            return None
+        if self._parameter_count is None:
+            floating = [p for p in self.module.parameters() if p.is_floating_point()]
+            self._parameter_count = (
+                sum(p.numel() for p in floating),
+                sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.is_floating_point()),
+            )
+        count, other = self._parameter_count
+        dtype = config.precision.true_dtype or torch.float32
+        return count * dtype.itemsize + other
 
     def _reserve(self, config: TrainingConfig) -> int:
         """The smallest optimizer state a candidate with ``config``'s model side keeps through its step."""
@@ -223,6 +258,4 @@ class CandidateEvaluator:
             source="estimated",
             meta={"config": config.to_dict(), "label": config.describe(), "loop": self.loop, "method": method},
         )
-        if self.device == "cuda":
-            report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
-        return report
+        return on_card(report, self.device, self.card)

@@ -110,7 +110,7 @@ def build_lookup_tables(name: str) -> None:
 
 
 def build_optimizer(name: str, params: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer as build
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer as build
 
     return build(name, params, **kwargs)
 
@@ -172,7 +172,7 @@ def configured_optimizer(module: nn.Module) -> tuple[str, dict[str, Any]] | None
         )
     if name is None:
         return None
-    from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+    from lightning_lowmem.functional.optimizers.catalog import optimizer_arguments
 
     allowed = set(optimizer_arguments(name))
     group = optimizer.param_groups[0]
@@ -188,9 +188,9 @@ _TORCH_NAMES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "Adafactor": "ad
 
 
 def _fake_tensor_mode() -> Any:
-    from lightning_lowmem import _compat
+    from lightning_lowmem._compat.fake_mode import fake_tensor_mode
 
-    return _compat.fake_tensor_mode()
+    return fake_tensor_mode()
 
 
 # ----------------------------------------------------------------------------- steps
@@ -326,6 +326,28 @@ def _plain_type(tensor: torch.Tensor) -> bool:
     return _is_plain(tensor)
 
 
+def accumulation_steps(accumulate_grad_batches: Any) -> int:
+    """``accumulate_grad_batches`` itself (an int >= 1), or a ``ValueError`` saying what is allowed."""
+    value = accumulate_grad_batches
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`accumulate_grad_batches`={value!r} must be an int >= 1 (the batches whose gradients are summed "
+            "before each optimizer step, as `Trainer(accumulate_grad_batches=...)`); use 1 for none"
+        )
+    return value
+
+
+def refuse_accumulation_in_backward(accumulate_grad_batches: int, config: Any) -> None:
+    """An optimizer-in-backward steps inside every backward: nothing would be accumulated (composition.py's rule)."""
+    if accumulate_grad_batches > 1 and config.optimizer.in_backward:
+        raise ValueError(
+            f"`accumulate_grad_batches`={accumulate_grad_batches} cannot be estimated with optimizer "
+            f"{config.optimizer.name!r}: it steps the optimizer inside every backward, so gradients would never be "
+            "accumulated (Lightning refuses the same run); use accumulate_grad_batches=1 or an optimizer that "
+            "steps after backward"
+        )
+
+
 def train_step(
     model: nn.Module,
     batch: Any,
@@ -335,35 +357,53 @@ def train_step(
     autocast_dtype: torch.dtype | None,
     fake: bool = False,
     loop: str = "torch",
+    accumulate: int = 1,
 ) -> None:
-    """One training step in the order ``loop`` (see the module docstring)."""
+    """One optimizer step in the order ``loop`` (see the module docstring) over ``accumulate`` batches.
+
+    With ``accumulate > 1`` (``Trainer(accumulate_grad_batches=...)``) each of the ``accumulate`` batches runs
+    forward and backward (its loss divided by ``accumulate``, as Lightning's closure divides it), the gradients
+    of the first backward stay alive through the later forwards and backwards, and the optimizer steps once,
+    after the last. Mixed precision runs CPU autocast (for a CUDA estimate with CUDA's op rules installed,
+    :mod:`lightning_lowmem.planning.cuda_autocast`).
+    """
     # the same split as AutoMicrobatch / the strategies' planned micro-batches (functional.microbatch)
     micro_batches = split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
     count = len(micro_batches)
-    if fake and count > 3:
-        # from the second micro-batch on, each one starts from the same state (gradients accumulated, the
-        # previous loss freed) and allocates the same: the second shows them all; the last may be smaller
-        micro_batches = [micro_batches[0], micro_batches[1], micro_batches[-1]]
+    # every forward + backward of the step: (first of its batch's window?, micro-batch)
+    passes = [(index == 0, micro_batch) for index in range(accumulate) for micro_batch in micro_batches]
+    if fake and len(passes) > 2:
+        # from the second pass on, each one starts from the same state (gradients accumulated, the previous loss
+        # freed) and allocates what its micro-batch's shapes decide: one pass per shape shows them all
+        later = {_shapes(micro_batch): (first, micro_batch) for first, micro_batch in reversed(passes[1:])}
+        passes = [passes[0], *reversed(later.values())]
     lightning = loop == "lightning"
     in_backward = config.optimizer.in_backward  # its steps run inside backward
+    divisor = count * accumulate
     held: list[torch.Tensor] = []
     if lightning and count > 1:
         optimizer.zero_grad(set_to_none=True)  # AutoMicrobatch zeroes before its first micro-batch
-    for micro_batch in micro_batches:
+    for first_batch, micro_batch in passes:
         with contextlib.ExitStack() as stack:
             stack.enter_context(step_context(config))  # activation compression, as training runs it
             with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
                 loss = loss_fn(model, micro_batch)
             if lightning and count == 1:
-                # Lightning's closure: `loss / normalize` and a detached copy for logging, then zero_grad
-                loss = loss / 1
-                held.append(loss.detach().clone())
-                optimizer.zero_grad(set_to_none=True)  # between training_step and backward
+                # Lightning's closure: `loss / normalize` and a detached copy for logging, then zero_grad on the
+                # first batch of an accumulation window
+                loss, divisor = loss / accumulate, 1
+                held[:] = [loss.detach().clone()]
+                if first_batch:
+                    optimizer.zero_grad(set_to_none=True)  # between training_step and backward
             with OptimizerScalars() if in_backward and fake else contextlib.nullcontext():
-                (loss / count if count > 1 else loss).backward()  # as Lightning does
+                (loss / divisor if divisor > 1 else loss).backward()  # as Lightning does
         del loss
     with OptimizerScalars() if fake else contextlib.nullcontext():
         optimizer.step()
     if not lightning:
         optimizer.zero_grad(set_to_none=True)
     held.clear()
+
+
+def _shapes(batch: Any) -> tuple:
+    return tuple(tuple(leaf.shape) for leaf in tensor_leaves(batch))

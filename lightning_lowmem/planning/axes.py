@@ -20,7 +20,7 @@ from lightning_lowmem.functional.config import TrainingConfig
 from lightning_lowmem.functional.config.techniques import SHARDINGS, ShardingConfig
 from lightning_lowmem.planning.priors import PRECISION_RANK
 
-__all__ = ["AXES", "Axis", "AxisContext", "axis", "leanness", "model_side_key"]
+__all__ = ["AXES", "Axis", "AxisContext", "axis", "carried", "check_estimable", "leanness", "model_side_key"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Axis:
 
 def _default_optimizers(context: AxisContext) -> list[str]:
     """The configured optimizer and, for the Adam family, 8-bit AdamW (same hyperparameters and lr)."""
-    from lightning_lowmem.functional.optimizers.registry import available_optimizers
+    from lightning_lowmem.functional.optimizers.catalog import available_optimizers
 
     names = [context.optimizer]
     if context.optimizer in ("adamw", "adam") and "adamw8bit" in available_optimizers():
@@ -191,6 +191,27 @@ def axis(argument: str) -> Axis:
         if argument in (row.argument, row.field):
             return row
     raise KeyError(f"no search axis {argument!r}; axes: {', '.join(row.argument for row in AXES)}")
+
+
+def carried(config: TrainingConfig) -> dict[str, Any]:
+    """The techniques ``config`` sets that no axis searches (pruning, QAT, one registered later): ``plan_memory``
+    keeps each in every candidate, by field. Quantization and sharding have their own rules (:mod:`.search`)."""
+    searched = {row.field for row in AXES} | {"quantization", "sharding"}
+    return {field: value for field, value in config.configs().items() if field not in searched and value is not None}
+
+
+def check_estimable(config: TrainingConfig, who: str) -> None:
+    """Refuse (``ValueError``, one line) a config with a technique the estimator cannot run on fake tensors (its
+    registered ``not_estimated`` reason); ``who`` names the caller (``"estimate_memory"``)."""
+    from lightning_lowmem.functional.registry import technique
+
+    for field, value in config.configs().items():
+        reason = technique(field).not_estimated if value is not None else None
+        if reason is not None:
+            raise ValueError(
+                f"{who} cannot estimate `{field}` ({technique(field).label(value) or field}): {reason}. Give the mix "
+                f"without it (config.replace({field}=None))"
+            )
 
 
 def model_side_key(config: TrainingConfig) -> tuple[Any, ...]:

@@ -14,18 +14,21 @@ re-exported here).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.compiler import force_eager
+from lightning_lowmem._compat.fake_mode import data_dependent_errors, fake_tensor_mode
 from lightning_lowmem._versions import require
 from lightning_lowmem.functional.config import PRECISIONS, OptimizerConfig, ShardingConfig, TrainingConfig
 from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
     EstimationError,
+    accumulation_steps,
     apply_model_techniques,
     build_lookup_tables,
     build_optimizer,
@@ -33,26 +36,27 @@ from lightning_lowmem.planning._fake_step import (
     device_optimizer_kwargs,
     fake_batch,
     fake_module,
+    refuse_accumulation_in_backward,
     resolve_loop,
     train_step,
 )
 from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
-from lightning_lowmem.planning.attention import fake_attention, validate_attention_kernel
+from lightning_lowmem.planning.attention_kernels import fake_attention, validate_attention_kernel
+from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
+from lightning_lowmem.planning.gpus import CUDA_CONTEXT_BYTES, card_simulation, on_card, resolve_card
+from lightning_lowmem.planning.axes import check_estimable
 from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.sharding import ShardedStep
 from lightning_lowmem.model_io import forward_batch, output_logits, output_loss
 
-__all__ = ["PRECISIONS", "EstimationError", "TrainingConfig", "estimate_memory"]
+__all__ = ["CUDA_CONTEXT_BYTES", "PRECISIONS", "EstimationError", "TrainingConfig", "estimate_memory"]
 
-
-CUDA_CONTEXT_BYTES = 500 * 2**20
-"""Typical CUDA context + kernels per process (driver memory, invisible to the caching allocator;
-300 MiB-1 GiB depending on GPU, driver and loaded libraries)."""
 
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
-"""cuBLAS workspace torch allocates through the caching allocator on the first matmul (Hopper default;
-8 MiB on older GPUs). Counted by ``torch.cuda.max_memory_allocated``."""
+"""The default card's cuBLAS workspace (Hopper's; :class:`~lightning_lowmem.planning.gpus.GpuCard` has each card's),
+allocated through the caching allocator on the first matmul. ``CUDA_CONTEXT_BYTES`` (500 MiB) comes from
+:mod:`lightning_lowmem.planning.gpus`."""
 
 
 # the step machinery lives in _fake_step (shared with the planner); tests and benchmarks run these for real
@@ -100,6 +104,8 @@ def estimate_memory(
     world_size: int = 1,
     sharding: str | None = None,
     attention_kernel: str = "auto",
+    accumulate_grad_batches: int = 1,
+    gpu: str | None = None,
 ) -> MemoryReport:
     """Predict the peak memory of one training step without allocating any tensor data.
 
@@ -115,7 +121,9 @@ def estimate_memory(
             ``configure_optimizers`` returns, with its arguments (built on a fake copy), else ``"adamw"``.
             Default: ``None``.
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
-            Mixed precision runs CPU autocast as a stand-in for CUDA autocast. Default: ``"32-true"``.
+            Mixed precision runs CPU autocast; for ``device="cuda"`` with CUDA autocast's op rules (softmax,
+            layer_norm, the losses, ``sum`` ... in float32: :mod:`~lightning_lowmem.planning.cuda_autocast`).
+            Default: ``"32-true"``.
         device: ``"cuda"`` applies the caching allocator's 512-byte block rounding and lists the CUDA
             context and cuBLAS workspace in ``report.overheads``; ``"cpu"`` counts exact bytes.
             Default: ``"cuda"``.
@@ -147,9 +155,18 @@ def estimate_memory(
         attention_kernel: for ``device="cuda"``, the kernel each ``F.scaled_dot_product_attention`` runs:
             ``"auto"`` (torch's choice on an sm80+ GPU by dtype, mask, head dim), or ``"flash"``,
             ``"efficient"``, ``"math"`` forced as ``torch.nn.attention.sdpa_kernel`` forces it. The fake
-            step allocates what that kernel keeps (:mod:`lightning_lowmem.planning.attention`); on
+            step allocates what that kernel keeps (:mod:`lightning_lowmem.planning.attention_kernels`); on
             ``device="cpu"`` torch's own CPU choice runs. ``report.meta["attention_kernels"]`` counts the
             kernels run. Default: ``"auto"``.
+        accumulate_grad_batches: batches whose gradients are summed before each optimizer step, as
+            ``Trainer(accumulate_grad_batches=N)``: ``batch`` is one of them; each runs forward and backward (the
+            gradients of the first alive through the later ones), the optimizer steps after the last. Refused
+            with an optimizer-in-backward. Default: 1.
+        gpu: the card, e.g. ``"A100-40GB"`` (:data:`~lightning_lowmem.planning.gpus.GPUS`; implies
+            ``device="cuda"``): its CUDA context and cuBLAS workspace in ``report.overheads``, the caching
+            allocator's reserved peak in ``report.device_stats["max_reserved"]``, and ``report.meta["gpu"]``:
+            ``allocated_bytes``, ``reserved_bytes``, ``nvidia_smi_bytes`` (reserved + context + workspace),
+            ``capacity_bytes`` and ``fits``. Default: ``None`` (500 MiB context, 32 MiB workspace, no reserved).
 
     Returns:
         A :class:`MemoryReport` with ``source="estimated"``; ``report.meta["config"]`` is the config.
@@ -158,7 +175,8 @@ def estimate_memory(
     Raises:
         EstimationError: the step cannot run on fake tensors (data-dependent control flow or output
             shapes); the message says what was tried.
-        ValueError: an unknown precision / technique / device / sharding / attention kernel, ``world_size < 1``;
+        ValueError: an unknown precision / technique / device / sharding / attention kernel / ``gpu``,
+            ``world_size < 1``, ``accumulate_grad_batches`` < 1 or beside an optimizer-in-backward;
             from ``OptimizerConfig``: an optimizer argument it does not take or a value it refuses.
 
     Example::
@@ -170,36 +188,27 @@ def estimate_memory(
         >>> report.breakdown["optimizer_state"] > 2 * 4 * 64 * 64
         True
     """
-    config_given = config is not None
-    if config is None:
-        config = TrainingConfig(
+    config, sharding, world_size = resolved_config(
+        module,
+        config,
+        dict(
+            optimizer=optimizer,
+            optimizer_kwargs=optimizer_kwargs,
             precision=precision,
             activation_checkpointing=activation_checkpointing,
             activation_compression=activation_compression,
-            optimizer=optimizer_config(optimizer, optimizer_kwargs),
             micro_batch_size=micro_batch_size,
-            lora=lora or None,
+            lora=lora,
             cross_entropy=cross_entropy,
-        )
-    elif isinstance(config, dict):
-        config = TrainingConfig(**config)
-    elif not isinstance(config, TrainingConfig):
-        raise TypeError(
-            f"`config` must be a TrainingConfig or a dict of its arguments, got {type(config).__name__}: {config!r}"
-        )
-    if config.precision is None:  # "as configured": the `precision` argument
-        config = config.replace(precision=precision)
-    if config.optimizer is None:  # the module's configure_optimizers' own, its arguments replaced by optimizer_kwargs
-        config = config.replace(optimizer=configured_optimizer_config(module, optimizer_kwargs)[0])
-    elif optimizer_kwargs and config_given:  # config's optimizer with more hyperparameters: the old shorthand
-        merged = {**config.optimizer.kwargs, **optimizer_kwargs}
-        config = config.replace(optimizer=optimizer_config(config.optimizer.name, merged))
-    if config.sharding is not None:
-        if sharding is not None and sharding != config.sharding.kind:
-            raise ValueError(
-                f"`sharding`={sharding!r} disagrees with `config.sharding`={config.sharding!r}; give it once"
-            )
-        sharding, world_size = config.sharding.kind, config.sharding.world_size
+        ),
+        sharding,
+        world_size,
+    )
+    card = resolve_card(gpu, device)  # validates `gpu`; a card implies device="cuda"
+    device = card.device if card is not None else device
+    accumulate = accumulation_steps(accumulate_grad_batches)
+    refuse_accumulation_in_backward(accumulate, config)
+    check_estimable(config, "estimate_memory")  # a technique fake tensors cannot run: one line, before any work
     if device not in ("cpu", "cuda"):
         raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")
     if not isinstance(module, nn.Module):
@@ -221,7 +230,7 @@ def estimate_memory(
     tracker = StorageTracker(device="cpu", round_bytes=cuda_block_bytes if device == "cuda" else None, by_module=False)
 
     build_lookup_tables(config.optimizer.name)
-    fake_mode = _compat.fake_tensor_mode()
+    fake_mode = fake_tensor_mode()
     with data_dependent_errors_explained(module, config, steps):
         model = fake_module(module, true_dtype, fake_mode)
         # small buffers' real values ride beside their fake twins, as the batch's do: a causal mask registered as a
@@ -232,7 +241,8 @@ def estimate_memory(
             if real.device.type != "meta"
         ]
         attention = fake_attention(batch, device, attention_kernel)  # reads the real batch's masks
-        with sharded, attention as cuda_attention, fake_mode, warnings.catch_warnings():
+        cuda_rules = cuda_autocast_rules(device, autocast_dtype)  # CUDA autocast's op rules for CPU autocast
+        with sharded, attention as cuda_attention, cuda_rules, fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.train()
             apply_model_techniques(model, config)
@@ -246,28 +256,63 @@ def estimate_memory(
             tracker.modules = [model]
             tracker.optimizers = [opt]
             # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors
-            with _compat.force_eager():
+            with force_eager():
                 if steps > 1:  # the first step's lasting effect, without its forward / backward
                     create_state(opt, params)
                     if loop == "torch" or in_backward:
                         opt.zero_grad(set_to_none=True)
                 with batch_values:
+                    step = functools.partial(train_step, model, batch, loss_fn, opt, config, autocast_dtype, True, loop)
                     for _ in range(steps - 2):
-                        train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
-                    with tracker:
-                        train_step(model, batch, loss_fn, opt, config, autocast_dtype, fake=True, loop=loop)
+                        step(accumulate)
+                    with tracker, card_simulation(card if world_size == 1 else None, model, opt, batch) as simulation:
+                        step(accumulate)
 
     report = tracker.report
     assert report is not None
     report.source = "estimated"
     report.device = device
     report.meta = {"config": config.to_dict(), "steps": steps, "label": config.describe(), "loop": loop}
+    if accumulate > 1:
+        report.meta["accumulate_grad_batches"] = accumulate
     if cuda_attention is not None:
         report.meta["attention_kernels"] = dict(cuda_attention.chosen)
-    report = sharded.finish(report, opt)
-    if device == "cuda":
-        report.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
-    return report
+    return on_card(sharded.finish(report, opt), device, card, simulation)
+
+
+def resolved_config(
+    module: nn.Module, config: Any, arguments: dict[str, Any], sharding: str | None, world_size: int
+) -> tuple[TrainingConfig, str | None, int]:
+    """``estimate_memory``'s :class:`TrainingConfig` from its ``config`` or technique ``arguments``, with the
+    sharding and world size it implies (see the ``config`` argument of :func:`estimate_memory`)."""
+    optimizer, optimizer_kwargs, precision = (arguments.pop(k) for k in ("optimizer", "optimizer_kwargs", "precision"))
+    config_given = config is not None
+    if config is None:
+        config = TrainingConfig(
+            precision=precision,
+            optimizer=optimizer_config(optimizer, optimizer_kwargs, stacklevel=4),
+            **{**arguments, "lora": arguments["lora"] or None},
+        )
+    elif isinstance(config, dict):
+        config = TrainingConfig(**config)
+    elif not isinstance(config, TrainingConfig):
+        raise TypeError(
+            f"`config` must be a TrainingConfig or a dict of its arguments, got {type(config).__name__}: {config!r}"
+        )
+    if config.precision is None:  # "as configured": the `precision` argument
+        config = config.replace(precision=precision)
+    if config.optimizer is None:  # the module's configure_optimizers' own, its arguments replaced by optimizer_kwargs
+        config = config.replace(optimizer=configured_optimizer_config(module, optimizer_kwargs)[0])
+    elif optimizer_kwargs and config_given:  # config's optimizer with more hyperparameters: the old shorthand
+        merged = {**config.optimizer.kwargs, **optimizer_kwargs}
+        config = config.replace(optimizer=optimizer_config(config.optimizer.name, merged, stacklevel=4))
+    if config.sharding is not None:
+        if sharding is not None and sharding != config.sharding.kind:
+            raise ValueError(
+                f"`sharding`={sharding!r} disagrees with `config.sharding`={config.sharding!r}; give it once"
+            )
+        sharding, world_size = config.sharding.kind, config.sharding.world_size
+    return config, sharding, world_size
 
 
 @contextlib.contextmanager
@@ -275,7 +320,7 @@ def data_dependent_errors_explained(module: nn.Module, config: TrainingConfig, s
     """Turn fake-tensor errors about data-dependent control flow into an :class:`EstimationError`."""
     try:
         yield
-    except _compat.data_dependent_errors() as err:
+    except data_dependent_errors() as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise EstimationError(
             f"estimate_memory could not run {type(module).__name__}'s training step on fake tensors: the step "

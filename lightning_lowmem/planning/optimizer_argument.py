@@ -108,7 +108,7 @@ def configured_optimizer_config(
     name, arguments = found if found is not None else ("adamw", {})
     overrides = dict(overrides or {})
     if accepted_only:
-        from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+        from lightning_lowmem.functional.optimizers.catalog import optimizer_arguments
 
         accepted = set(optimizer_arguments(name))
         overrides = {key: value for key, value in overrides.items() if key in accepted}

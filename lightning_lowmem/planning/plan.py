@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_LR", "SLOWDOWN", "Candidate", "Plan", "Progress", "expected_
 def plan_memory(
     module: nn.Module,
     batch: Any,
-    budget: int | str,
+    budget: int | str | None = None,
     *,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     optimizer: str | OptimizerConfig | None = None,
@@ -57,6 +57,9 @@ def plan_memory(
     loop: str = "auto",
     progress: Progress | None = None,
     attention_kernel: str = "auto",
+    full_check: str = "always",
+    accumulate_grad_batches: int = 1,
+    gpu: str | None = None,
 ) -> Plan:
     """Find the technique mix with the lowest expected slowdown whose estimated peak fits ``budget``.
 
@@ -80,7 +83,8 @@ def plan_memory(
     Args:
         module: the model (it is not modified).
         batch: one batch (tensors may be on ``meta``).
-        budget: bytes, or a string like ``"8GiB"`` / ``"512MB"``.
+        budget: bytes, or a string like ``"8GiB"`` / ``"512MB"``; ``None`` with ``gpu``: the card's capacity, its
+            CUDA context and workspace subtracted (``include_overheads``).
         loss_fn: see :func:`estimate_memory`.
         optimizer: the optimizer the user wants, an :class:`~lightning_lowmem.functional.config.OptimizerConfig`
             (its hyperparameters apply to the candidates of its family that accept them) or a name; the plain
@@ -118,6 +122,14 @@ def plan_memory(
         include_overheads: also subtract the CUDA context / workspace from the budget (set when the
             budget is the card's total memory rather than what torch may allocate). Default: ``False``.
         loop: the step order estimated (see :func:`estimate_memory`). Default: ``"auto"``.
+        full_check: ``"always"``: the chosen candidate's prediction is re-estimated in full (:func:`estimate_memory`)
+            and the full figure decides; ``"near-budget"``: only when the prediction is above 98% of the usable memory
+            (otherwise ``plan.chosen.report`` is the per-axis prediction; ``lowmem estimate`` uses it: the answer in
+            seconds). Default: ``"always"``.
+        accumulate_grad_batches: as ``Trainer(accumulate_grad_batches=N)``, see :func:`estimate_memory`; the
+            optimizers-in-backward are left out of the search. Default: 1.
+        gpu: the card (see :func:`estimate_memory`; implies ``device="cuda"``): its context and workspace are the
+            overheads, and the chosen plan's report carries ``meta["gpu"]``. Default: ``None``.
         progress: ``progress(candidate, index, total)`` after each prediction (e.g. to update a progress
             bar); every prediction is also logged on this module's logger at INFO. Default: ``None``.
 
@@ -169,5 +181,8 @@ def plan_memory(
         loop=loop,
         progress=progress,
         attention_kernel=attention_kernel,
+        full_check=full_check,
+        accumulate_grad_batches=accumulate_grad_batches,
+        gpu=gpu,
     )
     return search.run()

@@ -28,14 +28,13 @@ from torch import nn
 from lightning_lowmem.functional.config.techniques import SHARDINGS, OptimizerConfig, ShardingConfig
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
-from lightning_lowmem.planning._fake_step import tensor_leaves
-from lightning_lowmem.planning.axes import AXES, AxisContext, axis, leanness
+from lightning_lowmem.planning._fake_step import accumulation_steps, tensor_leaves
+from lightning_lowmem.planning.axes import AXES, AxisContext, axis, carried, check_estimable, leanness
 from lightning_lowmem.planning.estimate import (
-    CUBLAS_WORKSPACE_BYTES,
-    CUDA_CONTEXT_BYTES,
     EstimationError,
     TrainingConfig,
 )
+from lightning_lowmem.planning.gpus import card_overheads, resolve_card
 from lightning_lowmem.planning.optimizer_argument import configured_optimizer_config, optimizer_config
 from lightning_lowmem.planning.plan_report import Candidate, Plan, no_fit_error, peak_label, short_error
 from lightning_lowmem.planning.priors import DEFAULT_LR, expected_slowdown, numerics_caveat
@@ -47,6 +46,10 @@ log = logging.getLogger("lightning_lowmem.planning.plan")  # the planner's one l
 Progress = Callable[[Candidate, int, int], None]
 """``progress(candidate, index, total)``: called after each candidate is predicted (``index`` counts from
 1; ``total`` is the size of the space being searched, an upper bound: the search stops at the first fit)."""
+
+NEAR_BUDGET = 0.98
+"""``full_check="near-budget"``: a per-axis prediction above this share of the usable memory is re-estimated in full
+before it is chosen (the two agreed to the byte, or within 512 B, wherever the benchmarks compare them)."""
 
 _BUILD_ERRORS = (ImportError, RuntimeError, ValueError, NotImplementedError)
 """What a candidate that cannot be built on this model raises (skipped; an :class:`EstimationError` is not)."""
@@ -73,7 +76,7 @@ class PlanSearch:
         self,
         module: nn.Module,
         batch: Any,
-        budget: int | str,
+        budget: int | str | None,
         *,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         optimizer: str | OptimizerConfig | None = None,
@@ -89,10 +92,22 @@ class PlanSearch:
         loop: str = "auto",
         progress: Progress | None = None,
         attention_kernel: str = "auto",
+        full_check: str = "always",
+        accumulate_grad_batches: int = 1,
+        gpu: str | None = None,
     ) -> None:
         from lightning_lowmem.planning._evaluate import CandidateEvaluator
 
+        if full_check not in ("always", "near-budget"):
+            raise ValueError(f"`full_check`={full_check!r} is unknown; choose 'always' or 'near-budget'")
+        self.full_check = full_check
         self.started = time.perf_counter()
+        self.card = resolve_card(gpu, device)
+        self.accumulate = accumulation_steps(accumulate_grad_batches)
+        if budget is None:
+            if self.card is None:
+                raise ValueError("`budget` is missing: give the bytes the step may use (e.g. '8GiB') or a `gpu`")
+            budget, include_overheads = self.card.capacity_bytes, True
         self.budget = budget
         self.budget_bytes = parse_bytes(budget, name="budget")
         if not 0 <= margin < 1:
@@ -103,6 +118,7 @@ class PlanSearch:
         if unknown:
             raise ValueError(f"unknown search axes {sorted(unknown)}; axes: {', '.join(row.argument for row in AXES)}")
         given = {row.argument: (axes or {}).get(row.argument) for row in AXES}
+        self.carried = carried(config) if config is not None else {}  # in every candidate: no axis searches them
         if config is not None:
             precision, fixed = fixed_axes(config, precision)
             if config.optimizer is not None:  # it replaces `optimizer`
@@ -141,7 +157,7 @@ class PlanSearch:
         self.include_overheads, self.progress = include_overheads, progress
         self.usable = int(self.budget_bytes * (1 - margin))
         self.family = _family(wanted.name)
-        overheads = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES if include_overheads and device == "cuda" else 0
+        overheads = card_overheads(self.card) if include_overheads and device == "cuda" else 0
         self.limit = self.usable - overheads  # a model-side run that passes this (without optimizer state) cannot fit
         self.evaluator = CandidateEvaluator(
             module,
@@ -151,6 +167,8 @@ class PlanSearch:
             loop=loop,
             optimizer_kwargs=self.kwargs_for,
             attention_kernel=attention_kernel,
+            accumulate_grad_batches=self.accumulate,
+            gpu=self.card,
         )
         self.evaluator.reserve_optimizers = sorted({c.optimizer.name for stage in self.stages for c in stage})
         self.evaluated: dict[TrainingConfig, Candidate] = {}
@@ -179,15 +197,16 @@ class PlanSearch:
 
     def space(self, overrides: dict[str, list[Any]] | None = None) -> list[TrainingConfig]:
         """Every combination of the axes' values (``overrides`` replaces some axes), in :data:`AXES` order, less those
-        that cannot train (an optimizer-in-backward steps on every backward: no micro-batches)."""
+        that cannot train (an optimizer-in-backward steps on every backward: no micro-batches, no accumulation)."""
         values = {**self.axis_values, **(overrides or {})}
         configs = []
         for combination in itertools.product(*(values[row.argument] for row in AXES)):
             settings = {row.field: value for row, value in zip(AXES, combination, strict=True)}
             if settings["lora"] is not None and not settings["lora"]:
                 settings["lora"] = None  # {} means no LoRA
-            config = TrainingConfig(**settings)
-            if not (config.microbatch is not None and config.optimizer.in_backward):
+            config = TrainingConfig(**settings, **self.carried)
+            steps_in_backward = config.microbatch is not None or self.accumulate > 1
+            if not (steps_in_backward and config.optimizer.in_backward):
                 configs.append(config)
         return configs
 
@@ -214,7 +233,7 @@ class PlanSearch:
         """The hyperparameters of the optimizer asked for that optimizer ``name`` accepts (none for another family)."""
         if _family(name) != self.family:
             return {}
-        from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+        from lightning_lowmem.functional.optimizers.catalog import optimizer_arguments
 
         accepted = set(optimizer_arguments(name))
         return {key: value for key, value in self.optimizer.kwargs.items() if key in accepted}
@@ -299,6 +318,9 @@ class PlanSearch:
         """Re-estimate a fitting prediction in full; the full figure decides."""
         if candidate.method == "full":
             return bool(candidate.fits)
+        peak = candidate.predicted_peak_bytes or 0
+        if self.full_check == "near-budget" and candidate.method == "per-axis" and peak <= NEAR_BUDGET * self.usable:
+            return True  # far enough below the budget that the full estimate (equal to it where checked) cannot differ
         candidate.per_axis_peak_bytes = candidate.predicted_peak_bytes
         candidate.report = self.evaluator.full(candidate.config)
         candidate.fits = self.fits(candidate.report)
@@ -437,6 +459,7 @@ def fixed_axes(config: TrainingConfig, precision: str) -> tuple[str, dict[str, l
             f"plan_memory plans a training mix; `config` sets quantization ({config.describe()!r}). Estimate a "
             "quantized mix with estimate_memory(config=...)."
         )
+    check_estimable(config, "plan_memory")  # pruning: refused in one line (a technique no axis searches is carried)
     fixed: dict[str, list[Any]] = {}
     if config.precision is not None:
         precision = config.precision.preset
@@ -473,7 +496,7 @@ def _batch_size(batch: Any) -> int | None:
 
 
 def _family(name: str) -> str:
-    from lightning_lowmem.functional.optimizers.registry import state_layout
+    from lightning_lowmem.functional.optimizers.catalog import state_layout
 
     return state_layout(name)[0]
 

@@ -84,10 +84,10 @@ def _collective(kind: str, output: torch.Tensor, input: torch.Tensor) -> Iterato
 def count_fsdp_resizes() -> None:
     """Make the memory core see what FSDP2 allocates outside tensor ops: gathered parameters (in-place
     storage resizes) and the communication backend's buffers (see ``StorageTracker.backend_allocations``)."""
-    from lightning_lowmem import _compat
+    from lightning_lowmem._compat.distributed import around_fsdp_collectives, on_fsdp_storage_resize
 
-    _compat.on_fsdp_storage_resize(_notify_tracker)
-    _compat.around_fsdp_collectives(_collective)
+    on_fsdp_storage_resize(_notify_tracker)
+    around_fsdp_collectives(_collective)
 
 
 def check_sharding(world_size: Any, sharding: Any) -> str | None:
@@ -200,7 +200,7 @@ class ShardedStep:
             return self
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from lightning_lowmem._compat import fake_process_group_store
+        from lightning_lowmem._compat.distributed import fake_process_group_store
 
         if dist.is_initialized():
             from lightning_lowmem.planning._fake_step import EstimationError

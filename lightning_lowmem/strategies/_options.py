@@ -121,6 +121,18 @@ class LowMemoryOptions:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
 
     @override
+    def on_train_start(self) -> None:
+        if self._transaction is not None:
+            self._transaction.commit()  # training starts: the setup's changes stay
+        super().on_train_start()  # type: ignore[misc]
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._transaction is not None and self._transaction.open:
+            self._transaction.rollback()  # failed before training: every change of this fit undone, last first
+        super().on_exception(exception)  # type: ignore[misc]
+
+    @override
     def teardown(self) -> None:
         self._release_options()
         super().teardown()  # type: ignore[misc]
@@ -180,6 +192,11 @@ class LowMemoryOptions:
             raise TypeError(f"`expandable_segments` must be True, False or None, got {expandable_segments!r}")
         self.memory_budget = memory_budget
         self.memory_budget_bytes = None if memory_budget is None else parse_bytes(memory_budget, name="memory_budget")
+        if isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool) and memory_budget < 4096:
+            raise ValueError(  # `memory_budget: 24` in a YAML is an int: bytes, never what was meant
+                f"`memory_budget`={memory_budget!r} is {memory_budget} bytes: did you mean '{memory_budget}GiB'? Give a "
+                "size with its unit ('24GiB', '512MB') or a byte count (e.g. 24 * 2**30)."
+            )
         # with optimizer=None: arguments replacing the configured optimizer's, for the planner (a named optimizer's are
         # in config.optimizer); no OptimizerConfig can say "configure_optimizers' optimizer with lr=0.1"
         self._optimizer_kwargs = dict(optimizer_kwargs or {}) if optimizer is None else {}
@@ -193,6 +210,7 @@ class LowMemoryOptions:
         self._converted: list[Any] = []  # optimizers built from `config.optimizer`
         self._guarded = False
         self._loader_checked = False
+        self._transaction: Any = None  # this fit's setup (lightning_lowmem.transaction), until training starts
 
     # ------------------------------------------------------------------ the config, in the flat vocabulary
     @property
@@ -241,6 +259,11 @@ class LowMemoryOptions:
             self._plan(trainer, module, device_type)
         if self.precision_preset is not None and self.precision_preset.endswith("-mixed"):
             self.precision_plugin = precision_plugin(self.precision_preset, device_type)  # autocast on this device
+        if fitting:  # a failure before training undoes this with the callbacks' changes, last first
+            from lightning_lowmem.transaction import join
+
+            self._transaction = join(trainer)
+            self._transaction.on_undo(self._release_options)
         if self.applied is None:
             # compression (its KV-cache hold) only while fitting; checkpointing for every stage, as before
             model_side = self.config if fitting else self.config.replace(compression=None)
@@ -324,6 +347,7 @@ class LowMemoryOptions:
             settings=self._technique_settings,
             optimizer_kwargs=self._optimizer_kwargs,
             progress=progress,
+            accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
         )
         self.config = applied_plan(
             plan, self.explicit, configured, self._optimizer_kwargs

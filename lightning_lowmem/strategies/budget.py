@@ -33,6 +33,7 @@ def plan_for_budget(
     settings: TrainingConfig | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     progress: Callable[[Any, int, int], None] | None = None,
+    accumulate_grad_batches: int = 1,
 ) -> Any:
     """Plan a technique mix for ``module`` on ``batch`` within ``budget``.
 
@@ -50,6 +51,8 @@ def plan_for_budget(
             ``configure_optimizers`` returns (``plan_memory(optimizer=None, optimizer_kwargs=...)``); a named
             optimizer's hyperparameters are in ``config.optimizer`` (an ``OptimizerConfig``). Default: none.
         progress: passed to :func:`plan_memory`. Default: ``None``.
+        accumulate_grad_batches: the Trainer's; the plan estimates that many batches per optimizer step (their
+            gradients alive through the later ones). Default: 1.
 
     Returns:
         A :class:`~lightning_lowmem.planning.plan.Plan`; ``config.micro_batch_size`` is ``None`` unless
@@ -78,6 +81,7 @@ def plan_for_budget(
             config=config,
             optimizer_kwargs=None if config.optimizer is not None else optimizer_kwargs,
             progress=progress,
+            accumulate_grad_batches=accumulate_grad_batches,
             **axes,
         )
     except ValueError as err:
@@ -99,7 +103,7 @@ def applied_plan(
     """The :class:`TrainingConfig` a strategy applies for ``plan``: the chosen mix, with ``precision`` left to
     the Trainer when the plan keeps the configured one, and the optimizer left as configured unless the plan
     changes it (a new one gets the plan's learning rate and the explicit arguments it accepts)."""
-    from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+    from lightning_lowmem.functional.optimizers.catalog import optimizer_arguments
 
     chosen = plan.config
     precision = chosen.precision if chosen.precision_preset != configured_precision else explicit.precision

@@ -31,7 +31,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.lightning_internals import (
+    lightning_model_parallel_setup_steps,
+    lightning_multiprocessing_launcher,
+)
+from lightning_lowmem._compat.torchao_optim import requantize_low_bit_state
 from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.functional.config.constants import COMPRESSION_MIN_BYTES
 from lightning_lowmem.strategies._options import LowMemoryOptions, precision_plugin, validate_precision
@@ -80,6 +84,8 @@ class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
     """
 
     strategy_name = "lowmem_fsdp"
+    #: its parameters are DTensor shards (what lightning_lowmem.composition refuses some techniques for)
+    shards_parameters = True
 
     def __init__(
         self,
@@ -182,7 +188,7 @@ class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
             self._shard(self.model)
         else:
             rank_zero_info("LowMemoryFSDPStrategy: the model is already sharded (configure_model): not sharding again.")
-        materialize, optimizers_to_device = _compat.lightning_model_parallel_setup_steps()
+        materialize, optimizers_to_device = lightning_model_parallel_setup_steps()
         materialize(self.model, self.root_device)
         self.model_to_device()
         self.barrier()
@@ -285,7 +291,7 @@ class LowMemoryFSDPStrategy(LowMemoryOptions, ModelParallelStrategy):
         else:
             checkpoint = super().load_checkpoint(path, weights_only)
         for optimizer in self.optimizers:
-            _compat.requantize_low_bit_state(optimizer)
+            requantize_low_bit_state(optimizer)
         return checkpoint
 
     @classmethod
@@ -329,7 +335,7 @@ def _waited(state: Any, dequantize: bool = False) -> Any:
     return tree_map(plain, state)
 
 
-class _FullStateLauncher(_compat.lightning_multiprocessing_launcher()):  # type: ignore[misc]
+class _FullStateLauncher(lightning_multiprocessing_launcher()):  # type: ignore[misc]
     """Lightning's spawn launcher, handing the *full* weights back to the main process.
 
     The base class returns rank 0's ``lightning_module.state_dict()``, which under FSDP holds DTensor

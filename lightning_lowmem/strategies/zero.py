@@ -61,7 +61,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, name: str | None = None) -
             "Use a plain optimizer name (e.g. 'adamw', 'adamw8bit') or zero_optimizer=False."
         )
     if name is not None:
-        from lightning_lowmem.functional.optimizers.registry import build_optimizer
+        from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
         constructor: Callable[..., Any] = functools.partial(build_optimizer, name)
         kept = ("lr", "weight_decay")  # what build_optimizer's callers pass; the rest is the name's

@@ -4,7 +4,8 @@ The matrix: every pair of our callbacks, and each with the Trainer's ``accumulat
 ``gradient_clip_val``, either trains (a two-step fit on a tiny model) or is refused in ``setup`` with one line
 naming both sides and what to do instead, and the weights are then bit-identical to before the fit.
 
-A new callback joins the matrix with one line in ``SWITCHES`` (and one in ``REFUSED`` per pair it refuses).
+A new callback joins the matrix with one line in ``SWITCHES`` (and one in ``REFUSED`` per pair it refuses); the labels
+come from what each callback says it is, and docs/composition.md's table from the rules (``matrix_table``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import itertools
 import re
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -32,7 +35,7 @@ from lightning_lowmem import (
     QuantizationAwareTraining,
     ScheduledPruning,
 )
-from lightning_lowmem.composition import RULES, Technique, check_composition, refusal
+from lightning_lowmem.composition import RULES, Technique, check_composition, refusal, techniques_of
 
 warnings.filterwarnings("ignore", module="torchao")
 
@@ -69,30 +72,65 @@ REFUSED: dict[frozenset[str], str] = {
 }
 #: Lightning itself refuses two callbacks of one class with the same ``state_key`` in ``Trainer()``; our rules
 #: refuse the twins it lets through (tested below with different modes)
-LIGHTNING = (
-    "Found more than one stateful callback of type `(ActivationCheckpointing|ActivationCompression|MemoryEff"
-    "icientOptimizer|AutoMicrobatch|LowRankAdapters|ScheduledPruning|PostTrainingQuantization|QuantizationAware"
-    "Training|MemoryMonitor|ChunkedCrossEntropy)`"
+LIGHTNING = "Found more than one stateful callback of type `({})`".format(
+    "|".join(sorted({type(switch()).__name__ for switch in SWITCHES.values() if not isinstance(switch, dict)}))
 )
 REFUSED.update({frozenset({name}): LIGHTNING for name in SWITCHES if not isinstance(SWITCHES[name], dict)})
 REFUSED[frozenset({"pruning", "structural"})] = REFUSED[frozenset({"optimizer", "in_backward"})] = LIGHTNING
 
-#: the label each side is named by in a refusal
-LABELS = {
-    "in_backward": r"MemoryEfficientOptimizer\('adafactor_in_backward'\)",
-    "optimizer": r"MemoryEfficientOptimizer\('adafactor'\)",
-    "accumulation": r"Trainer\(accumulate_grad_batches=2\)",
-    "clipping": r"Trainer\(gradient_clip_val=1.0\)",
-    "microbatch": "AutoMicrobatch",
-    "lora": r"LowRankAdapters\(r=2\)",
-    "structural": r"ScheduledPruning\(structural=True\)",
-    "ptq": r"PostTrainingQuantization\('int8_weight_only'\)",
-    "qat": r"QuantizationAwareTraining\('intx4_weight_only'\)",
-    "compression": r"ActivationCompression\('int8'\)",
-    "checkpointing": r"ActivationCheckpointing\('Block'\)",
-    "monitor": "MemoryMonitor",
-    "chunked_loss": "ChunkedCrossEntropy",
-}
+SHORT = {
+    "checkpointing": "AC",
+    "compression": "Comp",
+    "optimizer": "MEO",
+    "in_backward": "MEO-ib",
+    "microbatch": "AMB",
+    "lora": "LoRA",
+    "pruning": "Prune",
+    "structural": "Prune-s",
+    "ptq": "PTQ",
+    "qat": "QAT",
+    "monitor": "Mon",
+    "chunked_loss": "CE",
+    "accumulation": "accum",
+    "clipping": "clip",
+}  # the column names of docs/composition.md's matrix
+
+
+def _switched_on(*names: str) -> SimpleNamespace:
+    """A stand-in Trainer with these switches on (what ``techniques_of`` reads)."""
+    callbacks = [SWITCHES[name]() for name in names if not isinstance(SWITCHES[name], dict)]
+    settings = {"accumulate_grad_batches": 1, "gradient_clip_val": None}
+    for name in names:
+        if isinstance(SWITCHES[name], dict):
+            settings.update(SWITCHES[name])
+    return SimpleNamespace(callbacks=callbacks, strategy=None, **settings)
+
+
+#: the label each side is named by in a refusal: what the callback (or the Trainer setting) says it is
+LABELS = {name: re.escape(techniques_of(_switched_on(name))[0].label) for name in SWITCHES}
+
+
+def _same_class(a: str, b: str) -> bool:
+    makers = [SWITCHES[a], SWITCHES[b]]
+    return not any(isinstance(make, dict) for make in makers) and type(makers[0]()) is type(makers[1]())
+
+
+def matrix_table() -> str:
+    """docs/composition.md's matrix, from the composition rules: ✓ composes, ✗ refused by ``check_composition``,
+    **1** refused by Lightning (two callbacks of one class), – the same Trainer setting."""
+    names = list(SWITCHES)
+    lines = ["| | " + " | ".join(SHORT[name] for name in names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        cells = []
+        for b in names:
+            if a == b and isinstance(SWITCHES[a], dict):
+                cells.append("–")
+            elif _same_class(a, b):
+                cells.append("1")
+            else:
+                cells.append("✗" if refusal(techniques_of(_switched_on(a, b))) else "✓")
+        lines.append(f"| **{SHORT[a]}** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 class BlocksModule(L.LightningModule):
@@ -421,3 +459,24 @@ def test_only_fit_is_checked():
     check_composition(Stub(), "validate")  # nothing trains: nothing to refuse
     with pytest.raises(ValueError, match=r"MemoryEfficientOptimizer\('adamw_in_backward'\) and Trainer\(accumu"):
         check_composition(Stub(), "fit")
+
+
+def test_every_technique_callback_is_in_the_matrix():
+    """A callback on the technique base (lightning_lowmem.callbacks) that SWITCHES forgets would go unchecked."""
+    import lightning_lowmem.callbacks as callbacks
+    from lightning_lowmem.callbacks._technique_base import TechniqueCallback
+
+    exported = {name for name in callbacks.__all__ if issubclass(getattr(callbacks, name), TechniqueCallback)}
+    in_matrix = {type(switch()).__name__ for switch in SWITCHES.values() if not isinstance(switch, dict)}
+    assert exported == in_matrix
+
+
+def test_the_docs_matrix_is_the_rules():
+    """docs/composition.md's table is :func:`matrix_table` (regenerate it with
+    ``python -c "from tests.callbacks.test_composition import matrix_table; print(matrix_table())"``)."""
+    doc = (Path(__file__).parents[2] / "docs" / "composition.md").read_text()
+    assert matrix_table() in doc, "docs/composition.md's matrix differs from the rules; paste:\n" + matrix_table()
+    for a, b in _pairs():  # the rules and the refusals the matrix test expects agree
+        expected = REFUSED.get(frozenset({a, b}))
+        if expected is not LIGHTNING:
+            assert (expected is not None) == bool(refusal(techniques_of(_switched_on(a, b)))), (a, b)

@@ -181,7 +181,7 @@ def test_torchao_argument_list_matches_torchao():
 
     import torchao.optim
 
-    from lightning_lowmem.functional.optimizers.registry import optimizer_arguments
+    from lightning_lowmem.functional.optimizers.catalog import optimizer_arguments
 
     for name, cls in (("adamw8bit", torchao.optim.AdamW8bit), ("adamw4bit", torchao.optim.AdamW4bit)):
         assert optimizer_arguments(name) == tuple(p for p in inspect.signature(cls).parameters if p != "params")

@@ -93,7 +93,7 @@ def test_a_deep_step_over_a_compiled_optimizer_step_warns_once(tmp_path, optimiz
     import warnings
 
     from lightning_lowmem import LowMemWarning, MemoryEfficientOptimizer
-    from lightning_lowmem._compat import force_eager
+    from lightning_lowmem._compat.compiler import force_eager
 
     monitor = MemoryMonitor(deep_every_n_steps=2, summary=False)  # deep steps 1 and 2
     trainer = L.Trainer(

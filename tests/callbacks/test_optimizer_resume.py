@@ -17,10 +17,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_lowmem._compat import force_eager
+from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
 from lightning_lowmem.checkpoints import CheckpointMismatchError, records
-from lightning_lowmem.functional.optimizers.registry import available_optimizers
+from lightning_lowmem.functional.optimizers.catalog import available_optimizers
 
 
 class _Net(L.LightningModule):

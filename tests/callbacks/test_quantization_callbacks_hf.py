@@ -19,7 +19,7 @@ from lightning_lowmem.warnings import LowMemWarning
 
 pytest.importorskip("transformers")
 
-from lightning_lowmem.demo.hf import HFLanguageModel  # noqa: E402
+from lightning_lowmem.models.hf import HFLanguageModel  # noqa: E402
 from tests.hf_zoo import T5_TABLES, constant_bytes, hf_data, hf_module, size_ratio, t5_tied_names  # noqa: E402
 
 warnings.filterwarnings("ignore", module="torchao")

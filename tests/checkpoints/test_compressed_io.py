@@ -364,3 +364,20 @@ def test_one_class_behind_every_import_path():
     )
     # what a plain torch.load of a compressed file calls, by the path written in the file's first bytes
     assert old_module.written_by_CompressedCheckpointIO is file_format.written_by_CompressedCheckpointIO
+
+
+def test_incompressible_weights_skip_the_in_memory_copy_and_chunking(tmp_path, monkeypatch):
+    """Dense fp32 weights: a few samples decide, the file is torch.save's straight to disk (no chunk compressed,
+    not even sampled); a checkpoint whose tensors compress still takes the chunked path."""
+    torch.manual_seed(0)
+    dense = {"state_dict": {f"w{i}": torch.randn(512, 512) for i in range(4)}, "epoch": 1}
+    assert file_format.samples_say_plain(dense["state_dict"].values(), "zstd", 3, 0.1)
+    assert not file_format.samples_say_plain([torch.rand(512, 512).round()], "zstd", 3, 0.1)  # 0s and 1s
+    calls = []
+    monkeypatch.setattr(compressed_io, "pack_chunks", lambda *args: calls.append(args) or [])
+    checkpoint_io = CompressedCheckpointIO()
+    checkpoint_io.save_checkpoint(dense, tmp_path / "dense.ckpt")
+    assert calls == [] and checkpoint_io.last_save_stats["chunks_compressed"] == 0
+    TorchCheckpointIO().save_checkpoint(dense, tmp_path / "plain.ckpt")
+    assert (tmp_path / "dense.ckpt").read_bytes() == (tmp_path / "plain.ckpt").read_bytes()
+    assert not list(tmp_path.glob("*.framed"))  # no temporary file left

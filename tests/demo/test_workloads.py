@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_lowmem.demo import CharLM, CharLMDataModule, DigitsClassifier, DigitsDataModule, GPTConfig
-from lightning_lowmem.demo.charlm import stdlib_files
+from lightning_lowmem.models.corpus import stdlib_files
 
 
 def test_charlm_corpus_excludes_tests_and_is_deterministic():
@@ -44,3 +44,18 @@ def test_models_shapes_and_bad_input():
         DigitsClassifier(arch="rnn")
     with pytest.raises(ValueError, match="`val_fraction` must be in"):
         CharLMDataModule(val_fraction=1.5)
+
+
+def test_the_hf_wrappers_old_paths_name_the_models_module():
+    """`lightning_lowmem.demo.HFLanguageModel` (README) and the module path `lightning_lowmem.demo.hf` (YAML
+    `class_path`) still name the wrappers that moved to `lightning_lowmem.models.hf`."""
+    import importlib
+
+    from lightning_lowmem import demo
+    from lightning_lowmem.models import hf
+
+    assert demo.HFLanguageModel is hf.HFLanguageModel and demo.HFTextDataModule is hf.HFTextDataModule
+    assert importlib.import_module("lightning_lowmem.demo.hf") is hf
+    from lightning_lowmem.demo.hf import build_hf_model
+
+    assert build_hf_model is hf.build_hf_model

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Subset
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_lowmem.demo.hf import build_hf_model  # noqa: E402
+from lightning_lowmem.models.hf import build_hf_model  # noqa: E402
 from lightning_lowmem.distillation import DistillationModule, build_teacher_cache, register_loss  # noqa: E402
 from lightning_lowmem.distillation.cache import batch_keys  # noqa: E402
 from lightning_lowmem.memory import state_bytes  # noqa: E402

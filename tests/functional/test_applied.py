@@ -84,3 +84,15 @@ def test_micro_batches_and_the_dict_form():
     assert [part["x"].shape[0] for part in parts] == [2, 2, 1] and parts[0]["scale"] == 2.0
     with pytest.raises(TypeError, match="`config` must be a TrainingConfig or a dict"):
         apply(torch.nn.Linear(3, 3), "adamw")
+
+
+def test_reports_are_one_mapping_by_technique():
+    """Each handler's report is ``applied.reports[field]`` (#35); the built-ins' attributes read the same mapping."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    applied = apply(model, {"lora": {"r": 2, "target": ["0"]}, "activation_checkpointing": "Linear"})
+    assert set(applied.reports) == {"lora", "checkpointing"}
+    assert applied.reports["lora"] is applied.lora and applied.lora.wrapped == ["0"]
+    assert applied.reports["checkpointing"] == applied.checkpointed == ["2"]  # layer 0 is a LoraLinear now
+    assert applied.quantization is None and applied.pruning is None
+    applied.undo()
+    assert applied.reports["checkpointing"] == []

@@ -188,7 +188,8 @@ def test_keyword_arguments_pass_through():
 def test_policy_matching_nothing_is_an_error_listing_the_classes():
     model = _gpt()
     with pytest.raises(
-        ValueError, match=r"'Blok' matched no submodule of CharGPT\. Did you mean 'Block'\? .*classes.*Block"
+        ValueError,
+        match=r"'Blok' matched no submodule of CharGPT\. Did you mean 'Block'\? Its repeated blocks are \d+ x Block",
     ):
         checkpoint_(model, "Blok")
     with pytest.raises(ValueError, match="Conv2d matched no submodule"):
@@ -235,3 +236,26 @@ def test_bad_module_raises():
         checkpoint_("model", "auto")
     with pytest.raises(TypeError, match="`module` must be an nn.Module, got int"):
         uncheckpoint_(3)
+
+
+def test_a_policy_matching_nothing_names_the_repeated_block_never_the_model_holding_them():
+    from lightning_lowmem.demo.hf import build_hf_model
+
+    model = build_hf_model("llama")
+    with pytest.raises(
+        ValueError, match=r"Did you mean 'LlamaDecoderLayer'\? Its repeated blocks are 2 x LlamaDecoderLayer"
+    ) as info:
+        checkpoint_(model, "LlamaBlock")
+    assert "LlamaModel" not in str(info.value)  # it holds every block: checkpointing it recomputes the whole model
+    assert checkpointed_modules(model) == []
+
+
+def test_auto_on_a_one_block_model_checkpoints_that_block():
+    model = CharGPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
+    assert checkpoint_(model, "auto").wrapped == ["h.0"]
+    batch = torch.randint(0, 65, (2, 16))
+    plain = CharGPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items()})
+    for m in (model, plain):
+        m(batch).float().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(), strict=True))

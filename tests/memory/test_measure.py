@@ -174,6 +174,12 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad, name="budget")
 
 
+def test_a_bare_number_string_is_refused_with_its_unit_suggested_an_int_is_bytes():
+    with pytest.raises(ValueError, match=r"`budget`='24' has no unit: did you mean '24GiB'\?"):
+        parse_bytes("24", name="budget")
+    assert parse_bytes("24B") == parse_bytes(24) == 24
+
+
 @pytest.mark.cuda
 def test_cuda_peak_matches_allocator():
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).cuda()
@@ -191,7 +197,7 @@ def test_torchao_8bit_adamw_step_is_measured():
     # torchao steps each parameter through torch.compile(fullgraph=True), which cannot trace under the
     # tracker's dispatch mode; the tracker forces eager so the step runs and its state is counted
     pytest.importorskip("torchao")
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
     def measured_state(name: str) -> int:
         torch.manual_seed(0)

@@ -19,7 +19,7 @@ from lightning_lowmem.demo import CharLM, DigitsClassifier
 def _real_peak(module: nn.Module, batch, config: TrainingConfig, loop: str = "lightning") -> int:
     """Measure the same step for real: the estimator's own step function on real tensors (by default in
     Lightning's order, as the estimate of a LightningModule runs it)."""
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
     from lightning_lowmem.planning.estimate import _apply_model_techniques, _train_step, default_loss
 
     dtype = {"bf16-true": torch.bfloat16}.get(config.precision_preset)
@@ -175,7 +175,7 @@ def test_cuda_estimate_within_10_percent_of_allocator():
 
 def test_low_bit_optimizer_estimate_after_a_compiled_real_step():
     """torchao compiles its 8-bit step; a compiled kernel fed fake tensors used to crash the process."""
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
     optimizer = build_optimizer("adamw8bit", model.parameters(), lr=1e-3)
@@ -194,7 +194,7 @@ def test_low_bit_optimizer_estimate_after_a_compiled_real_step():
 )
 def test_adafactor_scalars_do_not_stop_the_estimate(optimizer):
     """Adafactor reads step counts and norms with ``.item()``; only values depend on them, not memory."""
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
     from lightning_lowmem.planning.estimate import default_loss
 
     torch.manual_seed(0)
@@ -217,7 +217,8 @@ def test_adafactor_scalars_do_not_stop_the_estimate(optimizer):
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "adafactor", "sgd"])
 def test_state_created_once_per_shape_matches_stepping_every_parameter(optimizer):
     """estimate_memory steps one parameter per shape and copies its state: the same layout, storage by storage."""
-    from lightning_lowmem import _compat
+    from lightning_lowmem._compat.compiler import force_eager
+    from lightning_lowmem._compat.fake_mode import fake_tensor_mode
     from lightning_lowmem.planning import _fake_step
     from lightning_lowmem.memory._tensors import iter_tensors
 
@@ -225,7 +226,7 @@ def test_state_created_once_per_shape_matches_stepping_every_parameter(optimizer
 
     def layout(by_shape: bool) -> tuple:
         _fake_step.build_lookup_tables(optimizer)
-        with _compat.fake_tensor_mode(), _compat.force_eager():
+        with fake_tensor_mode(), force_eager():
             params = [nn.Parameter(torch.empty_strided(p.shape, p.stride())) for p in model.parameters()]
             opt = _fake_step.build_optimizer(optimizer, params, {"momentum": 0.9} if optimizer == "sgd" else {})
             if by_shape:
@@ -278,7 +279,7 @@ def test_estimate_equals_the_peak_memory_monitor_measures_in_a_fit(tmp_path):
 )
 def test_adamw_kernel_families_estimate_equals_the_measured_step(kernel):
     """AdamW's three kernels (fused, foreach, per-tensor loop) run on fake tensors as on real ones (CPU)."""
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
     from lightning_lowmem.planning.estimate import _train_step, default_loss
 
     batch = _charlm_batch(16)

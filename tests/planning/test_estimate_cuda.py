@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from lightning_lowmem.demo import CharLM
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.planning.estimate import (
     TrainingConfig,
     _apply_model_techniques,
@@ -39,7 +39,7 @@ def _charlm(batch_size: int = 8):
 
 def _gpt2(batch_size: int = 8):
     pytest.importorskip("transformers")
-    from lightning_lowmem.demo.hf import HFLanguageModel
+    from lightning_lowmem.models.hf import HFLanguageModel
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (batch_size, 128))
@@ -100,7 +100,7 @@ def test_hf_gpt2_estimate_within_10_percent_of_the_allocator(name):
 def _hf_long(family: str, length: int, **overrides):
     """A 2 x 128, 8-head Hugging Face model and an unpadded batch of 2 x ``length`` tokens (#29's rows)."""
     pytest.importorskip("transformers")
-    from lightning_lowmem.demo.hf import HFLanguageModel
+    from lightning_lowmem.models.hf import HFLanguageModel
 
     torch.manual_seed(0)
     if family == "gpt2":
@@ -133,7 +133,7 @@ def _hf_long(family: str, length: int, **overrides):
     ],
 )
 def test_long_context_estimate_within_10_percent_of_the_allocator(family, length, name, overrides, kernel):
-    """The fake step runs the attention kernel CUDA picks and keeps what it keeps (planning/attention.py)."""
+    """The fake step runs the attention kernel CUDA picks and keeps what it keeps (planning/attention_kernels.py)."""
     config = CONFIGS[name].replace(optimizer="adamw")
     model, batch = _hf_long(family, length, **overrides)
     report = estimate_memory(model, batch, device="cuda", config=config)

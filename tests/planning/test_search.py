@@ -25,7 +25,7 @@ def model_and_batch():
 
 def test_the_axes_are_one_table_of_plan_memory_arguments_and_config_fields():
     parameters = inspect.signature(plan_memory).parameters
-    fields = set(TrainingConfig.__dataclass_fields__)
+    fields = set(TrainingConfig.keywords())
     assert [row.argument for row in AXES] == [
         "precisions",
         "checkpointing",
@@ -48,12 +48,13 @@ def test_the_axes_are_one_table_of_plan_memory_arguments_and_config_fields():
     ]
     assert axis("cross_entropy").never_adds_memory == "chunked" and axis("loras") is axis("lora")
     # every registered technique is searched by one axis, or is deliberately not a planner decision (PTQ, a
-    # one-shot prune and QAT change what the model computes: the user chooses them): a new technique decides
+    # one-shot prune and QAT change what the model computes: the user chooses them, and `config=` carries them
+    # into every candidate or refuses them in one line; a technique registered later is carried)
     from lightning_lowmem.functional.registry import techniques
 
     registered = {t.field for t in techniques()}
     assert {row.field for row in AXES} <= registered
-    assert registered - {row.field for row in AXES} == {"quantization", "pruning", "qat"}
+    assert {"quantization", "pruning", "qat"} <= registered - {row.field for row in AXES}
     with pytest.raises(KeyError, match="no search axis 'dropout'"):
         axis("dropout")
     # candidates differing only in the optimizer share one model-side run
@@ -158,3 +159,55 @@ def test_the_chunked_loss_twin_rules_out_a_candidate_without_a_run():
     assert candidate.report.meta["dominated_by"] == "32-true + chunked CE + adamw"
     assert search.evaluator.probes == 1  # the twin's forward only
     assert search.evaluated[TrainingConfig(cross_entropy="chunked")].method == "lower bound"
+
+
+def test_a_model_side_whose_weights_alone_pass_the_budget_is_ruled_out_without_a_run(model_and_batch):
+    model, batch = model_and_batch
+    weights = sum(p.numel() for p in model.parameters())
+    budget = 3 * weights  # bf16 weights (2 bytes each) fit, float32 ones (4 bytes) cannot
+    search = PlanSearch(model, batch, budget, device="cpu", margin=0.0)
+    fp32 = TrainingConfig(precision="bf16-mixed", optimizer="adamw")
+    candidate = search.predict(fp32)
+    assert search.evaluator.probes == 0  # no step was run for it
+    assert candidate.fits is False and candidate.method == "lower bound"
+    assert candidate.report.breakdown["parameters"] == 4 * weights
+    # the bound is a lower bound: the complete estimate of the same candidate is above it
+    assert estimate_memory(model, batch, device="cpu", config=fp32).peak_bytes > 4 * weights
+    qlora = TrainingConfig(precision="bf16-mixed", optimizer="adamw", lora={"r": 4, "quantize_base": "int8"})
+    assert search.evaluator._weight_bytes(qlora) is None  # a quantized base holds less: no bound from the weights
+    search = PlanSearch(model, batch, "1GiB", device="cpu", full_check="near-budget")
+    plan = search.run()
+    assert plan.chosen.method == "per-axis" and search.evaluator.full_estimates == 0  # far below 98% of the budget
+    with pytest.raises(ValueError, match=r"`full_check`='sometimes' is unknown"):
+        PlanSearch(model, batch, "1GiB", device="cpu", full_check="sometimes")
+
+
+# ----------------------------------------------------------------------------- techniques no axis searches (#35)
+def test_plan_memory_keeps_qat_in_every_candidate(model_and_batch):
+    """A technique of ``config=`` that no axis searches (QAT) is in every candidate and in the plan, not dropped."""
+    from lightning_lowmem.functional.config import QATConfig
+
+    model, batch = model_and_batch
+    qat = QATConfig("intx4_weight_only", group_size=16)
+    config = TrainingConfig.of(qat)
+    search = PlanSearch(model, batch, "1GiB", device="cpu", config=config)
+    assert search.carried == {"qat": qat}
+    assert all(candidate.qat == qat for candidate in search.space())
+    plan = plan_memory(model, batch, "1GiB", device="cpu", config=config, max_estimates=4)
+    assert plan.config.qat == qat and "qat(intx4_weight_only)" in plan.config.describe()
+
+
+def test_plan_memory_and_estimate_memory_refuse_pruning_in_one_line(model_and_batch):
+    """Pruning's masks depend on the weights' values, which fake tensors lack: refused, in one line, before any
+    estimate (it was dropped silently by plan_memory, and stopped estimate_memory with a data-dependent error)."""
+    model, batch = model_and_batch
+    config = TrainingConfig.of(TrainingConfig(pruning={"amount": 0.5}).pruning)
+    for run in (
+        lambda: plan_memory(model, batch, "1GiB", device="cpu", config=config),
+        lambda: estimate_memory(model, batch, device="cpu", config=config),
+    ):
+        with pytest.raises(
+            ValueError, match=r"cannot estimate `pruning` \(prune\(l1_unstructured 0.5\)\): .*values"
+        ) as err:
+            run()
+        assert "\n" not in str(err.value) and "config.replace(pruning=None)" in str(err.value)

@@ -95,13 +95,14 @@ def test_fsdp_estimate_inside_a_process_group_says_where_to_run_it(tmp_path, no_
 def test_a_simulated_gloo_reduce_scatter_holds_a_copy_of_its_input(no_process_group, device, copies):
     """gloo (CPU) reduces a copy of the reduce-scatter input and stages the all-gather output in a buffer of its
     own, each for the call; NCCL (GPU) works in place."""
-    from lightning_lowmem import _compat
+    from lightning_lowmem._compat.distributed import fsdp_collective_names
+    from lightning_lowmem._compat.fake_mode import fake_tensor_mode
     from lightning_lowmem.memory._tracker import StorageTracker
     from lightning_lowmem.planning.sharding import ShardedStep
 
-    with ShardedStep("fsdp", world_size=2, device=device), _compat.fake_tensor_mode():
+    with ShardedStep("fsdp", world_size=2, device=device), fake_tensor_mode():
         gradients, shard = torch.empty(1024), torch.empty(512)  # made before tracking
-        names = _compat.fsdp_collective_names()  # torch 2.11 has other names
+        names = fsdp_collective_names()  # torch 2.11 has other names
         with StorageTracker(device="cpu") as tracker:
             getattr(dist, names["reduce_scatter"])(shard, gradients)
         with StorageTracker(device="cpu") as gather:

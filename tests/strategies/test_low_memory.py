@@ -128,6 +128,8 @@ def test_nested_checkpointing_wraps_attention_inside_blocks_and_keeps_the_weight
     [
         ({"precision": "fp8"}, r"`precision`='fp8' is not a known preset; choose one of \['32-true'"),
         ({"memory_budget": "12GB?"}, r"`memory_budget`='12GB\?' is not a byte size"),
+        ({"memory_budget": "24"}, r"`memory_budget`='24' has no unit: did you mean '24GiB'\?"),
+        ({"memory_budget": 24}, r"`memory_budget`=24 is 24 bytes: did you mean '24GiB'\?"),
         ({"activation_compression": "zip"}, r"`activation_compression`='zip' is unknown"),
         ({"optimizer": "adamw9bit"}, r"`optimizer`='adamw9bit' is unknown; choose one of \['adafactor'"),
         ({"compression_min_bytes": -1}, r"`compression_min_bytes`=-1 must be >= 0"),

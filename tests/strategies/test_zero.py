@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import state_bytes
 from lightning_lowmem.strategies.zero import drop_duplicate_state, shard_optimizer
 

@@ -172,7 +172,7 @@ class OptimizerConfig:
     def __init__(
         self, name: str = "adamw", hyperparameters: Mapping[str, Any] | tuple | None = None, **kwargs: Any
     ) -> None:
-        from lightning_lowmem.functional.optimizers.registry import check_optimizer_name, check_optimizer_kwargs
+        from lightning_lowmem.functional.optimizers.catalog import check_optimizer_name, check_optimizer_kwargs
 
         key = check_optimizer_name(name)
         if hyperparameters is not None and not isinstance(hyperparameters, (Mapping, tuple)):
@@ -204,7 +204,7 @@ class OptimizerConfig:
 
     def build(self, params: Any, **overrides: Any) -> torch.optim.Optimizer:
         """The optimizer over ``params``; ``overrides`` win over the hyperparameters (e.g. ``foreach``)."""
-        from lightning_lowmem.functional.optimizers.registry import build_optimizer
+        from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
         return build_optimizer(self.name, params, **{**self.kwargs, **overrides})
 
@@ -214,7 +214,7 @@ _TORCHAO_BACKED = ("adamw8bit", "adamw4bit", "adamw_bf16_sr")
 
 def _check_optimizer_values(name: str, kwargs: dict[str, Any]) -> None:
     """Refuse values the optimizer would refuse, now rather than when it is built."""
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
     for key in ("lr", "weight_decay", "momentum"):
         value = kwargs.get(key)

@@ -1,67 +1,39 @@
 """`TrainingConfig`: the registered techniques' configs composed into one technique mix, with their shorthands.
 
-What it composes is :mod:`lightning_lowmem.functional.registry`'s list: each technique's field, the
-shorthands it owns, its ``describe()`` label and its ``to_dict()`` keywords are registered with its handler
-(the built-ins in :mod:`lightning_lowmem.functional.handlers`). The class spells the built-in fields out for
-IDEs and type checkers; a technique registered later is composed the same way (``TrainingConfig(myfield=...)``,
+What it composes is :mod:`lightning_lowmem.functional.registry`'s list, the one source: each technique's field,
+its default, the shorthands it owns, its ``describe()`` label and its ``to_dict()`` keywords are registered with
+its handler (the built-ins in :mod:`lightning_lowmem.functional.handlers`). Nothing here names a technique: a
+technique registered later is composed exactly as the built-ins (``TrainingConfig(myfield=...)``,
 ``config.myfield``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import lightning_lowmem.functional.handlers  # noqa: F401  (registers the built-in techniques)
-from lightning_lowmem.functional.config.pruning import PruningConfig
-from lightning_lowmem.functional.config.qat import QATConfig
-from lightning_lowmem.functional.config.techniques import (
-    CheckpointingConfig,
-    CompressionConfig,
-    CrossEntropyConfig,
-    LoRAConfig,
-    MicrobatchConfig,
-    OptimizerConfig,
-    PrecisionConfig,
-    QuantizationConfig,
-    ShardingConfig,
-)
 from lightning_lowmem.functional.registry import technique_for, techniques
 
 __all__ = ["TrainingConfig"]
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, init=False, repr=False)
 class TrainingConfig:
     """One technique mix: what a training step is estimated, planned and run with.
 
-    Every field is a per-technique config (``None``: the technique is off). The constructor also takes
-    the flat shorthands users write, and turns them into those configs:
-
-    ============================================  ==============================================
-    shorthand                                     field
-    ============================================  ==============================================
-    ``precision="bf16-true"``                     ``precision=PrecisionConfig("bf16-true")``
-    ``activation_checkpointing="auto"``,          ``checkpointing=CheckpointingConfig("auto", nested=...)``
-    ``nested_checkpointing=True``
-    ``activation_compression="int8"``,           ``compression=CompressionConfig("int8", min_bytes=...)``
-    ``compression_min_bytes=0``
-    ``optimizer="adamw8bit"``,                    ``optimizer=OptimizerConfig("adamw8bit", lr=1e-3)``
-    ``optimizer_kwargs={"lr": 1e-3}``
-    ``micro_batch_size=4``                        ``microbatch=MicrobatchConfig(4)``
-    ``lora={"r": 8}``                             ``lora=LoRAConfig(r=8)``
-    ``quantization="int8_weight_only"``           ``quantization=QuantizationConfig("int8_weight_only")``
-    ``sharding="fsdp", world_size=8``             ``sharding=ShardingConfig("fsdp", 8)``
-    ``cross_entropy="chunked"``                   ``cross_entropy=CrossEntropyConfig("chunked")``
-    ============================================  ==============================================
-
-    A technique registered with :func:`~lightning_lowmem.functional.registry.register_technique` is one more
-    keyword (its ``field``, and the flat keywords its shorthand owns).
+    Each registered technique is a keyword and an attribute (its ``field``): its config, or ``None`` when the
+    technique is off. The constructor also takes the flat shorthands users write and turns them into those
+    configs, e.g. ``precision="bf16-true"``, ``activation_checkpointing="auto"`` (with ``nested_checkpointing``),
+    ``activation_compression="int8"`` (with ``compression_min_bytes``), ``optimizer="adamw8bit"`` (with
+    ``optimizer_kwargs``), ``micro_batch_size=4``, ``lora={"r": 8}``, ``quantization="int8_weight_only"``,
+    ``sharding="fsdp", world_size=8``, ``cross_entropy="chunked"``, ``pruning={...}``, ``qat="intx4_weight_only"``;
+    :meth:`keywords` lists every field with the flat keywords it owns.
 
     ``precision=None`` / ``optimizer=None`` mean "as configured elsewhere" (the Trainer's precision,
-    ``configure_optimizers``' optimizer): the strategies use them for what the user did not set.
+    ``configure_optimizers``' optimizer): the strategies use them for what the user did not set. Their defaults
+    (``"32-true"``, ``"adamw"``) are registered with them.
 
     Raises:
         ValueError / TypeError: from the per-technique configs; a technique given both as a field and
@@ -76,59 +48,38 @@ class TrainingConfig:
         '32-true + lora(r=8) + adamw8bit + mb 4'
     """
 
-    precision: PrecisionConfig | None
-    checkpointing: CheckpointingConfig | None
-    compression: CompressionConfig | None
-    optimizer: OptimizerConfig | None
-    microbatch: MicrobatchConfig | None
-    lora: LoRAConfig | None
-    quantization: QuantizationConfig | None
-    sharding: ShardingConfig | None
-    cross_entropy: CrossEntropyConfig | None
-    pruning: PruningConfig | None
-    qat: QATConfig | None
-    _others: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # techniques registered beyond these
+    _configs: tuple[tuple[str, Any], ...] = field(default=())  # the techniques that are on, in registration order
 
-    def __init__(
-        self,
-        precision: PrecisionConfig | str | None = "32-true",
-        checkpointing: CheckpointingConfig | Any = None,
-        compression: CompressionConfig | str | None = None,
-        optimizer: OptimizerConfig | str | None = "adamw",
-        microbatch: MicrobatchConfig | int | None = None,
-        lora: LoRAConfig | Mapping[str, Any] | None = None,
-        quantization: QuantizationConfig | Any = None,
-        sharding: ShardingConfig | str | None = None,
-        cross_entropy: CrossEntropyConfig | str | Mapping[str, Any] | None = None,
-        pruning: PruningConfig | Mapping[str, Any] | None = None,
-        qat: QATConfig | str | Mapping[str, Any] | None = None,
-        *,
-        activation_checkpointing: Any = None,
-        nested_checkpointing: bool | None = None,
-        activation_compression: str | None = None,
-        compression_min_bytes: int | None = None,
-        optimizer_kwargs: Mapping[str, Any] | None = None,
-        micro_batch_size: int | None = None,
-        world_size: int | None = None,
-        **others: Any,
-    ) -> None:
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "others")}
-        arguments.update(others)
+    def __init__(self, **arguments: Any) -> None:
         values: dict[str, Any] = {}
         for technique in techniques():
             flat = {name: arguments.pop(name) for name in technique.flat if name in arguments}
-            values[technique.field] = technique.build(arguments.pop(technique.field, None), **flat)
+            values[technique.field] = technique.build(arguments.pop(technique.field, technique.default), **flat)
         if arguments:
-            known = [name for t in techniques() for name in (t.field, *t.flat)]
+            known = [name for names in self.keywords().items() for name in (names[0], *names[1])]
             unknown = min(arguments)
             close = difflib.get_close_matches(unknown, known, n=1)
             raise TypeError(
                 f"TrainingConfig got an unknown argument `{unknown}`; the registered techniques take {known}"
                 + (f". Did you mean {close[0]!r}?" if close else " (register_technique adds one)")
             )
-        for own in _OWN_FIELDS:
-            object.__setattr__(self, own, values.pop(own, None))
-        object.__setattr__(self, "_others", tuple((name, value) for name, value in values.items() if value is not None))
+        object.__setattr__(
+            self, "_configs", tuple((name, value) for name, value in values.items() if value is not None)
+        )
+
+    @staticmethod
+    def keywords() -> dict[str, tuple[str, ...]]:
+        """Every registered technique's field, with the flat keywords its shorthand owns (registration order).
+
+        Example::
+
+            >>> TrainingConfig.keywords()["checkpointing"]
+            ('activation_checkpointing', 'nested_checkpointing')
+        """
+        return {t.field: t.flat for t in techniques()}
+
+    def __repr__(self) -> str:
+        return f"TrainingConfig({', '.join(f'{name}={value!r}' for name, value in self._configs)})"
 
     @classmethod
     def of(cls, *configs: Any) -> "TrainingConfig":
@@ -140,6 +91,7 @@ class TrainingConfig:
 
         Example::
 
+            >>> from lightning_lowmem.functional.config import LoRAConfig, MicrobatchConfig
             >>> TrainingConfig.of(LoRAConfig(r=4), MicrobatchConfig(2)).describe()
             'configured precision + lora(r=4) + configured optimizer + mb 2'
         """
@@ -151,12 +103,12 @@ class TrainingConfig:
         return cls(**{"precision": None, "optimizer": None, **dict(zip(fields, given, strict=True))})
 
     def __getattr__(self, name: str) -> Any:
-        """A technique registered beyond the built-in fields: its config, or ``None`` when it is off."""
-        if name.startswith("__") or name == "_others":
+        """A registered technique's config, or ``None`` when it is off."""
+        if name.startswith("__") or name == "_configs":
             raise AttributeError(name)
-        others = dict(self.__dict__.get("_others", ()))
-        if name in others:
-            return others[name]
+        configs = dict(self.__dict__.get("_configs", ()))
+        if name in configs:
+            return configs[name]
         if any(t.field == name for t in techniques()):
             return None
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -214,6 +166,3 @@ class TrainingConfig:
         for technique in techniques():
             out.update(technique.to_shorthand(getattr(self, technique.field)))
         return out
-
-
-_OWN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingConfig) if f.name != "_others")

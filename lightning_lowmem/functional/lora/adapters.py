@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.attention import mha_out_projections
+from lightning_lowmem.functional.multihead_attention import mha_out_projections
 from lightning_lowmem.functional.lora.layers import (
     ADAPTER_SUFFIXES,
     LoraConv2d,
@@ -42,7 +42,7 @@ from lightning_lowmem.functional.lora.quantized_base import (
     quantize_base_layers_,
     quantize_frozen_,
 )
-from lightning_lowmem.functional.lora.targets import ALL_LINEAR, is_candidate, matches, select
+from lightning_lowmem.functional.lora.targets import ALL_LINEAR, is_candidate, matches, select, silent_output_layer
 from lightning_lowmem.warnings import NoEffectWarning
 
 __all__ = [
@@ -155,7 +155,9 @@ def apply_lora_(
         train_modules: modules trained in full beside the adapters, e.g. a freshly initialised
             classification head that a frozen random projection would ruin (PEFT's ``modules_to_save``):
             ``"auto"`` = the modules named ``classifier`` or ``score`` (Hugging Face's task heads) that get
-            no adapter and share no weight with an embedding; a name pattern or a list of them (as for
+            no adapter and share no weight with an embedding, and the output layer when it gets no adapter
+            and its weight is all zeros (timm's ``head``, torchvision's ``heads.head`` / ``fc``, freshly
+            initialised: frozen, no adapter would get a gradient); a name pattern or a list of them (as for
             ``target``; each must match a module); ``None`` / ``[]`` = none. They are kept in adapter files
             and adapter-only checkpoints. Default: ``"auto"``.
 
@@ -165,7 +167,8 @@ def apply_lora_(
     Raises:
         ValueError: bad ``r`` / ``alpha`` / ``dropout`` / ``quantize_base``, a pattern that matches no
             layer (the message lists layer names), a target of convolutions that cannot be adapted only,
-            ``quantize_base`` with convolutions or attention projections, or ``module`` already has adapters.
+            ``quantize_base`` with convolutions or attention projections, ``module`` already has adapters, or
+            a ``train_modules`` other than ``"auto"`` leaves an all-zero output layer frozen.
         TypeError: a ``target`` entry is neither a string nor a type.
         RuntimeError: the backend cannot run ``quantize_base`` (checked before anything is wrapped).
 
@@ -190,7 +193,7 @@ def apply_lora_(
             f"per model (use load_adapters to load adapter weights into it)."
         )
     selected = select(module, target)
-    trained = _train_modules(module, train_modules, selected)
+    trained = _train_modules(module, train_modules, selected, freeze_base)
     report = wrap_layers(
         module, selected, r=r, alpha=alpha, dropout=dropout, quantize_base=quantize_base, freeze_base=freeze_base
     )
@@ -203,9 +206,33 @@ def apply_lora_(
 
 
 def _train_modules(
+    module: nn.Module,
+    train_modules: str | Sequence[str] | None,
+    adapted: dict[str, nn.Module],
+    freeze_base: bool = True,
+) -> list[str]:
+    """The names ``train_modules`` chooses (see :func:`apply_lora_`), outermost only, in module order; a silent
+    output layer (:func:`~lightning_lowmem.functional.lora.targets.silent_output_layer`) joins ``"auto"``'s and
+    must be among the others'."""
+    chosen = _chosen_modules(module, train_modules, adapted)
+    silent = silent_output_layer(module, list(adapted)) if freeze_base else None
+    if silent is not None and not any(silent == name or silent.startswith(f"{name}.") for name in chosen):
+        if train_modules != "auto":
+            raise ValueError(
+                f"apply_lora_: the output layer {silent!r} is all zeros and would stay frozen, so no adapter would "
+                f"ever get a gradient (`train_modules`={train_modules!r}); train it in full "
+                f"(train_modules='auto' or [..., {silent!r}]) or adapt it (target=[..., {silent!r}])."
+            )
+        chosen.append(silent)
+    order = [name for name, _ in module.named_modules()]
+    chosen = sorted(set(chosen), key=order.index)
+    return [name for name in chosen if not any(name.startswith(f"{other}.") for other in chosen)]
+
+
+def _chosen_modules(
     module: nn.Module, train_modules: str | Sequence[str] | None, adapted: dict[str, nn.Module]
 ) -> list[str]:
-    """The names ``train_modules`` chooses (see :func:`apply_lora_`), outermost only, in module order."""
+    """The names ``train_modules`` names itself (``"auto"``: the task heads by name), unordered."""
     named = {name: sub for name, sub in module.named_modules() if name and next(sub.parameters(), None) is not None}
 
     def holds_adapted(name: str) -> bool:
@@ -245,9 +272,7 @@ def _train_modules(
                     "adapters; a module is adapted or trained in full, not both: narrow `target` or `train_modules`."
                 )
             chosen.extend(hits)
-    order = list(named)
-    chosen = sorted(set(chosen), key=order.index)
-    return [name for name in chosen if not any(name.startswith(f"{other}.") for other in chosen)]
+    return chosen
 
 
 def train_in_full_(module: nn.Module, names: Sequence[str]) -> None:

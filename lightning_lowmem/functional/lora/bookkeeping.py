@@ -1,11 +1,11 @@
-"""The bookkeeping around an adapter run, pure (no Lightning): base weights read from a file, frozen
-parameters dropped from optimizers, the counts a run logs, and what a checkpoint records of the adapter
-settings (and how a different setting is reported when one is loaded)."""
+"""The bookkeeping around an adapter run, pure (no Lightning): base weights read from a file, the counts a
+run logs, and what a checkpoint records of the adapter settings (and how a different setting is reported
+when one is loaded). Dropping frozen parameters from optimizers is generic: ``optimizers.convert.drop_frozen_``."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,6 @@ __all__ = [
     "check_same_settings",
     "check_weights_path",
     "checkpoint_record",
-    "drop_frozen_",
     "load_base_weights_",
     "parameter_metrics",
     "settings_conflict",
@@ -71,25 +70,6 @@ def wrap_summary(report: LoraReport) -> str:
         f"{report.trainable_params:,} of {report.total_params:,} "
         f"({100 * report.trainable_fraction:.2f}%)"
     )
-
-
-def drop_frozen_(optimizers: Iterable[torch.optim.Optimizer]) -> int:
-    """Take the parameters that do not require grad out of every param group; returns how many.
-
-    Example::
-
-        >>> frozen, adapter = nn.Parameter(torch.zeros(2), requires_grad=False), nn.Parameter(torch.zeros(2))
-        >>> optimizer = torch.optim.SGD([frozen, adapter], lr=0.1)
-        >>> drop_frozen_([optimizer]), len(optimizer.param_groups[0]["params"])
-        (1, 1)
-    """
-    removed = 0
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            kept = [p for p in group["params"] if p.requires_grad]
-            removed += len(group["params"]) - len(kept)
-            group["params"] = kept
-    return removed
 
 
 def parameter_metrics(module: nn.Module, prefix: str = "lowmem/lora") -> dict[str, float]:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_lowmem.functional.attention import MHA_WEIGHTS
+from lightning_lowmem.functional.multihead_attention import MHA_WEIGHTS
 from lightning_lowmem.functional.lora.quantized_base import frozen_linear, is_quantized
 
 __all__ = [

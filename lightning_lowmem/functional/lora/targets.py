@@ -14,12 +14,24 @@ import fnmatch
 import warnings
 from typing import Sequence
 
+import torch
 from torch import nn
 
+from lightning_lowmem._compat.fake_mode import is_fake
 from lightning_lowmem.functional.lora.layers import LoraConv2d, LoraLinear, is_hf_conv1d, conv_refusal
 from lightning_lowmem.warnings import NoEffectWarning
 
-__all__ = ["ALL", "ALL_CONV", "ALL_LINEAR", "BROAD_TARGETS", "HEAD_NAMES", "is_candidate", "matches", "select"]
+__all__ = [
+    "ALL",
+    "ALL_CONV",
+    "ALL_LINEAR",
+    "BROAD_TARGETS",
+    "HEAD_NAMES",
+    "is_candidate",
+    "matches",
+    "select",
+    "silent_output_layer",
+]
 
 ALL_LINEAR = "all-linear"
 ALL_CONV = "all-conv"
@@ -130,3 +142,31 @@ def _broad(module: nn.Module, candidates: dict[str, nn.Module], target: str) -> 
             f"{sorted(candidates)[:8]}."
         )
     return selected
+
+
+def silent_output_layer(module: nn.Module, adapted: Sequence[str]) -> str | None:
+    """The name of ``module``'s output layer when, frozen, it would leave every adapter without a gradient.
+
+    The output layer is the last linear / convolution layer in module order (timm's ``head``, torchvision's
+    ``heads.head`` / ``fc``, a ``classifier``). With a weight of zeros only -- the usual init of a fresh head -- a
+    frozen one passes back zero gradient to everything below it (whatever its bias): the adapters would never
+    move and the outputs stay bit-identical. ``None`` when the layer gets an adapter (``adapted`` names the layers
+    that do), has a non-zero weight, or its values cannot be read (meta / fake tensors: the estimator's copy).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> _ = nn.init.zeros_(model[2].weight)
+        >>> silent_output_layer(model, ["0"]), silent_output_layer(model, ["0", "2"])
+        ('2', None)
+    """
+    layers = [(name, sub) for name, sub in module.named_modules() if name and is_candidate(sub)]
+    if not layers:
+        return None
+    name, layer = layers[-1]
+    if any(a == name or a.startswith(f"{name}.") or name.startswith(f"{a}.") for a in adapted):
+        return None
+    weight = getattr(layer, "weight", None)
+    if type(weight) not in (torch.Tensor, nn.Parameter) or weight.device.type == "meta" or is_fake(weight):
+        return None
+    return name if int(torch.count_nonzero(weight)) == 0 else None

@@ -20,11 +20,11 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["Converted", "convert_optimizers"]
+__all__ = ["Converted", "convert_optimizers", "drop_frozen_"]
 
 GROUP_KEYS_KEPT = ("lr", "weight_decay")
 
@@ -48,7 +48,7 @@ def convert_optimizers(configured: Any, config: Any, info: Callable[[str], None]
     Returns:
         A :class:`Converted`; LR schedulers are changed in place (``scheduler.optimizer``).
     """
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
     kwargs = config.kwargs
     mapping: dict[int, torch.optim.Optimizer] = {}
@@ -86,3 +86,23 @@ def convert_optimizers(configured: Any, config: Any, info: Callable[[str], None]
 
     result.configured = walk(configured)
     return result
+
+
+def drop_frozen_(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Take the parameters that do not require grad out of every param group; returns how many.
+
+    Example::
+
+        >>> frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+        >>> adapter = torch.nn.Parameter(torch.zeros(2))
+        >>> optimizer = torch.optim.SGD([frozen, adapter], lr=0.1)
+        >>> drop_frozen_([optimizer]), len(optimizer.param_groups[0]["params"])
+        (1, 1)
+    """
+    removed = 0
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            kept = [p for p in group["params"] if p.requires_grad]
+            removed += len(group["params"]) - len(kept)
+            group["params"] = kept
+    return removed

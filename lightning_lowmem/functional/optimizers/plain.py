@@ -3,7 +3,7 @@ argument checking against the optimizer's own signature, the saved-state hooks, 
 
 The wrappers (:mod:`~lightning_lowmem.functional.optimizers.stochastic_rounding`,
 :mod:`~lightning_lowmem.functional.optimizers.in_backward`) build their inner optimizers from here, and the
-registry (:mod:`~lightning_lowmem.functional.optimizers.registry`) joins all of them under one name table, so
+catalog (:mod:`~lightning_lowmem.functional.optimizers.catalog`) joins all of them under one name table, so
 no module imports back the one that imports it.
 """
 

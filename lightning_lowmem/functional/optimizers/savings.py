@@ -67,7 +67,7 @@ def predicted_state_bytes(name: str, parameters: Iterable[torch.Tensor]) -> tupl
         >>> predicted_state_bytes("adamw8bit", small.parameters())
         (18436, 18432)
     """
-    from lightning_lowmem.functional.optimizers.registry import state_layout
+    from lightning_lowmem.functional.optimizers.catalog import state_layout
 
     family, precision = state_layout(name)
     lean = adamw = 0
@@ -95,7 +95,7 @@ def lean_optimizer_warning(name: str, parameters: Iterable[torch.Tensor]) -> str
         >>> print(lean_optimizer_warning("adamw8bit", convs))  # doctest: +ELLIPSIS
         adamw8bit keeps 72.02 KiB of optimizer state here, 1.00x fp32 AdamW's 72.00 KiB: 4 of 4 parameter tensors ...
     """
-    from lightning_lowmem.functional.optimizers.registry import state_layout
+    from lightning_lowmem.functional.optimizers.catalog import state_layout
 
     family, precision = state_layout(name)
     if not (family == "adafactor" or (family == "adam" and precision in LOW_BIT_BLOCK)):

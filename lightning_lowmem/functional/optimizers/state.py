@@ -80,7 +80,7 @@ def flatten_low_bit_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     Example::
 
         >>> param = torch.nn.Parameter(torch.randn(64, 64))
-        >>> from lightning_lowmem.functional.optimizers.registry import build_optimizer
+        >>> from lightning_lowmem.functional.optimizers.catalog import build_optimizer
         >>> opt = build_optimizer("adamw", [param])
         >>> flatten_low_bit_state(opt.state_dict()) == opt.state_dict()   # nothing low-bit: unchanged
         True

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from lightning_lowmem._compat import is_fake
+from lightning_lowmem._compat.fake_mode import is_fake
 from lightning_lowmem.functional.optimizers import plain
 
 _MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)

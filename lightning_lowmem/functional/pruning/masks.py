@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.attention import MHA_WEIGHTS
+from lightning_lowmem.functional.multihead_attention import MHA_WEIGHTS
 
 __all__ = [
     "EMBEDDING_TYPES",

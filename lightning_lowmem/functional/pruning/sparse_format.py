@@ -64,6 +64,11 @@ def tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (pointer, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
 
 
+# should_pack samples every 61st value of a large tensor first (a prime stride meets every column of a matrix,
+# so pruned rows or columns show); under half of min_sparsity there means dense without a full count
+_SAMPLE_FROM, _SAMPLE_STRIDE = 2**16, 61
+
+
 def should_pack(tensor: Any, min_sparsity: float = 0.3, min_numel: int = 1024) -> bool:
     """True when ``tensor`` is a dense floating-point tensor worth storing as bitmask + values.
 
@@ -78,6 +83,10 @@ def should_pack(tensor: Any, min_sparsity: float = 0.3, min_numel: int = 1024) -
         return False
     if tensor.device.type == "meta":
         return False
+    if tensor.numel() >= _SAMPLE_FROM and tensor.is_contiguous():  # a strided sample first: dense costs no full count
+        sample = tensor.view(-1)[::_SAMPLE_STRIDE]
+        if sample.numel() - int(torch.count_nonzero(sample)) < 0.5 * min_sparsity * sample.numel():
+            return False
     zeros = tensor.numel() - int(torch.count_nonzero(tensor))  # no bool temporary, unlike (tensor == 0).sum()
     return zeros >= min_sparsity * tensor.numel()
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lowmem._compat import inductor_freezing
+from lightning_lowmem._compat.compiler import inductor_freezing
 from lightning_lowmem.model_io import forward_batch
 
 __all__ = ["CompiledInference", "compile_inference"]

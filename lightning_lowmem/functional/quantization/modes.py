@@ -195,6 +195,6 @@ def drop_zero_point(tensor: Any) -> int:
 def _values_unknown(tensor: torch.Tensor) -> bool:
     """A fake or meta tensor (a memory estimate): its zero points come from the same symmetric
     config as a real run's, which are all 0."""
-    from lightning_lowmem._compat import is_fake
+    from lightning_lowmem._compat.fake_mode import is_fake
 
     return tensor.device.type == "meta" or is_fake(tensor)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.attention import left_alone_message, mha_out_projections
+from lightning_lowmem.functional.multihead_attention import left_alone_message, mha_out_projections
 from lightning_lowmem.functional.config.constants import GROUP_SIZE
 from lightning_lowmem.functional.config.techniques import QuantizationConfig
 from lightning_lowmem.functional.quantization.conv import is_quantizable_conv, quantize_conv2d_
@@ -133,7 +133,7 @@ def quantizable_layers(
     """Fully-qualified names of the layers ``mode`` would quantize.
 
     A layer is chosen when it is an ``nn.Linear`` (not the ``out_proj`` of an ``nn.MultiheadAttention``, see
-    :mod:`lightning_lowmem.functional.attention`), a ``transformers`` ``Conv1D``, (with ``embeddings``)
+    :mod:`lightning_lowmem.functional.multihead_attention`), a ``transformers`` ``Conv1D``, (with ``embeddings``)
     an ``nn.Embedding`` without ``max_norm`` or (int8 modes) an ``nn.Conv2d`` with a float weight, no entry of
     ``skip_modules`` names it or
     a parent (qualified name, dotted suffix, glob or class name), ``filter_fn(layer, fqn)`` is true, and for

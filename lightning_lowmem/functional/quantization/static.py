@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.compiler import keep_vmap_nesting
 from lightning_lowmem.functional.quantization.report import QuantizationReport, weight_bytes
 from lightning_lowmem.functional.quantization.layers import convert_conv1d_, matches_any, set_submodule, tied_groups
 from lightning_lowmem.memory.measure import state_bytes
@@ -276,7 +276,7 @@ def quantize_static(
             quantizer.set_module_name_qconfig(fqn, None)
         example = ModelCall.of(example_inputs)
         constants = _constants(module, example)
-        _compat.keep_vmap_nesting()  # transformers 4.x builds masks under vmap: keep its markers in the graph
+        keep_vmap_nesting()  # transformers 4.x builds masks under vmap: keep its markers in the graph
         with torch.no_grad():
             kwargs = {**example.kwargs, **constants}
             dynamic = _dynamic_batch(inspect.signature(module.forward).bind(*example.args, **kwargs).arguments)

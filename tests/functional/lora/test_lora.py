@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.fake_mode import fake_tensor_mode, is_fake
 from lightning_lowmem.demo.charlm import CharGPT, GPTConfig
 from lightning_lowmem.functional.lora.adapters import (
     LoraLinear,
@@ -121,17 +121,17 @@ def test_adapter_state_dict_roundtrip_into_fresh_base(tiny_gpt, tmp_path):
 
 def test_apply_lora_under_fake_tensors():
     real = apply_lora_(_gpt(n_embd=64), r=8)
-    with _compat.fake_tensor_mode() as mode:
+    with fake_tensor_mode() as mode:
         model = CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16))
         report = apply_lora_(model, r=8)
         layer = model.h[0].attn.c_attn
-        assert _compat.is_fake(layer.lora_A) and _compat.is_fake(layer.weight)
+        assert is_fake(layer.lora_A) and is_fake(layer.weight)
         tokens = mode.from_tensor(TOKENS)
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
         assert layer.lora_B.grad is not None and layer.weight.grad is None
         qlora = CharGPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=16))
         apply_lora_(qlora, r=8, quantize_base="int8")  # QLoRA too: int8 storages stay fake
-        assert _compat.is_fake(qlora.h[1].mlp.c_fc.weight.qdata)
+        assert is_fake(qlora.h[1].mlp.c_fc.weight.qdata)
         assert qlora(tokens).shape == (2, 16, 256)
     assert (report.trainable_params, report.total_params) == (real.trainable_params, real.total_params)
 

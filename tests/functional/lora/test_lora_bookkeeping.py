@@ -12,12 +12,12 @@ from lightning_lowmem.functional.lora.bookkeeping import (
     check_same_settings,
     check_weights_path,
     checkpoint_record,
-    drop_frozen_,
     load_base_weights_,
     parameter_metrics,
     settings_conflict,
     wrap_summary,
 )
+from lightning_lowmem.functional.optimizers import drop_frozen_
 
 SETTINGS = {"r": 4, "alpha": 16.0, "quantize_base": None}
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lightning_lowmem.functional.optimizers.in_backward import OptimizerInBackward
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 
 
 def _model():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_lowmem.functional.optimizers.registry import available_optimizers, build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import available_optimizers, build_optimizer
 
 
 def _train(name, steps=3, **kw):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.memory import state_bytes
 
 pytestmark = pytest.mark.cuda

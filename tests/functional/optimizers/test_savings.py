@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem import MemoryEfficientOptimizer
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.functional.optimizers.savings import (
     lean_optimizer_warning,
     predicted_state_bytes,

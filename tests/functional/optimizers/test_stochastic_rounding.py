@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.optimizers.registry import build_optimizer
+from lightning_lowmem.functional.optimizers.catalog import build_optimizer
 from lightning_lowmem.functional.optimizers.stochastic_rounding import StochasticRounding, stochastic_round_
 
 

@@ -142,3 +142,18 @@ def test_tree_keeps_unchanged_containers_and_a_state_dicts_metadata():
     assert packed["state_dict"]._metadata == state._metadata
     restored = unpack_sparse_tree(packed)["state_dict"]
     assert restored._metadata == state._metadata and torch.equal(restored["0.weight"], state["0.weight"])
+
+
+def test_should_pack_samples_first_and_still_sees_pruned_rows_and_columns():
+    """A large tensor is sampled (every 61st value) before a full zero count: a dense one costs no full count, and
+    pruned columns or rows (a structure a power-of-two stride could miss) still show."""
+    from lightning_lowmem.functional.pruning.sparse_format import should_pack
+
+    dense = torch.randn(512, 512)
+    columns, rows = torch.randn(512, 512), torch.randn(512, 512)
+    columns[:, 1::2] = 0  # half the columns pruned, none at a multiple of 64
+    rows[::2] = 0
+    assert not should_pack(dense) and should_pack(columns) and should_pack(rows)
+    almost = torch.randn(512, 512)
+    almost.view(-1)[: int(0.31 * almost.numel())] = 0  # 31% zeros, all at the start: a full count decides
+    assert should_pack(almost, min_sparsity=0.3)

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_lowmem.demo.charlm import load_corpus
+from lightning_lowmem.models.corpus import load_corpus
 
 __all__ = [
     "FAMILIES",

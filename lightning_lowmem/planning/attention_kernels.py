@@ -7,7 +7,7 @@ Two things make a fake step's attention differ from the real one, and this modul
   the mask's *values*, which a fake tensor has none of, so on fake tensors it always builds the mask and
   SDPA saves it for backward: +60% at 2k tokens, +127% at 4k on a small Llama. The estimator reads the
   real batch's masks before faking them (:func:`batch_is_padded`) and, for an unpadded batch, lets
-  ``transformers`` decide as on the real one (``_compat.hf_masks_as_unpadded``).
+  ``transformers`` decide as on the real one (``_compat.hf_masks.hf_masks_as_unpadded``).
 * **The kernel on CUDA.** The fake step runs on CPU, where torch picks the CPU flash kernel or the math
   path by CPU rules (no dropout, ...). For ``device="cuda"`` every ``F.scaled_dot_product_attention``
   call is redirected (:class:`CudaAttention`) to the kernel CUDA would pick (:func:`choose_cuda_kernel`,
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from lightning_lowmem import _compat
+from lightning_lowmem._compat.fake_mode import is_fake
+from lightning_lowmem._compat.hf_masks import hf_masks_as_unpadded
 from lightning_lowmem._compat import tree_leaves
 
 __all__ = ["ATTENTION_KERNELS", "CudaAttention", "batch_is_padded", "choose_cuda_kernel", "fake_attention"]
@@ -57,7 +58,7 @@ def batch_is_padded(batch: Any) -> bool:
     for leaf in tree_leaves(batch):
         if not isinstance(leaf, torch.Tensor) or leaf.dim() != 2 or leaf.is_floating_point() or leaf.is_complex():
             continue
-        if leaf.device.type == "meta" or _compat.is_fake(leaf) or leaf.numel() == 0:
+        if leaf.device.type == "meta" or is_fake(leaf) or leaf.numel() == 0:
             continue
         ones = leaf == 1
         if bool(((leaf == 0) | ones).all()) and not bool(ones.all()):
@@ -284,6 +285,6 @@ def fake_attention(batch: Any, device: str, attention_kernel: str = "auto") -> I
     validate_attention_kernel(attention_kernel)
     with contextlib.ExitStack() as stack:
         if not batch_is_padded(batch):
-            stack.enter_context(_compat.hf_masks_as_unpadded())
+            stack.enter_context(hf_masks_as_unpadded())
         mode = stack.enter_context(CudaAttention(attention_kernel)) if device == "cuda" else None
         yield mode

@@ -1,4 +1,4 @@
-"""Attention in the fake step (planning/attention.py): the estimate follows the attention the real step runs.
+"""Attention in the fake step (planning/attention_kernels.py): the estimate follows the attention the real step runs.
 
 On CPU the estimate of a Hugging Face model equals the measured step at the lengths users train (before:
 +60% at 2k tokens, +127% at 4k, from a (B, 1, T, T) mask only the fake step built); for ``device="cuda"``
@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_lowmem.memory import measure_memory
-from lightning_lowmem.planning.attention import CudaAttention, batch_is_padded, choose_cuda_kernel
+from lightning_lowmem.planning.attention_kernels import CudaAttention, batch_is_padded, choose_cuda_kernel
 from lightning_lowmem.planning.estimate import EstimationError, TrainingConfig, estimate_memory
 
 MiB = 2**20
@@ -23,7 +23,7 @@ MiB = 2**20
 def _hf(family: str, length: int, batch_size: int = 1, padded: bool = False, **overrides):
     """A 2-layer, 128-wide, 8-head ``family`` model and an (un)padded batch of ``length`` tokens."""
     pytest.importorskip("transformers")
-    from lightning_lowmem.demo.hf import HFLanguageModel
+    from lightning_lowmem.models.hf import HFLanguageModel
 
     torch.manual_seed(0)
     if family == "gpt2":
@@ -50,7 +50,7 @@ def _hf(family: str, length: int, batch_size: int = 1, padded: bool = False, **o
 
 def _measured_peak(model, batch) -> int:
     """The estimator's own step (Lightning's order, AdamW) on real tensors: its second step's peak."""
-    from lightning_lowmem.functional.optimizers.registry import build_optimizer
+    from lightning_lowmem.functional.optimizers.catalog import build_optimizer
     from lightning_lowmem.planning.estimate import _train_step, default_loss
 
     config = TrainingConfig(optimizer="adamw")
@@ -145,7 +145,7 @@ def test_cuda_fused_kernels_keep_what_the_kernel_keeps():
     """Forward keeps output + float32 log-sum-exp (efficient: rows rounded to 32); backward's workspace
     lives only inside backward; the grads have q / k / v's sizes."""
     from lightning_lowmem.memory._tracker import StorageTracker
-    from lightning_lowmem._compat import fake_tensor_mode
+    from lightning_lowmem._compat.fake_mode import fake_tensor_mode
 
     batch, heads, length, head_dim = 1, 4, 4001, 16
     for kernel, dtype, lse_rows in (("flash", torch.bfloat16, 4001), ("efficient", torch.float32, 4032)):
@@ -224,6 +224,6 @@ def test_cuda_attention_also_runs_in_checkpoint_recomputation():
     assert checkpointed.meta["attention_kernels"] == {"flash": 4}  # 2 layers, each run again in backward
     assert plain.meta["attention_kernels"] == {"flash": 2}
     assert checkpointed.breakdown["activations"] < plain.breakdown["activations"]
-    from lightning_lowmem.planning import attention
+    from lightning_lowmem.planning import attention_kernels as attention
 
     assert torch.nn.functional.scaled_dot_product_attention is attention._SDPA  # restored on exit

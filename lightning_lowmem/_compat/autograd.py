@@ -1,0 +1,82 @@
+"""Autograd internals: which backward runs, its hook order, saved tensors and views.
+
+Each function names the private name it uses (of torch, Lightning, transformers or torchao) and why no public
+API does the job.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+
+__all__ = [
+    "current_autograd_node_name",
+    "in_backward",
+    "move_post_accumulate_grad_hook_first",
+    "top_saved_tensors_hooks",
+    "view_base",
+]
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread.
+
+    Why private: torch exposes no public "am I inside backward?" query; ``_current_graph_task_id`` is
+    what ``torch.utils.checkpoint`` itself uses for the same question. Returns -1 outside backward.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def current_autograd_node_name() -> str:
+    """The class name of the autograd node backward is running on this thread (e.g. ``"MmBackward0"``), or ``""``.
+
+    Why private: torch exposes the node being run only as ``torch._C._current_autograd_node`` (used by
+    ``torch.autograd.graph`` itself); the memory tracker names backward's temporaries by it.
+    """
+    node = torch._C._current_autograd_node()
+    return type(node).__name__ if node is not None else ""
+
+
+def move_post_accumulate_grad_hook_first(param: torch.Tensor, handle: Any) -> None:
+    """Make the hook behind ``handle`` run before every other post-accumulate-grad hook of ``param``.
+
+    Why private: ``register_post_accumulate_grad_hook`` has no ``prepend=`` flag, and the memory
+    tracker must see ``param.grad`` before an optimizer-in-backward hook steps and frees it. The hooks
+    live in the ``OrderedDict`` ``param._post_accumulate_grad_hooks`` keyed by ``handle.id``; autograd
+    walks it with ``PyDict_Next`` (plain-dict insertion order, blind to ``move_to_end``), so the dict is
+    rebuilt in place with the hook inserted first.
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if isinstance(hooks, collections.OrderedDict) and handle.id in hooks:
+        items = list(hooks.items())
+        hooks.clear()
+        hooks[handle.id] = dict(items)[handle.id]
+        for key, hook in items:
+            if key != handle.id:
+                hooks[key] = hook
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (the root of a chain of views), or ``None``.
+
+    Why private: ``Tensor._base`` is the only way to learn that a saved tensor such as ``weight.t()``
+    (what ``addmm`` saves for a Linear) is a view of a parameter; activation compression must leave
+    parameters exact and must not copy them.
+    """
+    return tensor._base
+
+
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The ``(pack, unpack)`` pair on top of autograd's saved-tensors hooks stack, or ``None``.
+
+    Why private: ``torch.autograd.graph.saved_tensors_hooks`` *replace* the hooks below them (only the top
+    pair runs), and torch has no public getter for that pair; ``_top_saved_tensors_default_hooks`` is what
+    AOT autograd itself uses to read it. A hook that only observes (the memory tracker) reads it to pass
+    each saved tensor on to the hooks below, so observing a step never changes how it is stored.
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # pragma: no cover - torch without the getter: observe without passing on
+        return None
+    return top(True)  # True: ignore whether dynamo is tracing
