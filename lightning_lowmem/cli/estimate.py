@@ -146,7 +146,7 @@ def estimate_main(argv: list[str]) -> int:
     except ConfigError as err:
         print_error(str(err), hint)
         return 2
-    if _card_refused(own, hint):
+    if _card_or_accumulation_refused(own, rest, hint):
         return 2
     if own.budget is not None:
         from lightning_lowmem.memory.units import describe_bytes
@@ -377,18 +377,24 @@ def _report(model: Any, batch: Any, techniques: dict[str, Any], device: str, own
     return 0
 
 
-def _card_refused(own: argparse.Namespace, hint: str) -> bool:
-    """Check ``--gpu`` (it implies ``--device cuda``); print one error line."""
+def _card_or_accumulation_refused(own: argparse.Namespace, rest: list[str], hint: str) -> bool:
+    """Check ``--gpu`` (it implies ``--device cuda``) and ``--trainer.accumulate_grad_batches`` before any model
+    loads; print one error line."""
     from lightning_lowmem.planning.gpus import resolve_card
 
+    flag = "--trainer.accumulate_grad_batches"
     try:
         if own.gpu is not None:
             resolve_card(own.gpu, own.device or "cuda")
             own.device = "cuda"
+        for i, arg in enumerate(rest):
+            if arg == flag or arg.startswith(flag + "="):
+                value = arg.partition("=")[2] if "=" in arg else (rest[i + 1] if i + 1 < len(rest) else "")
+                if not value.strip().isdigit() or int(value) < 1:
+                    raise ValueError(f"{flag} {value!r} must be a whole number >= 1, e.g. 8")
     except ValueError as err:
-        print_error(
-            str(err).replace("`gpu`=", "--gpu ").replace("`device`=", "--device ").replace("`device`", "--device"), hint
-        )
+        message = str(err).replace("`gpu`=", "--gpu ").replace("`device`=", "--device ").replace("`device`", "--device")
+        print_error(message, hint)
         return True
     return False
 

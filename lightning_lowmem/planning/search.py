@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.config.techniques import SHARDINGS, OptimizerConfig, ShardingConfig
+from lightning_lowmem.functional.config.techniques import OptimizerConfig
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.memory.units import format_bytes, parse_bytes
 from lightning_lowmem.planning._fake_step import accumulation_steps, tensor_leaves
-from lightning_lowmem.planning.axes import AXES, AxisContext, axis, carried, check_estimable, leanness
+from lightning_lowmem.planning.axes import AXES, AxisContext, axis, carried, fixed_axes, leanness, sharding_axis
 from lightning_lowmem.planning.estimate import (
     EstimationError,
     TrainingConfig,
@@ -448,48 +448,6 @@ class PlanSearch:
 
 
 # ----------------------------------------------------------------------------- helpers
-def fixed_axes(config: TrainingConfig, precision: str) -> tuple[str, dict[str, list[Any]]]:
-    """What ``plan_memory(config=...)`` keeps fixed: each technique ``config`` sets, as a one-value axis (by
-    ``plan_memory`` argument; the optimizer by name); its precision becomes the baseline (and its optimizer, see
-    :class:`PlanSearch`)."""
-    if not isinstance(config, TrainingConfig):
-        raise TypeError(f"`config` must be a TrainingConfig, got {type(config).__name__}: {config!r}")
-    if config.quantization is not None:
-        raise ValueError(
-            f"plan_memory plans a training mix; `config` sets quantization ({config.describe()!r}). Estimate a "
-            "quantized mix with estimate_memory(config=...)."
-        )
-    check_estimable(config, "plan_memory")  # pruning: refused in one line (a technique no axis searches is carried)
-    fixed: dict[str, list[Any]] = {}
-    if config.precision is not None:
-        precision = config.precision.preset
-    optimizer = config.optimizer_name
-    for row in AXES:
-        value = getattr(config, row.field)
-        if row.side == "sharding" or value is None:
-            continue  # the sharding: its kind and world size, see sharding_axis
-        fixed[row.argument] = [{"precision": precision, "optimizer": optimizer}.get(row.field, value)]
-    if config.sharding is not None:
-        fixed["shardings"] = [config.sharding.kind]
-    return precision, fixed
-
-
-def sharding_axis(world_size: int, shardings: Iterable[str] | None) -> list[ShardingConfig]:
-    """The sharding axis: empty for one process, else each kind at ``world_size`` (validated)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"`world_size`={world_size!r} must be an int >= 1: the number of processes (GPUs)")
-    if world_size == 1:
-        if shardings is not None and list(shardings) not in ([], ["ddp"]):
-            raise ValueError(
-                f"`shardings`={list(shardings)!r} needs `world_size` > 1: one process has nothing to shard"
-            )
-        return []
-    kinds = list(dict.fromkeys(shardings if shardings is not None else SHARDINGS))
-    if not kinds:
-        raise ValueError("`shardings` is empty; give at least one of 'ddp', 'zero1', 'fsdp'")
-    return [ShardingConfig(kind, world_size) for kind in kinds]
-
-
 def _batch_size(batch: Any) -> int | None:
     sizes = {leaf.shape[0] for leaf in tensor_leaves(batch) if leaf.dim() > 0}
     return sizes.pop() if len(sizes) == 1 else None

@@ -89,7 +89,7 @@ def test_cuda_rules_leave_the_cpu_estimate_and_true_precision_alone():
 def test_an_all_ones_mask_real_or_meta_gives_one_kernel_and_one_estimate(family):
     """transformers drops an all-ones mask (SDPA runs is_causal / no mask: flash in half precision); a mask given
     on ``meta`` (no values) is taken as unpadded too. Both forms: the same kernels, the same bytes."""
-    from tests.planning.test_attention import _hf
+    from tests.planning.test_attention_kernels import _hf
 
     model, batch = _hf(family, 256, batch_size=2)
     on_meta = {key: value.to("meta") for key, value in batch.items()}
@@ -131,7 +131,7 @@ def test_the_card_reports_allocated_reserved_and_nvidia_smi():
 
 
 def test_card_capacity_decides_fits():
-    from tests.planning.test_attention import _hf
+    from tests.planning.test_attention_kernels import _hf
 
     model, batch = _hf("llama", 256, batch_size=2)
     report = estimate_memory(model, batch, optimizer="adamw", gpu="T4", precision="bf16-true")

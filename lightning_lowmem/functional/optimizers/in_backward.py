@@ -11,6 +11,10 @@ schedulers (the wrapper's ``param_groups`` are the ones read at each inner step)
 param groups carry the inner optimizer's full hyperparameters (``betas``, ``eps``...), and its saved state
 has the inner optimizer's layout, so a checkpoint resumes bit-identically under the same name.
 
+Adafactor inside backward writes a matrix's update into its gradient, which is dropped right after
+(:class:`InPlaceAdafactor`): torch's step makes a second tensor of the matrix's size (the variance estimate), so
+a model's largest matrix (a 128k x 4096 output head: 1 GiB in bf16) had two copies of its size alive at once.
+
 Limits: gradient accumulation and gradient clipping cannot work (there is never a full gradient);
 every backward is an optimizer step.
 """
@@ -18,13 +22,97 @@ every backward is an optimizer step.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Iterable
 
 import torch
 
 from lightning_lowmem.functional.optimizers import plain, stochastic_rounding
 
-_INNER_BUILDERS = {**plain.BUILDERS, **stochastic_rounding.BUILDERS}
+SLICE_BYTES = 32 * 2**20
+"""The most bytes of the variance estimate :class:`InPlaceAdafactor` holds at once (a slice of rows)."""
+
+
+class InPlaceAdafactor(torch.optim.Adafactor):
+    """``torch.optim.Adafactor`` whose step of a matrix writes the update into the gradient.
+
+    Every number is computed as torch's single-tensor Adafactor computes it (the same ops on the same values, in
+    the same order), so the weights after a step are bit-identical; only the variance estimate
+    ``row_var @ col_var`` is made a slice of rows at a time (at most :data:`SLICE_BYTES`) and multiplied into the
+    gradient in place, instead of as one tensor of the matrix's size. The gradient then holds the update, so this
+    is only for a gradient that is dropped after the step (:class:`OptimizerInBackward` drops it). Parameters of
+    another rank step as torch steps them. The state (``step``, ``row_var``, ``col_var``) is torch's.
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.randn(6, 4))
+        >>> weight.grad = torch.randn(6, 4)
+        >>> InPlaceAdafactor([weight], lr=0.01).step()
+        >>> sorted(InPlaceAdafactor([weight]).state_dict()["param_groups"][0])[:3]
+        ['beta2_decay', 'd', 'eps']
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One step; ``closure`` (forward + backward) runs first when given."""
+        if not all(p.grad.dim() == 2 for g in self.param_groups for p in g["params"] if p.grad is not None):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._step_matrix(param, group)
+        return loss
+
+    def _step_matrix(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        grad = param.grad
+        if grad.is_sparse or torch.is_complex(param):
+            raise RuntimeError(f"Adafactor does not support sparse gradients or complex parameters, got {grad.dtype}")
+        state = self.state[param]
+        if not state:  # torch's state, as its _init_group makes it
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            state["step"] = torch.tensor(0.0, dtype=scalar)
+            state["row_var"] = grad.new_zeros((grad.shape[0], 1))
+            state["col_var"] = grad.new_zeros((1, grad.shape[1]))
+        lr = float(group["lr"])
+        eps1, eps2 = group["eps"]
+        eps1 = torch.finfo(param.dtype).eps if eps1 is None else eps1
+        if group["maximize"]:
+            grad.neg_()
+        step_t, row_var, col_var = state["step"], state["row_var"], state["col_var"]
+        step_t += 1
+        step_float = step_t.item()
+        one_minus_beta2_t = step_float ** group["beta2_decay"]
+        rho_t = min(lr, 1 / (step_float**0.5))
+        alpha = max(eps2, param.norm(2).item() / (param.numel() ** 0.5)) * rho_t
+        if group["weight_decay"] != 0:
+            param.mul_(1 - lr * group["weight_decay"])
+        row_var.lerp_(torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), one_minus_beta2_t)
+        col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), one_minus_beta2_t)
+        row_var_mean = row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)
+        # slices of a multiple of 64 elements: a CPU kernel's vectorized loop then splits each slice as it splits
+        # the whole matrix (its scalar remainder loop rounds bf16 rsqrt differently)
+        align = 64 // math.gcd(grad.shape[1], 64)
+        rows = max(align, SLICE_BYTES // max(1, grad.shape[1] * grad.element_size()) // align * align)
+        for start in range(0, grad.shape[0], rows):  # update = rsqrt(clamp(var_estimate)) * grad, a slice at a time
+            var_estimate = row_var[start : start + rows] @ col_var  # (rows, cols)
+            var_estimate.div_(row_var_mean).clamp_(min=eps1 * eps1).rsqrt_()
+            grad[start : start + rows].mul_(var_estimate)
+            del var_estimate
+        denom = max(1.0, grad.norm(2).item() / ((grad.numel() ** 0.5) * group["d"]))
+        param.add_(grad, alpha=-alpha / denom)
+
+
+def _in_place_adafactor(params: Any, **kw: Any) -> torch.optim.Optimizer:
+    kw.setdefault("lr", 1e-2)
+    kw.setdefault("eps", (torch.finfo(torch.float32).eps, 1e-3))  # as plain's "adafactor" (see its comment)
+    return InPlaceAdafactor(params, **kw)
+
+
+_INNER_BUILDERS = {**plain.BUILDERS, **stochastic_rounding.BUILDERS, "adafactor": _in_place_adafactor}
 _INNER_ARGUMENTS = {**plain.ARGUMENTS, **stochastic_rounding.ARGUMENTS}
 
 
