@@ -520,6 +520,10 @@ def test_fit_help_lists_our_callbacks_and_short_names_resolve(capsys):
     out = capsys.readouterr().out
     for name in ("ScheduledPruning", "ChunkedCrossEntropy", "MemoryMonitor", "ActivationCheckpointing"):
         assert f"lightning_lowmem.{name}" in out
+    model_help = out[out.index("subclasses: lightning.LightningModule") :].split(")", 1)[0]  # was: only that one
+    for name in ("DistillationModule", "HFLanguageModel", "CharLM", "DigitsClassifier"):
+        assert f".{name}," in " ".join(model_help.split()) + ",", name
+    assert "HFTextDataModule" in out and "CharLMDataModule" in out
     with pytest.raises(SystemExit):  # --print_config prints and exits
         main(
             [
