@@ -199,7 +199,7 @@ def test_estimate_impossible_budget_fails_cleanly(capsys):
     assert "no configuration fits" in captured.out
     # --verbose: the search on stderr: one line per candidate, numbered in order (long labels wrapped at 80 columns)
     lines = captured.err.splitlines()
-    assert lines[0].startswith("--budget '10KiB' = 10,240 B") and len(lines) > 10
+    assert lines[0].startswith("--budget '10KiB' = 10,240 B") and len(lines) > 2
     assert [line.split("/")[0] for line in lines[1:]] == [f"plan [{i}" for i in range(1, len(lines))]
     assert all(re.search(r"\) \d+\.\d s$", line) for line in lines[1:]), captured.err
 
