@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "AutoMicrobatch": "lightning_lowmem.callbacks.auto_microbatch",
     "LowRankAdapters": "lightning_lowmem.callbacks.low_rank_adapters",
     "ChunkedCrossEntropy": "lightning_lowmem.callbacks.chunked_cross_entropy",
+    "FreezeLayers": "lightning_lowmem.callbacks.freeze_layers",
     # modules, strategies, plugins
     "DistillationModule": "lightning_lowmem.distillation.module",
     "LowMemoryStrategy": "lightning_lowmem.strategies.low_memory",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.callbacks.activation_compression import ActivationCompression
     from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch
     from lightning_lowmem.callbacks.chunked_cross_entropy import ChunkedCrossEntropy
+    from lightning_lowmem.callbacks.freeze_layers import FreezeLayers
     from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
     from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
     from lightning_lowmem.callbacks.memory_monitor import MemoryMonitor

@@ -81,6 +81,12 @@ RULES: tuple[Rule, ...] = (
         "prune unstructured (structural=False), or prune in one run and add adapters to the smaller model in the next",
     ),
     Rule(
+        "freeze",
+        "pruning",
+        "{b.label} masks weights inside the blocks {a.label} keeps unchanged",
+        "freeze fewer blocks than you prune, or prune in a second run",
+    ),
+    Rule(
         "lora",
         "qat",
         "{b.label} fake-quantizes the layers {a.label} froze and wrapped, so the loss reaches no trainable weight",

@@ -19,6 +19,7 @@ _EXPORTS = {
     "AutoMicrobatch": "auto_microbatch",
     "LowRankAdapters": "low_rank_adapters",
     "ChunkedCrossEntropy": "chunked_cross_entropy",
+    "FreezeLayers": "freeze_layers",
 }
 __all__ = sorted(_EXPORTS)
 

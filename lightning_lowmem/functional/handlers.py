@@ -3,14 +3,15 @@
 
 Registered in ``describe()`` order; applied in their registered ``order``, which is written here once (the
 doctest below reads it from the registry): a one-shot prune first, then quantization, QAT's fake quantizers,
-LoRA (adapters on the possibly quantized layers), activation checkpointing (wrapping whole blocks, adapters
+the layer freeze (registered in :mod:`~lightning_lowmem.functional.freeze`, imported at the end), LoRA (adapters
+on the possibly quantized layers, none in a frozen block), activation checkpointing (wrapping whole blocks, adapters
 included), the chunked cross-entropy, and the KV-cache hold activation compression needs::
 
     >>> from lightning_lowmem.functional.registry import techniques
     >>> [t.field for t in techniques()]  # describe() / to_dict() order
-    ['precision', 'lora', 'quantization', 'checkpointing', 'compression', 'cross_entropy', 'optimizer', 'microbatch', 'sharding', 'pruning', 'qat']
+    ['precision', 'lora', 'quantization', 'checkpointing', 'compression', 'cross_entropy', 'optimizer', 'microbatch', 'sharding', 'pruning', 'qat', 'freeze_layers']
     >>> [(t.field, t.order) for t in sorted(techniques(), key=lambda t: t.order) if t.order]  # apply() order
-    [('pruning', 5), ('quantization', 10), ('qat', 15), ('lora', 20), ('checkpointing', 30), ('cross_entropy', 40), ('compression', 50)]
+    [('pruning', 5), ('quantization', 10), ('qat', 15), ('freeze_layers', 18), ('lora', 20), ('checkpointing', 30), ('cross_entropy', 40), ('compression', 50)]
 
 Precision, the optimizer, micro-batching and sharding change
 nothing in the module (order 0): their step-side part is their config's (``OptimizerConfig.build``,
@@ -483,3 +484,7 @@ def _qat(module: nn.Module, config: QATConfig, applied: Any) -> None:
 
     applied.on_undo(_Structure.of(module).restore)
     applied.reports["qat"] = prepare_qat_(module, config)
+
+
+# ----------------------------------------------------------------------------- layer freezing (order 18)
+import lightning_lowmem.functional.freeze  # noqa: E402, F401  (its module registers FreezeConfig)

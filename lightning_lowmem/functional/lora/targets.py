@@ -6,6 +6,8 @@ Candidates are ``nn.Linear`` and Hugging Face ``Conv1D`` layers, ``nn.Conv2d`` l
 ``"all-conv"`` the convolutions, ``"all"`` both; output heads are left out of all three. Name patterns and
 classes choose any candidate. Convolutions :class:`~lightning_lowmem.functional.lora.layers.LoraConv2d` cannot
 adapt (grouped / depthwise, non-zero padding modes) are left out with a :class:`NoEffectWarning` naming each.
+A module a technique froze and marked with :data:`FROZEN_MARK` (``FreezeLayers``' blocks and embeddings) gets no
+adapter inside it, whatever the target.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "ALL_CONV",
     "ALL_LINEAR",
     "BROAD_TARGETS",
+    "FROZEN_MARK",
     "HEAD_NAMES",
     "is_candidate",
     "matches",
@@ -39,6 +42,8 @@ ALL = "all"
 BROAD_TARGETS = (ALL_LINEAR, ALL_CONV, ALL)
 # Output projections left out by the broad targets (vocabulary / class heads, as PEFT does).
 HEAD_NAMES = ("lm_head", "head", "classifier", "score")
+# Set in a module's __dict__ by a technique that froze it (lightning_lowmem.functional.freeze): no adapter inside.
+FROZEN_MARK = "_lowmem_frozen"
 
 
 def is_candidate(module: nn.Module) -> bool:
@@ -86,7 +91,12 @@ def select(module: nn.Module, target: str | type | Sequence[str | type]) -> dict
         if len(refused) == len(selected):
             raise ValueError(message + " Nothing else matched: choose other layers.")
         warnings.warn(message, NoEffectWarning, stacklevel=3)
-    return {name: layer for name, layer in selected.items() if name not in refused}
+    frozen = [name for name, sub in module.named_modules() if sub.__dict__.get(FROZEN_MARK)]
+    return {
+        name: layer
+        for name, layer in selected.items()
+        if name not in refused and not any(name == f or name.startswith(f"{f}.") or f == "" for f in frozen)
+    }
 
 
 def _select_layers(module: nn.Module, target: str | type | Sequence[str | type]) -> dict[str, nn.Module]:
