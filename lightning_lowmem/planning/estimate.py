@@ -40,7 +40,8 @@ from lightning_lowmem.planning._fake_step import (
     resolve_loop,
     train_step,
 )
-from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
+from lightning_lowmem.memory._tracker import StorageTracker
+from lightning_lowmem.memory.cuda_allocator import cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.planning.attention_kernels import fake_attention, validate_attention_kernel
 from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
