@@ -54,6 +54,7 @@ def digits(steps: int, root: Path) -> None:
         temperature=4.0,
         alpha=0.9,
         teacher_precision="bf16",  # half the teacher's memory
+        lr=3e-3,  # a student trained from scratch (the default 5e-5 is for a pretrained one)
     )
     distil = trainer(steps // 2, root / "student")
     distil.fit(module, data)
@@ -75,6 +76,7 @@ def charlm(steps: int, root: Path) -> None:
         temperature=2.0,
         alpha=0.5,
         hint_layers={"model.ln_f": "model.ln_f"},  # FitNets hint: a learned 64 -> 128 adapter
+        lr=3e-3,  # from scratch
     )
     distil = trainer(steps, root / "student")
     distil.fit(module, data)
@@ -102,6 +104,7 @@ def gpt2(steps: int, root: Path) -> None:
         temperature=2.0,
         alpha=0.5,
         teacher_precision="int8",  # GPT-2's Conv1D layers are quantized too
+        lr=3e-3,  # from scratch
     )
     distil = trainer(steps, root / "student")
     distil.fit(module, data)

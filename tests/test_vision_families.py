@@ -181,7 +181,7 @@ def test_lora_all_conv_leaves_depthwise_out_and_trains_the_classifier(family, ad
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pruning_is_exactly_at_target_over_the_targeted_weights(family, tmp_path):
     model = FAMILIES[family]()
-    report = prune_(model, 0.5, global_=True)
+    report = prune_(model, 0.5, global_=True, heads=True)  # every layer, the classifier too (heads=True)
     targeted = [model.get_parameter(name) for name in report.per_tensor]
     convs = [n for n, layer in model.named_modules() if isinstance(layer, (nn.Conv2d, nn.Linear))]
     assert {f"{n}.weight" for n in convs} <= set(report.per_tensor)  # depthwise convs and the classifier too
@@ -189,7 +189,7 @@ def test_pruning_is_exactly_at_target_over_the_targeted_weights(family, tmp_path
     assert zeros == round(0.5 * total) and report.sparsity == zeros / total
     # the callback, through a fit: exact too
     module = Classifier(FAMILIES[family]())
-    pruning = ScheduledPruning(schedule="constant", target_sparsity=0.5, parameter_names=["weight"])
+    pruning = ScheduledPruning(schedule="constant", target_sparsity=0.5, parameter_names=["weight"], prune_heads=True)
     fit(module, [pruning], tmp_path)
     targeted = [module.model.get_parameter(name) for name in report.per_tensor]
     zeros = sum(int((p == 0).sum()) for p in targeted)

@@ -30,7 +30,7 @@ from lightning_lowmem.functional.lora.bookkeeping import (
     settings_conflict,
     wrap_summary,
 )
-from lightning_lowmem.functional.lora.files import lora_config
+from lightning_lowmem.functional.lora.files import export_root, lora_config
 from lightning_lowmem.functional.optimizers.convert import drop_frozen_
 
 PREFIX = "lowmem/lora"
@@ -68,8 +68,10 @@ class LowRankAdapters(TechniqueCallback):
         base_weights_path: a file with the pretrained base weights (a Lightning checkpoint or a plain
             state dict of the LightningModule), loaded with ``strict=True`` at ``setup`` before the
             adapters are added; for YAML configs, where the model is built from init args. Default: ``None``.
-        merged_weights_path: when set, at the end of ``fit`` write the merged float weights (loadable
-            with ``strict=True`` into the un-wrapped LightningModule) to this file. Default: ``None``.
+        merged_weights_path: when set, at the end of ``fit`` write the merged float weights to this file,
+            loadable with ``strict=True`` into the original architecture: a Hugging Face model the LightningModule
+            wraps (``LlamaForCausalLM(config)``, keys without the wrapper's ``model.``), else the un-wrapped
+            LightningModule. Default: ``None``.
         train_modules: modules trained in full beside the adapters (a freshly initialised classification
             head): ``"auto"`` = modules named ``classifier`` / ``score``; a name pattern or a list of them;
             ``None`` = none. Kept in adapter-only checkpoints. Default: ``"auto"``.
@@ -218,11 +220,13 @@ class LowRankAdapters(TechniqueCallback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.merged_weights_path is None:
             return
-        state = merged_state_dict(pl_module)
+        name, model = export_root(pl_module)  # a wrapped Hugging Face model: its own keys (issue #34)
+        state = merged_state_dict(model)
         if trainer.is_global_zero:
             os.makedirs(os.path.dirname(os.path.abspath(self.merged_weights_path)), exist_ok=True)
             torch.save(state, self.merged_weights_path)
-            rank_zero_info(f"LowRankAdapters: merged weights written to {self.merged_weights_path}")
+            keys = f"the keys of `{name}`, a {type(model).__name__}" if name else "the LightningModule's keys"
+            rank_zero_info(f"LowRankAdapters: merged weights written to {self.merged_weights_path} ({keys})")
 
     @override
     def state_dict(self) -> dict[str, Any]:

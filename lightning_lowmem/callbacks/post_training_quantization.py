@@ -13,6 +13,7 @@ from typing_extensions import override
 from lightning_lowmem.callbacks._quantization_base import QuantizationCallback
 from lightning_lowmem.checkpoints.quantized import (  # re-exported: the documented import path
     load_quantized_checkpoint,
+    quantized_checkpoint_path,
     quantize_like_checkpoint,
 )
 from lightning_lowmem.functional.config.constants import GROUP_SIZE
@@ -74,6 +75,10 @@ class PostTrainingQuantization(QuantizationCallback):
     :func:`load_quantized_checkpoint`, or call :func:`quantize_like_checkpoint` in ``on_load_checkpoint``
     for ``load_from_checkpoint``; a loader with neither fails on a state-dict entry whose key says which to
     add. An ``int8_static`` model is for inference in this process: keep the float checkpoint to reload.
+    With a ``ModelCheckpoint`` (Lightning's default), the quantized model is saved after quantizing to
+    ``<its dirpath>/quantized.ckpt`` (weights only; :attr:`saved_path`), since the checkpoints written during
+    ``fit`` hold the float model: ``load_quantized_checkpoint(MyModule, trainer.checkpoint_callback.dirpath +
+    "/quantized.ckpt")``.
 
     Args:
         mode: ``"int8_dynamic"``, ``"int8_weight_only"``, ``"int4_weight_only"`` (CUDA),
@@ -161,6 +166,7 @@ class PostTrainingQuantization(QuantizationCallback):
         self.quantized: list[str] = []
         self.tied: list[list[str]] = []
         self.summary: dict[str, Any] = {}
+        self.saved_path: str | None = None  # where on_fit_end saved the quantized model (a ModelCheckpoint folder)
         self._call_checked = False
         self._time_latency = latency_batches > 0
         self._static = StaticChild(module_name, compile) if module_name is not None else None
@@ -233,7 +239,12 @@ class PostTrainingQuantization(QuantizationCallback):
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.quantize(trainer, pl_module)
+        report = self.quantize(trainer, pl_module)
+        path = quantized_checkpoint_path(trainer) if report is not None and self.mode != "int8_static" else None
+        if path is not None:  # the last ModelCheckpoint save came before this hook: it holds the float model
+            trainer.save_checkpoint(path, weights_only=True)
+            self.saved_path = path
+            rank_zero_info(f"PostTrainingQuantization: quantized model saved to {path} (load_quantized_checkpoint)")
 
     def quantize(self, trainer: L.Trainer, pl_module: L.LightningModule) -> QuantizationReport | None:
         """Quantize ``pl_module`` now (called at fit end; callable on demand, e.g. before ``test``)."""

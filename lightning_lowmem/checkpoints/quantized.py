@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     import lightning as L
 
 __all__ = [
+    "QUANTIZED_CHECKPOINT",
+    "quantized_checkpoint_path",
     "CHECKPOINT_KEY",
     "load_quantized_checkpoint",
     "pop_instruction",
@@ -50,6 +52,18 @@ __all__ = [
 ]
 
 CHECKPOINT_KEY = "lowmem_quantization"
+#: the file ``PostTrainingQuantization`` writes the quantized model to, in the ``ModelCheckpoint``'s folder
+QUANTIZED_CHECKPOINT = "quantized.ckpt"
+
+
+def quantized_checkpoint_path(trainer: Any) -> str | None:
+    """``<checkpoint dir>/quantized.ckpt``: where the quantized model is saved after fit (Lightning's last
+    ``ModelCheckpoint`` save comes before ``on_fit_end``, so its files hold the float model); ``None`` when the
+    Trainer has no checkpoint callback with a folder (``enable_checkpointing=False``)."""
+    dirpath = getattr(getattr(trainer, "checkpoint_callback", None), "dirpath", None)
+    return f"{str(dirpath).rstrip('/')}/{QUANTIZED_CHECKPOINT}" if dirpath else None
+
+
 #: the state-dict key of the instruction entry starts with this
 INSTRUCTION_PREFIX = "lowmem_quantization:"
 

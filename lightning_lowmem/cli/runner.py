@@ -65,12 +65,16 @@ def constructed_class(error: BaseException) -> type | None:
 
 
 def import_callbacks() -> None:
-    """Import every public callback class: jsonargparse resolves a short class name (``--trainer.callbacks+=
-    ScheduledPruning``) and lists the choices in ``--help`` among the ``Callback`` subclasses already imported."""
+    """Import every public callback class, and our LightningModules / DataModules (``DistillationModule``, the
+    demo's and the Hugging Face wrappers): jsonargparse resolves a short class name (``--trainer.callbacks+=
+    ScheduledPruning``) and lists the choices in ``--help`` among the subclasses already imported."""
     import lightning_lowmem.callbacks as callbacks
+    import lightning_lowmem.demo as demo
+    from lightning_lowmem.distillation import DistillationModule  # noqa: F401 - imported to be listed
 
-    for name in callbacks.__all__:
-        getattr(callbacks, name)
+    for package in (callbacks, demo):
+        for name in package.__all__:
+            getattr(package, name)
 
 
 def print_error(message: str, hint: str) -> None:

@@ -37,7 +37,7 @@ import torch
 from lightning_lowmem.demo.charlm import CharLM, CharLMDataModule
 from lightning_lowmem.demo.digits import DigitsClassifier, DigitsDataModule
 from lightning_lowmem.demo.step_profile import StepMemoryProfile
-from lightning_lowmem.demo.timing import StepProgress, StepTimer, bf16_speed
+from lightning_lowmem.demo.timing import StepProgress, StepTimer, bf16_speed, pinned_threads
 from lightning_lowmem.memory import format_bytes
 
 
@@ -75,6 +75,7 @@ class DemoSettings:
     charlm_chars: int = 1_500_000
     val_batches: int = 20
     profile_step: int = 1
+    threads: int = 1  # torch intra-op threads of every run (the benchmarks' choice; see run_demo)
 
 
 def settings_for(quick: bool, bf16: str = "auto") -> DemoSettings:
@@ -473,7 +474,7 @@ def run_demo(settings: DemoSettings, workloads: list[str], out: Path, console: A
     context: dict[str, Any] = {}
     started = time.perf_counter()
     try:
-        with stop_on_signals(), _quiet_lightning():
+        with stop_on_signals(), _quiet_lightning(), pinned_threads(settings.threads):
             for index, (workload, name, fn) in enumerate(plan, 1):
                 console.print(
                     f"[bold][{index}/{len(plan)}][/bold] {workload} · {name}", highlight=False, soft_wrap=True
@@ -511,12 +512,14 @@ def main(argv: list[str] | None = None) -> int:
         help="bf16 rows: train all steps (full), only the steps memory needs (short), or short "
         "when this CPU emulates bf16 (auto, default)",
     )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1, see pinned_threads)")
     args = parser.parse_args(argv)
     from rich.console import Console
 
     console = Console() if Console().is_terminal else Console(width=200)
     started = time.perf_counter()
     settings = settings_for(args.quick, args.bf16)
+    settings.threads = max(1, args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     count = len(charlm_plan(settings)) * ("charlm" in args.workloads) + 4 * ("digits" in args.workloads)

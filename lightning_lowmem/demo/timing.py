@@ -1,8 +1,10 @@
 """Time, as the demo and the benchmarks see it: `StepTimer` (wall time per training step),
-`StepProgress` (a progress display counted in optimizer steps) and `bf16_speed` (is bf16 native here?)."""
+`StepProgress` (a progress display counted in optimizer steps), `bf16_speed` (is bf16 native here?) and
+`pinned_threads` (the demo's runs on a fixed number of torch threads)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
@@ -10,11 +12,27 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+@contextlib.contextmanager
+def pinned_threads(count: int = 1) -> Iterator[None]:
+    """``torch.set_num_threads(count)`` for the block, the previous count restored after.
+
+    The demo's runs (as the benchmarks) use one thread: its models are small, so a second thread gains little,
+    and on a shared machine two OpenMP threads spin-wait on each other (one 200-step charlm run took 469 s with two
+    threads on two busy cores); one thread slows only in proportion to the load.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class StepTimer(L.Callback):

@@ -23,7 +23,21 @@ from lightning_lowmem._compat import tree_map
 
 from lightning_lowmem.model_io import has_forward_batch, output_loss, tensor_leaves
 
-__all__ = ["cast_floating", "counted", "first_tensor", "hard_label_loss", "position_mask", "takes_labels"]
+__all__ = [
+    "UNSHIFTED_LABELS_WARNING",
+    "cast_floating",
+    "counted",
+    "first_tensor",
+    "hard_label_loss",
+    "position_mask",
+    "takes_labels",
+]
+
+UNSHIFTED_LABELS_WARNING = (
+    "DistillationModule: the student returned no `.loss` for a dict batch with `labels`, so the hard-label term is a "
+    "cross-entropy of its logits against `labels` position by position (no shift). For a causal LM whose labels are "
+    "its input ids, return the model's own `.loss` (take `labels` in forward) or override `batch_targets` to shift them."
+)
 
 
 def first_tensor(batch: Any) -> torch.Tensor | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Callable, Union
 
 import lightning as L
@@ -31,12 +30,15 @@ from lightning_lowmem.distillation.batches import (
     cast_floating,
     counted,
     first_tensor,
+    UNSHIFTED_LABELS_WARNING,
     hard_label_loss,
     position_mask,
     takes_labels,
 )
-from lightning_lowmem.distillation.cache import TeacherCache, batch_keys, build_teacher_cache
+from lightning_lowmem.distillation.cache import TeacherCache, batch_keys
+from lightning_lowmem.distillation.cached_teacher import CachedTeacherMixin
 from lightning_lowmem.distillation.config import DistillationConfig, distillation_losses
+from lightning_lowmem.distillation.fine_tuning import StepGuard, build_student_optimizer
 from lightning_lowmem.distillation.losses import FeatureRecorder, check_logit_shapes, find_module, make_adapter
 from lightning_lowmem.distillation.teacher import TEACHER_PRECISIONS, load_teacher_weights, prepare_teacher  # noqa: F401
 from lightning_lowmem.functional.cross_entropy.models import DeferredLogits
@@ -45,7 +47,7 @@ from lightning_lowmem.model_io import BatchCallError, forward_batch, output_logi
 __all__ = ["DistillationModule", "TEACHER_PRECISIONS"]
 
 
-class DistillationModule(L.LightningModule):
+class DistillationModule(CachedTeacherMixin, L.LightningModule):
     """Knowledge distillation from a frozen ``teacher`` into a trainable ``student``.
 
     Subclass it (override :meth:`distillation_loss` for a custom loss) or configure it from YAML.
@@ -81,7 +83,9 @@ class DistillationModule(L.LightningModule):
             refused when stale. Default: ``None`` (live teacher).
         cache_top_k: keep only the top-k teacher logits per position in the cache. Default: ``None``.
         cache_dtype: ``"float16"`` or ``"float32"`` on disk. Default: ``"float16"``.
-        lr: learning rate. Default: 3e-3.
+        lr: learning rate. Default: ``None``: 5e-5, a fine-tuning rate that a pretrained student survives (see
+            :mod:`~lightning_lowmem.distillation.fine_tuning`); a student trained from scratch wants ~1e-3.
+            A step that moves a pretrained student's weights by more than 2% is warned about once.
         weight_decay: weight decay. Default: 1e-4.
         optimizer: name for :func:`~lightning_lowmem.functional.optimizers.build_optimizer`.
             Default: ``"adamw"``.
@@ -117,7 +121,7 @@ class DistillationModule(L.LightningModule):
         teacher_cache: str | None = None,
         cache_top_k: int | None = None,
         cache_dtype: str = "float16",
-        lr: float = 3e-3,
+        lr: float | None = None,
         weight_decay: float = 1e-4,
         optimizer: str = "adamw",
         ignore_index: int = -100,
@@ -155,6 +159,7 @@ class DistillationModule(L.LightningModule):
         self._teacher_slot: list[nn.Module] = []
         self._cache: TeacherCache | None = None
         self._teacher_scores: dict[str, float] = {}  # teacher_val_acc (tuples) / teacher_val_loss (dicts), once
+        self._step_guard = StepGuard(lr)  # a step that wrecks a pretrained student is warned about
 
         self.hint_adapters = nn.ModuleDict()
         self._student_recorder: FeatureRecorder | None = None
@@ -276,52 +281,6 @@ class DistillationModule(L.LightningModule):
         """The student's logits: ``module(x)`` for a tensor model, ``module(**batch)`` for a Hugging Face one."""
         return output_logits(self.student(*args, **kwargs))
 
-    def _use_cache(self) -> bool:
-        return self.hparams.teacher_cache is not None
-
-    def prepare_teacher_cache(
-        self, dataset: Any, device: torch.device | str = "cpu", build: bool = True
-    ) -> TeacherCache:
-        """Open the teacher cache for ``dataset`` (building it first if absent), then release the teacher.
-
-        Raises:
-            StaleCacheError: the cache on disk was built for another dataset.
-            FileNotFoundError: no cache and ``build`` is False.
-        """
-        path = Path(self.hparams.teacher_cache)
-        if not path.exists() and build:
-            if not self._teacher_source_slot:
-                raise ValueError(f"missing teacher: no cache at {str(path)!r} and no `teacher` to build it from")
-            rank_zero_info(f"[DistillationModule] building the teacher cache {path} for {len(dataset)} samples")
-            teacher = self.teacher
-            assert teacher is not None
-            teacher.to(device)
-            build_teacher_cache(
-                self.teacher_logits,
-                dataset,
-                path,
-                top_k=self.hparams.cache_top_k,
-                dtype=self.hparams.cache_dtype,
-                device=device,
-            )
-        self._cache = TeacherCache.load(path, dataset)
-        self.release_teacher()
-        return self._cache
-
-    @override
-    def on_train_start(self) -> None:
-        if not self._use_cache() or self._cache is not None:
-            return
-        dataset = self.trainer.train_dataloader.dataset
-        if self.trainer.is_global_zero:
-            self.prepare_teacher_cache(dataset, device=self.device)
-        self.trainer.strategy.barrier("teacher_cache")
-        if not self.trainer.is_global_zero:
-            self.prepare_teacher_cache(dataset, build=False)
-        accuracy = self._cache.meta.get("teacher_accuracy") if self._cache else None
-        if accuracy is not None:
-            rank_zero_info(f"[DistillationModule] teacher accuracy on the cached training set: {accuracy:.4f}")
-
     def batch_targets(
         self, batch: Any, logits: torch.Tensor, output: Any = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -377,12 +336,7 @@ class DistillationModule(L.LightningModule):
     def _warn_unshifted_once(self) -> None:
         if not getattr(self, "_warned_unshifted", False):
             self._warned_unshifted = True
-            rank_zero_warn(
-                "DistillationModule: the student returned no `.loss` for a dict batch with `labels`, so the hard-label "
-                "term is a cross-entropy of its logits against `labels` position by position (no shift). For a causal "
-                "LM whose labels are its input ids, return the model's own `.loss` (take `labels` in forward) or "
-                "override `batch_targets` to shift them."
-            )
+            rank_zero_warn(UNSHIFTED_LABELS_WARNING)
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -416,6 +370,10 @@ class DistillationModule(L.LightningModule):
         else:
             agree = student_logits.argmax(-1) == teacher_logits.argmax(-1)
         self.train_agreement.update(counted(agree, mask).float())
+        if self._step_guard.agreement is None:  # once: does the student already agree with the teacher?
+            hint = self._step_guard.first_batch(float(counted(agree, mask).float().mean()), teacher_logits.size(-1))
+            if hint:
+                rank_zero_info(hint)
         self.log("train_loss", losses["loss"], prog_bar=True)
         for name, value in losses.items():
             if name != "loss":
@@ -489,15 +447,17 @@ class DistillationModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        from lightning_lowmem.functional.optimizers.catalog import build_optimizer
-
         # self.parameters() is the student and the hint adapters: the teacher is not a registered child
-        return build_optimizer(
-            self.hparams.optimizer,
-            [p for p in self.parameters() if p.requires_grad],
-            lr=self.hparams.lr,
-            weight_decay=self.hparams.weight_decay,
-        )
+        hp = self.hparams
+        return build_student_optimizer(hp.optimizer, self.parameters(), hp.lr, hp.weight_decay)
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        step, probe = self.global_step, self._step_guard.probe(self.global_step, self.student)  # weights before
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        message = probe and self._step_guard.after_step(probe, step, optimizer.param_groups[0]["lr"])
+        if message:
+            rank_zero_warn(message)  # once, with the figure
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -3,8 +3,8 @@
 :class:`HFLanguageModel` holds a ``transformers`` model built from a config (randomly initialised, no
 download) or loaded from a local directory, and calls it as users do: ``self.model(**batch)`` with a
 dict batch ``{"input_ids", "attention_mask", "labels"}``, reading ``.loss`` / ``.logits``.
-:class:`HFTextDataModule` serves such batches from the stdlib corpus of ``charlm`` (bytes as tokens, or
-a local tokenizer), right-padded to ragged lengths so attention masks and ignored labels are exercised.
+:class:`HFTextDataModule` serves such batches from the stdlib corpus of ``charlm`` or the user's own text file
+or folder (``path=``; bytes as tokens, or a local tokenizer), right-padded to ragged lengths so attention masks and ignored labels are exercised.
 
 Four families cover what users bring: ``"gpt2"`` (``Conv1D`` layers, tied head), ``"llama"`` (RMSNorm,
 rotary, grouped-query attention, untied head), ``"bert"`` (encoder, masked LM, tied decoder) and ``"t5"``
@@ -13,6 +13,7 @@ rotary, grouped-query attention, untied head), ``"bert"`` (encoder, masked LM, t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -21,7 +22,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_lowmem.models.corpus import load_corpus
 
-__all__ = ["FAMILIES", "PAD_ID", "HFLanguageModel", "HFTextDataModule", "build_hf_model", "tiny_hf_config"]
+__all__ = [
+    "FAMILIES",
+    "PAD_ID",
+    "TEXT_SUFFIXES",
+    "HFLanguageModel",
+    "HFTextDataModule",
+    "build_hf_model",
+    "read_text",
+    "tiny_hf_config",
+]
 
 FAMILIES = {"gpt2": "causal", "llama": "causal", "bert": "masked", "t5": "seq2seq"}
 """Model family -> task of its head (``causal`` LM, ``masked`` LM, ``seq2seq`` LM)."""
@@ -167,6 +177,38 @@ class HFLanguageModel(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
 
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+"""The files :func:`read_text` reads from a folder."""
+
+
+def read_text(path: str | Path, max_chars: int) -> torch.Tensor:
+    """The bytes of a text file, or of a folder's :data:`TEXT_SUFFIXES` files (recursively, in sorted order, joined
+    by a newline), as a uint8 tensor of at most ``max_chars`` bytes.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: a folder with no text file, or no text at all.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"`path`={str(path)!r} does not exist; give a text file or a folder of {TEXT_SUFFIXES}")
+    files = (
+        [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.suffix in TEXT_SUFFIXES and f.is_file())
+    )
+    if not files:
+        raise ValueError(f"`path`={str(path)!r} holds no {'/'.join(TEXT_SUFFIXES)} file; give a text file or a folder")
+    chunks, size = [], 0
+    for file in files:
+        chunks.append(file.read_bytes())
+        size += len(chunks[-1]) + 1
+        if size >= max_chars:
+            break
+    blob = b"\n".join(chunks)[:max_chars]
+    if not blob.strip():
+        raise ValueError(f"`path`={str(path)!r} holds no text (its files are empty)")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
 class _TextDataset(Dataset):
     """Windows of the corpus as dict samples for one task, right-padded to ragged lengths."""
 
@@ -201,7 +243,7 @@ class _TextDataset(Dataset):
 
 
 class HFTextDataModule(L.LightningDataModule):
-    """Dict batches ``{"input_ids", "attention_mask", "labels"}`` from the stdlib corpus.
+    """Dict batches ``{"input_ids", "attention_mask", "labels"}`` from your text (``path``) or the stdlib corpus.
 
     Tokens are UTF-8 bytes (ids 0-255; pad 256, mask 257) unless ``tokenizer`` names a local tokenizer
     directory. Each row is right-padded from a random length in ``[min_len, seq_len]``: padding carries
@@ -214,6 +256,8 @@ class HFTextDataModule(L.LightningDataModule):
         batch_size: rows per batch. Default: 8.
         min_len: shortest real length of a row. Default: ``seq_len * 3 // 4``.
         max_chars: bytes of corpus to read. Default: 400_000.
+        path: your own text: a text file, or a folder whose ``.txt`` / ``.md`` / ``.py`` / ``.rst`` files are read
+            (recursively, sorted), tokenized like the corpus. Default: ``None`` (the stdlib corpus).
         tokenizer: a local tokenizer directory (``AutoTokenizer.from_pretrained``). Default: ``None`` (bytes).
         val_fraction: share held out for validation. Default: 0.1.
         seed: padding / masking seed. Default: 0.
@@ -236,6 +280,7 @@ class HFTextDataModule(L.LightningDataModule):
         tokenizer: str | None = None,
         val_fraction: float = 0.1,
         seed: int = 0,
+        path: str | None = None,
     ) -> None:
         super().__init__()
         if task not in ("causal", "masked", "seq2seq"):
@@ -247,13 +292,15 @@ class HFTextDataModule(L.LightningDataModule):
             raise ValueError(f"`min_len` must be in [1, seq_len={seq_len}], got {min_len}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction}")
+        if path is not None and not Path(path).expanduser().exists():
+            raise FileNotFoundError(f"`path`={path!r} does not exist; give a text file or a folder of text files")
         self.save_hyperparameters()
         self.min_len = min_len
         self.ids: torch.Tensor | None = None
 
     def _token_ids(self) -> tuple[torch.Tensor, int, int]:
         hp = self.hparams
-        corpus = load_corpus(hp.max_chars)
+        corpus = load_corpus(hp.max_chars) if hp.path is None else read_text(hp.path, hp.max_chars)
         if hp.tokenizer is None:
             return corpus.long(), PAD_ID, MASK_ID
         tokenizer = _transformers().AutoTokenizer.from_pretrained(hp.tokenizer, local_files_only=True)

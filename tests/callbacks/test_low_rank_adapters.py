@@ -218,3 +218,40 @@ def test_adapters_only_checkpoint_without_the_callback_names_it_before_loading(t
         RuntimeError, match=r"(?s)Missing key\(s\) in state_dict.*Unexpected key\(s\) in state_dict: .*lora_A"
     ):
         _fit(_charlm(), tiny_trainer_kwargs, [], max_epochs=2, limit_train_batches=2, ckpt_path=path)
+
+
+class LlamaModule(L.LightningModule):
+    """A Hugging Face Llama as users wrap it: ``self.model``, so the LightningModule's keys start with ``model.``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        self.config = LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+        )
+        self.model = LlamaForCausalLM(self.config)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.model(x).logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_merged_weights_of_a_wrapped_hf_model_load_into_the_original_architecture(tiny_trainer_kwargs, tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import LlamaForCausalLM
+
+    module = LlamaModule()
+    path = tmp_path / "merged.pt"
+    _fit(module, tiny_trainer_kwargs, [LowRankAdapters(r=4, merged_weights_path=str(path))], max_steps=3)
+    state = torch.load(path, weights_only=True)
+    assert not any(key.startswith("model.model.") for key in state) and "lm_head.weight" in state
+    plain = LlamaForCausalLM(module.config)
+    plain.load_state_dict(state, strict=True)  # was: unexpected keys "model.model.embed_tokens.weight", ...
+    tokens = torch.randint(0, 256, (2, 16))
+    module.eval()
+    torch.testing.assert_close(plain(tokens).logits, module.model(tokens).logits, atol=1e-5, rtol=0)

@@ -363,3 +363,28 @@ def test_checkpoint_records_its_writer(tiny_trainer_kwargs, tmp_path):
     assert len(instruction) == 1 and "add it to the Trainer's callbacks" in instruction[0]
     with pytest.raises(RuntimeError, match="Unexpected key.*written by lightning_lowmem PostTrainingQuantization"):
         ErrorModule().load_state_dict(checkpoint["state_dict"])  # a plain load: stops before using anything
+
+
+def test_the_quantized_model_is_saved_where_the_checkpoints_go(tiny_trainer_kwargs, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = PostTrainingQuantization("int8_weight_only", latency_batches=0)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    kwargs = {**tiny_trainer_kwargs, "enable_checkpointing": True}
+    trainer = L.Trainer(callbacks=[checkpoints, callback], max_steps=1, num_sanity_val_steps=0, **kwargs)
+    module = ErrorModule()
+    trainer.fit(module)
+    path = tmp_path / "ckpt" / "quantized.ckpt"
+    assert callback.saved_path == str(path) and path.is_file()  # was: only the float epoch=0-step=1.ckpt
+    inputs = torch.randn(4, 64)
+    loaded = load_quantized_checkpoint(ErrorModule, path)  # weights_only=True: the portable form
+    assert type(loaded.fc1.weight).__name__ == "Int8Tensor"
+    torch.testing.assert_close(loaded(inputs), module(inputs), atol=0, rtol=0)
+    float_checkpoint = torch.load(next(p for p in (tmp_path / "ckpt").glob("epoch*.ckpt")), weights_only=False)
+    assert type(float_checkpoint["state_dict"]["fc1.weight"]) is torch.Tensor  # why the extra file is needed
+
+
+def test_no_checkpoint_folder_no_quantized_file(tiny_trainer_kwargs, tmp_path):
+    callback = PostTrainingQuantization("int8_weight_only", latency_batches=0)
+    fit(callback, tiny_trainer_kwargs)  # enable_checkpointing=False
+    assert callback.saved_path is None and not list(tmp_path.rglob("*.ckpt"))

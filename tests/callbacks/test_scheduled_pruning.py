@@ -87,6 +87,7 @@ def test_migration_grid_sparsity_matches_amount(tiny_trainer_kwargs, pruning_fn,
         amount=0.5,
         pruning_dim=0 if "structured" in pruning_fn and "unstructured" not in pruning_fn else None,
         pruning_norm=2,
+        prune_heads=True,
     )
     _, trainer = _fit(callback, tiny_trainer_kwargs, model)
     trainer.test(model, verbose=False)
@@ -112,13 +113,13 @@ def test_same_zeros_as_lightning_model_pruning(tiny_trainer_kwargs, pruning_fn, 
     )
     if pruning_fn == "ln_structured":
         args.update(pruning_dim=0, pruning_norm=1)
-    ours, _ = _fit(ScheduledPruning(pruning_fn, **args), tiny_trainer_kwargs)
+    ours, _ = _fit(ScheduledPruning(pruning_fn, **args, prune_heads=True), tiny_trainer_kwargs)
     theirs, _ = _fit(ModelPruning(pruning_fn, **args), tiny_trainer_kwargs)
     for a, b in zip(_linear_weights(ours), _linear_weights(theirs), strict=True):
         assert torch.equal(a == 0, b == 0)
     # a second epoch prunes `amount` of what is left (torch.nn.utils.prune's iterative meaning): 75% in total.
     # (Masks are not compared there: ModelPruning ranks by the `weight` computed at the last forward, one step stale.)
-    twice, _ = _fit(ScheduledPruning(pruning_fn, **args), tiny_trainer_kwargs, max_epochs=2)
+    twice, _ = _fit(ScheduledPruning(pruning_fn, **args, prune_heads=True), tiny_trainer_kwargs, max_epochs=2)
     total = sum(w.numel() for w in _linear_weights(twice))
     zeros = sum(int((w == 0).sum()) for w in _linear_weights(twice))
     if use_global:
@@ -129,7 +130,10 @@ def test_same_zeros_as_lightning_model_pruning(tiny_trainer_kwargs, pruning_fn, 
 
 def test_torch_prune_function_and_callable_amount(tiny_trainer_kwargs):
     callback = ScheduledPruning(
-        torch_prune.l1_unstructured, parameter_names=["weight"], amount=lambda epoch: 0.3 if epoch == 1 else 0.0
+        torch_prune.l1_unstructured,
+        parameter_names=["weight"],
+        amount=lambda epoch: 0.3 if epoch == 1 else 0.0,
+        prune_heads=True,
     )
     model, _ = _fit(callback, tiny_trainer_kwargs, max_epochs=2)
     weights = _linear_weights(model)
@@ -153,6 +157,7 @@ def test_cubic_schedule_exact_at_every_step(tiny_trainer_kwargs):
         end_step=end,
         parameter_names=["weight"],
         make_pruning_permanent=False,
+        prune_heads=True,
     )
     _fit(pruning, tiny_trainer_kwargs, max_epochs=3, callbacks=[pruning, Recorder()])
     for step, pruned in seen.items():
@@ -165,7 +170,9 @@ def test_cubic_schedule_exact_at_every_step(tiny_trainer_kwargs):
 def test_logs_total_and_per_layer_sparsity(tiny_trainer_kwargs):
     from lightning.pytorch.loggers import CSVLogger
 
-    pruning = ScheduledPruning(schedule="linear", target_sparsity=0.5, end_step=2, parameter_names=["weight"])
+    pruning = ScheduledPruning(
+        schedule="linear", target_sparsity=0.5, end_step=2, parameter_names=["weight"], prune_heads=True
+    )
     _, trainer = _fit(
         pruning, tiny_trainer_kwargs, logger=CSVLogger(tiny_trainer_kwargs["default_root_dir"]), log_every_n_steps=1
     )
@@ -177,7 +184,7 @@ def test_lottery_ticket_rewinds_unpruned_weights_to_their_initial_values(tiny_tr
     model = TinyModule()
     initial = [w.detach().clone() for w in _linear_weights(model)]
     _fit(
-        ScheduledPruning(parameter_names=["weight"], amount=0.5, use_lottery_ticket_hypothesis=True),
+        ScheduledPruning(parameter_names=["weight"], amount=0.5, use_lottery_ticket_hypothesis=True, prune_heads=True),
         tiny_trainer_kwargs,
         model,
     )
@@ -198,6 +205,7 @@ def test_resume_mid_schedule_ends_with_identical_masks_and_weights(tiny_trainer_
             frequency=2,
             parameter_names=["weight"],
             make_pruning_permanent=False,
+            prune_heads=True,
         )
 
     full, _ = _fit(pruning(), tiny_trainer_kwargs, max_epochs=3)  # 12 steps
@@ -215,7 +223,14 @@ def test_resume_mid_schedule_ends_with_identical_masks_and_weights(tiny_trainer_
 
 def test_nm_method_through_the_callback(tiny_trainer_kwargs):
     callback = ScheduledPruning(
-        method="nm", n=2, m=4, schedule="constant", target_sparsity=0.5, end_step=2, parameter_names=["weight"]
+        method="nm",
+        n=2,
+        m=4,
+        schedule="constant",
+        target_sparsity=0.5,
+        end_step=2,
+        parameter_names=["weight"],
+        prune_heads=True,
     )
     model, _ = _fit(callback, tiny_trainer_kwargs)
     for weight in _linear_weights(model):
@@ -234,6 +249,7 @@ def test_structural_removal_rebinds_the_trainer_optimizer(tiny_trainer_kwargs):
         parameter_names=["weight"],
         use_global_unstructured=False,
         pruning_norm=2,
+        prune_heads=True,
     )
     _, trainer = _fit(callback, tiny_trainer_kwargs, model, max_epochs=2)  # 8 steps: 4 after the removal
     assert model.net[0].out_channels == 4 and model.net[2].out_channels == 8
@@ -265,7 +281,7 @@ def test_structural_removal_rebinds_the_trainer_optimizer(tiny_trainer_kwargs):
 )
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
-        ScheduledPruning(**kwargs)
+        ScheduledPruning(**kwargs, prune_heads=True)
 
 
 def test_unknown_parameter_name_fails_at_setup(tiny_trainer_kwargs):
@@ -273,7 +289,7 @@ def test_unknown_parameter_name_fails_at_setup(tiny_trainer_kwargs):
         ValueError,
         match=r"`parameter_names` contains \['kernel'\], which no module has; parameter names present: \['bias', 'weight'\]",
     ):
-        _fit(ScheduledPruning(parameter_names=["kernel"]), tiny_trainer_kwargs)
+        _fit(ScheduledPruning(parameter_names=["kernel"], prune_heads=True), tiny_trainer_kwargs)
 
 
 class _SaveMasks(L.Callback):
@@ -296,6 +312,7 @@ def test_ddp_two_cpu_processes_have_identical_masks(tmp_path):
         parameter_names=["weight"],
         make_pruning_permanent=False,
         seed=0,
+        prune_heads=True,
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -316,7 +333,7 @@ def test_ddp_two_cpu_processes_have_identical_masks(tmp_path):
 
 
 def test_callable_schedule_runs_to_the_last_step_when_end_step_is_none(tiny_trainer_kwargs):
-    pruning = ScheduledPruning(schedule=lambda step: 0.1 * step, parameter_names=["weight"])
+    pruning = ScheduledPruning(schedule=lambda step: 0.1 * step, parameter_names=["weight"], prune_heads=True)
     model, _ = _fit(pruning, tiny_trainer_kwargs)  # 4 steps: the last one prunes to 0.4
     assert pruning.end_step == 4
     weights = _linear_weights(model)

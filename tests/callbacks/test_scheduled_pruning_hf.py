@@ -68,7 +68,9 @@ def test_model_pruning_style_with_quantization_aware_training(tiny_trainer_kwarg
     pytest.importorskip("torchao")
     from lightning_lowmem.callbacks.quantization_aware_training import QuantizationAwareTraining
 
-    pruning = ScheduledPruning("l1_unstructured", amount=0.5)  # ModelPruning's defaults: weights + biases, global
+    pruning = ScheduledPruning(
+        "l1_unstructured", amount=0.5, prune_heads=True
+    )  # ModelPruning's defaults: weights + biases, global
     qat = QuantizationAwareTraining("int8_weight_only")
     counter = _CountZeros()
     callbacks = [qat, pruning, counter] if qat_first else [pruning, qat, counter]
@@ -116,7 +118,9 @@ def _embeddings(model: nn.Module) -> list[nn.Module]:
 def test_hf_step_schedule_exact_sparsity_embeddings_untouched(family, tiny_trainer_kwargs):
     model = hf_module(family, **NO_DROPOUT[family])
     table_zeros = [int((table.weight == 0).sum()) for table in _embeddings(model)]  # Llama's padding row is zero
-    pruning = ScheduledPruning(schedule="cubic", target_sparsity=0.6, end_step=3, make_pruning_permanent=False)
+    pruning = ScheduledPruning(
+        schedule="cubic", target_sparsity=0.6, end_step=3, make_pruning_permanent=False, prune_heads=True
+    )
     L.Trainer(**{**tiny_trainer_kwargs, "max_steps": 4, "callbacks": [pruning]}).fit(model, _hf_loaders(family))
 
     prunable = _prunable(model)
@@ -137,7 +141,7 @@ def test_hf_step_schedule_exact_sparsity_embeddings_untouched(family, tiny_train
 def test_hf_gpt2_tied_head_pruned_once_when_embeddings_asked(tiny_trainer_kwargs):
     model = hf_module("gpt2", **NO_DROPOUT["gpt2"])
     pruning = ScheduledPruning(
-        parameter_names=["weight"], amount=0.5, prune_embeddings=True, make_pruning_permanent=False
+        parameter_names=["weight"], amount=0.5, prune_embeddings=True, make_pruning_permanent=False, prune_heads=True
     )
     L.Trainer(**{**tiny_trainer_kwargs, "max_epochs": 1, "callbacks": [pruning]}).fit(model, _hf_loaders("gpt2", 2))
 
@@ -160,7 +164,7 @@ def test_hf_structured_prunes_output_channels_along_the_right_dim(family):
 
     model = hf_module(family)
     layer = model.model.transformer.h[0].mlp.c_fc if family == "gpt2" else model.model.model.layers[0].mlp.up_proj
-    prune_(model, 0.5, "ln_structured", parameters_to_prune=[(layer, "weight")])
+    prune_(model, 0.5, "ln_structured", parameters_to_prune=[(layer, "weight")], heads=True)
     out_dim = 1 if family == "gpt2" else 0  # Conv1D's weight is (in, out)
     dead = (layer.weight == 0).all(dim=1 - out_dim)  # (out,)
     assert layer.weight.shape[out_dim] == 256 if family == "gpt2" else 128
@@ -170,7 +174,7 @@ def test_hf_structured_prunes_output_channels_along_the_right_dim(family):
 
 def test_parameters_to_prune_string_naming_nothing_lists_real_names(tiny_trainer_kwargs):
     model = hf_module("gpt2")
-    pruning = ScheduledPruning(parameters_to_prune=["model.transformer.h.0.mlp.fc.weight"])
+    pruning = ScheduledPruning(parameters_to_prune=["model.transformer.h.0.mlp.fc.weight"], prune_heads=True)
     with pytest.raises(
         ValueError,
         match=r"names no submodule of HFLanguageModel; entries are 'module.path.param' "
@@ -208,6 +212,7 @@ def _pruning() -> ScheduledPruning:
         parameter_names=["weight"],
         prune_embeddings=True,
         make_pruning_permanent=False,
+        prune_heads=True,
     )
 
 
@@ -255,6 +260,7 @@ def test_hf_gpt2_structural_removal_through_the_callback(tiny_trainer_kwargs):
         parameter_names=["weight"],
         use_global_unstructured=False,
         pruning_norm=2,
+        prune_heads=True,
     )
     trainer = L.Trainer(**{**tiny_trainer_kwargs, "max_steps": 4, "callbacks": [pruning]})
     trainer.fit(model, _hf_loaders("gpt2"))  # 2 steps after the removal, on the smaller model

@@ -45,6 +45,7 @@ def test_demo_rows_table_json_and_picture(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "demo.json").read_text())
     assert result["complete"] is True and result["interrupted_by"] is None
+    assert result["settings"]["threads"] == 1  # every run pinned to one thread (as the benchmarks)
     runs = result["runs"]
     assert [line.split("]")[0] for line in out.splitlines() if line.startswith("[")] == [f"[{i}/8" for i in range(1, 9)]
     assert out.count("      done: ") == 8
@@ -72,6 +73,17 @@ def test_demo_rows_table_json_and_picture(tmp_path, capsys, monkeypatch):
 
     assert "bf16 rows: memory only (forced by the test)" in " ".join(out.split())
     assert (tmp_path / "memory.png").stat().st_size > 30_000
+
+
+def test_pinned_threads_sets_and_restores_the_count():
+    import torch
+
+    from lightning_lowmem.demo.timing import pinned_threads
+
+    before = torch.get_num_threads()
+    with pinned_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
 
 
 def test_bf16_speed_by_flag_probe_and_override(monkeypatch):

@@ -51,14 +51,14 @@ BAD = [
 @pytest.mark.parametrize(("kwargs", "error", "match"), BAD)
 def test_config_errors_name_the_argument_and_the_fix(kwargs, error, match):
     with pytest.raises(error, match=match):
-        PruningConfig(**kwargs)
+        PruningConfig(**kwargs, prune_heads=True)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), BAD)
 def test_scheduled_pruning_raises_the_configs_message(kwargs, error, match):
     """The callback keeps its signature and has no checks of its own: the same argument, the same message."""
     with pytest.raises(error, match=match):
-        ScheduledPruning(**kwargs)
+        ScheduledPruning(**kwargs, prune_heads=True)
 
 
 def test_the_old_duplicate_checks_are_gone():
@@ -70,24 +70,38 @@ def test_the_old_duplicate_checks_are_gone():
 
 
 def test_config_resolves_the_method_and_the_schedule():
-    assert PruningConfig(method="nm").pruning_fn == "nm" and PruningConfig(method="nm").method is None
-    assert PruningConfig(torch_prune.ln_structured).pruning_fn == "ln_structured"
-    assert PruningConfig("l1_unstructured", n=4, m=2).n == 4  # n/m are checked for "nm" only
-    config = PruningConfig(target_sparsity=0.8, end_step=8, parameter_names=["weight"], parameters_to_prune=[])
+    assert (
+        PruningConfig(method="nm", prune_heads=True).pruning_fn == "nm"
+        and PruningConfig(method="nm", prune_heads=True).method is None
+    )
+    assert PruningConfig(torch_prune.ln_structured, prune_heads=True).pruning_fn == "ln_structured"
+    assert PruningConfig("l1_unstructured", n=4, m=2, prune_heads=True).n == 4  # n/m are checked for "nm" only
+    config = PruningConfig(
+        target_sparsity=0.8, end_step=8, parameter_names=["weight"], parameters_to_prune=[], prune_heads=True
+    )
     assert config.step_mode and config.final_sparsity == 0.8 and config.parameter_names == ("weight",)
     schedule = config.sparsity_schedule()
     assert schedule.sparsity_at(0) == 0.0 and schedule.sparsity_at(8) == pytest.approx(0.8)
     assert schedule.sparsity_at(4) == pytest.approx(0.8 * (1 - 0.5**3))  # cubic by default, not linear (0.4)
-    linear = PruningConfig(schedule="linear", target_sparsity=0.8, end_step=8).sparsity_schedule()
+    linear = PruningConfig(schedule="linear", target_sparsity=0.8, end_step=8, prune_heads=True).sparsity_schedule()
     assert linear.sparsity_at(4) == pytest.approx(0.4)
-    assert PruningConfig(amount=0.5).sparsity_schedule() is None and not PruningConfig().step_mode
-    assert PruningConfig().names == ("weight", "bias") and PruningConfig().norm == 1
-    assert hash(PruningConfig(parameter_names=["weight"])) == hash(PruningConfig(parameter_names=("weight",)))
+    assert (
+        PruningConfig(amount=0.5, prune_heads=True).sparsity_schedule() is None
+        and not PruningConfig(prune_heads=True).step_mode
+    )
+    assert PruningConfig(prune_heads=True).names == ("weight", "bias") and PruningConfig(prune_heads=True).norm == 1
+    assert hash(PruningConfig(parameter_names=["weight"], prune_heads=True)) == hash(
+        PruningConfig(parameter_names=("weight",), prune_heads=True)
+    )
 
 
 def test_scheduled_pruning_builds_its_config():
-    callback = ScheduledPruning("l1_unstructured", schedule="cubic", target_sparsity=0.8, end_step=100, n=3, m=8)
-    assert callback.config == PruningConfig(schedule="cubic", target_sparsity=0.8, end_step=100, n=3, m=8)
+    callback = ScheduledPruning(
+        "l1_unstructured", schedule="cubic", target_sparsity=0.8, end_step=100, n=3, m=8, prune_heads=True
+    )
+    assert callback.config == PruningConfig(
+        schedule="cubic", target_sparsity=0.8, end_step=100, n=3, m=8, prune_heads=True
+    )
     assert (callback.method, callback.final_sparsity, callback.parameter_names) == (
         "l1_unstructured",
         0.8,
@@ -101,22 +115,26 @@ def test_scheduled_pruning_builds_its_config():
 def test_prune_takes_the_config_or_its_shorthand():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    report = prune_(model, PruningConfig(amount=0.75, parameter_names=["weight"]))  # global (the config's default)
+    report = prune_(
+        model, PruningConfig(amount=0.75, parameter_names=["weight"], prune_heads=True)
+    )  # global (the config's default)
     assert report.sparsity == 0.75 and report.num_prunable == 96 and sparsity(model) == 0.75
     assert set(report.per_tensor.values()) != {0.75}  # ranked across both layers (global), not 75% of each
     nm = nn.Linear(8, 4)
-    assert prune_(nm, PruningConfig(method="nm", n=1, m=4, parameter_names=["weight"])).sparsity == 0.75
+    assert (
+        prune_(nm, PruningConfig(method="nm", n=1, m=4, parameter_names=["weight"], prune_heads=True)).sparsity == 0.75
+    )
     assert all(int(row.count_nonzero()) == 1 for row in nm.weight.detach().reshape(-1, 4))
     with pytest.raises(ValueError, match=r"`global_`, `norm` given beside a PruningConfig; set them in the config"):
-        prune_(model, PruningConfig(), global_=True, norm=2)
+        prune_(model, PruningConfig(prune_heads=True), global_=True, norm=2)
     with pytest.raises(TypeError, match=r"`amount`=<function .*> must be a float in \[0, 1\] or an int >= 0 here"):
-        prune_(model, PruningConfig(amount=lambda epoch: 0.1))
+        prune_(model, PruningConfig(amount=lambda epoch: 0.1, prune_heads=True))
     with pytest.raises(ValueError, match=r"`n`=4, `m`=4: N:M pruning needs ints with 1 <= n < m"):
-        prune_(model, 0.5, "nm", n=4, m=4)  # the shorthand's errors are the config's
+        prune_(model, 0.5, "nm", n=4, m=4, heads=True)  # the shorthand's errors are the config's
 
 
 def test_prune_config_names_parameters_as_strings():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    report = prune_(model, PruningConfig(amount=0.5, parameters_to_prune=["2.weight"]))
+    report = prune_(model, PruningConfig(amount=0.5, parameters_to_prune=["2.weight"], prune_heads=True))
     assert list(report.per_tensor) == ["2.weight"] and report.sparsity == 0.5
     assert float((model[0].weight == 0).float().mean()) == 0.0

@@ -209,7 +209,7 @@ def test_pruning_and_qat_are_techniques_applied_once_and_undone_exactly():
     before = {name: value.clone() for name, value in model.state_dict().items()}
     x = torch.randn(4, 64)
 
-    applied = apply(model, PruningConfig(amount=0.5, use_global_unstructured=False))
+    applied = apply(model, PruningConfig(amount=0.5, use_global_unstructured=False, prune_heads=True))
     assert int((model[0].weight == 0).sum()) == 2048 and int((model[2].weight == 0).sum()) == 256  # exactly half
     assert model[0].weight_mask.dtype == torch.bool and applied.pruning is not None
     applied.undo()

@@ -94,6 +94,8 @@ class PruningConfig:
         structural_ratio: fraction of channels removed, in [0, 1); ``None`` = the final sparsity. Default: ``None``.
         seed: seed of the random methods' generator. Default: 0.
         prune_embeddings: also prune embedding tables and the weights tied to them. Default: ``False``.
+        prune_heads: also prune the task heads (poolers, classifiers, LM heads, the output layer: see
+            :func:`~lightning_lowmem.functional.pruning.masks.head_modules`). Default: ``False``.
 
     Raises:
         ValueError / TypeError: one line naming the argument, the value and what is allowed.
@@ -125,6 +127,7 @@ class PruningConfig:
     structural_ratio: float | None = None
     seed: int = 0
     prune_embeddings: bool = False
+    prune_heads: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pruning_fn", self._resolve_method())
@@ -141,7 +144,7 @@ class PruningConfig:
         _schedule().check_amount(self.amount)
         for name in ("use_global_unstructured", "make_pruning_permanent", "resample_parameters"):
             check_bool(name, getattr(self, name))
-        for name in ("prune_on_train_epoch_end", "structural", "prune_embeddings"):
+        for name in ("prune_on_train_epoch_end", "structural", "prune_embeddings", "prune_heads"):
             check_bool(name, getattr(self, name))
         _check_bool_or_callable("apply_pruning", self.apply_pruning)
         _check_bool_or_callable("use_lottery_ticket_hypothesis", self.use_lottery_ticket_hypothesis)

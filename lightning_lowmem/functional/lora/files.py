@@ -25,9 +25,27 @@ from lightning_lowmem.functional.lora.adapters import (
 )
 from lightning_lowmem.functional.lora.quantized_base import is_quantized
 
-__all__ = ["FILE_FORMAT", "load_adapters", "lora_config", "lora_state_dict", "save_adapters"]
+__all__ = ["FILE_FORMAT", "export_root", "load_adapters", "lora_config", "lora_state_dict", "save_adapters"]
 
 FILE_FORMAT = "lightning_lowmem.lora/1"
+
+
+def export_root(module: nn.Module) -> tuple[str, nn.Module]:
+    """``(name, model)`` whose keys exported weights use: the one Hugging Face model (it has ``config`` and
+    ``save_pretrained``) that holds all of a wrapper's state (a LightningModule's ``self.model``), so the file loads
+    with ``strict=True`` into ``LlamaForCausalLM(config)`` itself; else ``("", module)``, the wrapper's own keys.
+
+    Example::
+
+        >>> export_root(nn.Sequential(nn.Linear(2, 2)))[0]
+        ''
+    """
+    keys = list(module.state_dict())
+    for name, child in module.named_children():
+        if hasattr(child, "save_pretrained") and hasattr(child, "config"):
+            if keys and all(key.startswith(name + ".") for key in keys):
+                return name, child
+    return "", module
 
 
 def lora_config(module: nn.Module) -> dict[str, Any]:

@@ -7,7 +7,10 @@ is ``transformer.wte.weight``) has **one** mask tensor, registered on every owne
 
 Which parameters by default (:func:`collect_prunable`): every module that directly holds a parameter named
 in ``parameter_names`` (``nn.Linear``, Hugging Face ``Conv1D``, torchao ``FakeQuantizedLinear``, ...) except
-embedding tables and the parameters tied to them, unless ``embeddings=True``.
+embedding tables and the parameters tied to them, unless ``embeddings=True``, and except the task heads
+(:func:`head_modules`: poolers, classifiers, LM heads, the output layer), unless ``heads=True``: every weight of a
+head carries the prediction, so global magnitude pruning, whose threshold the hidden layers set, strips it first
+(50% global L1 zeroed 99.95% of a BERT pooler and 86% of its classifier, issue #34).
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from lightning_lowmem.functional.multihead_attention import MHA_WEIGHTS
 
 __all__ = [
     "EMBEDDING_TYPES",
+    "HEAD_NAMES",
     "MASK_SUFFIX",
     "apply_masks_",
     "collect_prunable",
     "embedding_parameters",
     "get_mask",
+    "head_modules",
+    "head_parameters",
     "layer_sparsity",
     "load_masks_",
     "mask_state",
@@ -79,6 +85,41 @@ def embedding_parameters(module: nn.Module) -> set[int]:
     return {id(sub.weight) for sub in module.modules() if isinstance(sub, EMBEDDING_TYPES)}
 
 
+#: a module with one of these names holds a task head (and everything under it): left out of default pruning
+HEAD_NAMES = frozenset({"classifier", "pooler", "score", "lm_head", "head", "qa_outputs"})
+
+
+def head_modules(module: nn.Module) -> list[str]:
+    """Qualified names of ``module``'s task heads: every module named in :data:`HEAD_NAMES` (outermost only) and
+    the output layer, the last module holding a weight matrix other than an embedding (when more than one does).
+
+    Example::
+
+        >>> head_modules(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+        ['2']
+    """
+    heads: list[str] = []
+    layers = []
+    for fqn, sub in module.named_modules():
+        inside = any(fqn == head or fqn.startswith(head + ".") for head in heads)
+        if not inside and fqn.rsplit(".", 1)[-1] in HEAD_NAMES:
+            heads.append(fqn)
+        if not isinstance(sub, EMBEDDING_TYPES) and any(p.dim() >= 2 for p in sub.parameters(recurse=False)):
+            layers.append((fqn, inside or fqn in heads))
+    if len(layers) > 1 and not layers[-1][1]:
+        heads.append(layers[-1][0])
+    return heads
+
+
+def head_parameters(module: nn.Module) -> set[int]:
+    """``id`` of every parameter of :func:`head_modules` (all of a named head's, the output layer's own)."""
+    found: set[int] = set()
+    named = {fqn for fqn, _ in module.named_modules() if fqn.rsplit(".", 1)[-1] in HEAD_NAMES}
+    for fqn in head_modules(module):
+        found.update(id(p) for p in module.get_submodule(fqn).parameters(recurse=fqn in named))
+    return found
+
+
 def mask_key(fqn: str, pname: str) -> str:
     return f"{fqn}.{pname}" if fqn else pname
 
@@ -111,6 +152,7 @@ def collect_prunable(
     parameters_to_prune: Sequence[tuple[nn.Module, str]] | None = None,
     *,
     embeddings: bool = False,
+    heads: bool = False,
 ) -> list[Owner]:
     """List ``(fqn, submodule, parameter_name)`` targets, one per distinct parameter.
 
@@ -118,7 +160,8 @@ def collect_prunable(
     whose module was since replaced in ``module`` (e.g. swapped for a fake-quantized layer holding the same
     parameter) is found again by its parameter. Otherwise: every module that directly holds a parameter
     in ``parameter_names`` (``"weight"`` includes an ``nn.MultiheadAttention``'s ``in_proj_weight``) and is accepted by ``filter_fn(module, fqn)``, embeddings (and parameters tied
-    to them) only when ``embeddings``. A tied parameter appears once, under its first owner's name.
+    to them) only when ``embeddings``, the task heads (:func:`head_modules`) only when ``heads``. A tied parameter
+    appears once, under its first owner's name.
 
     Raises:
         ValueError: a name in ``parameter_names`` that no module has, or a ``parameters_to_prune`` pair that
@@ -152,6 +195,7 @@ def collect_prunable(
                 targets.append(next((o for o in found if o[1] is sub), found[0]))
         return targets
     skip = set() if embeddings else embedding_parameters(module)
+    skip |= set() if heads else head_parameters(module)
     found_names: set[str] = set()
     for fqn, sub in module.named_modules():
         if filter_fn is not None and not filter_fn(sub, fqn):

@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import copy
 import difflib
+import warnings
+import weakref
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from lightning_lowmem.functional.pruning.masks import collect_prunable, get_mask
+from lightning_lowmem.functional.pruning.masks import (
+    collect_prunable,
+    embedding_parameters,
+    get_mask,
+    head_modules,
+    head_parameters,
+    mask_key,
+)
+from lightning_lowmem.warnings import LowMemWarning
 
-__all__ = ["Target", "resolve_targets", "rewind_", "snapshot"]
+__all__ = ["Target", "describe_targets", "resolve_targets", "rewind_", "snapshot", "warn_head_targets"]
 
 #: ``(qualified module name, module, parameter name)``
 Target = tuple[str, nn.Module, str]
@@ -31,6 +41,7 @@ def resolve_targets(
     names_given: bool = True,
     structural: bool = False,
     embeddings: bool = False,
+    heads: bool = False,
 ) -> list[Target]:
     """The parameters to prune in ``module`` as it is now, one triple per parameter (a tied weight once).
 
@@ -45,15 +56,20 @@ def resolve_targets(
         structural: with no ``parameters_to_prune``, only the layers structural removal can cut.
             Default: ``False``.
         embeddings: also embedding tables and the parameters tied to them. Default: ``False``.
+        heads: also the task heads (:func:`~lightning_lowmem.functional.pruning.masks.head_modules`: poolers,
+            classifiers, LM heads, the output layer). Default: ``False``.
 
     Raises:
         ValueError: a string entry naming no submodule, or a given parameter name no module has.
 
+    Warns:
+        LowMemWarning: an entry of ``parameters_to_prune`` is a task head or the output layer.
+
     Example::
 
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> [(fqn, name) for fqn, _, name in resolve_targets(model, ["2.weight"])]
-        [('2', 'weight')]
+        >>> [(fqn, name) for fqn, _, name in resolve_targets(model, ["0.weight"])]
+        [('0', 'weight')]
     """
     pairs = []
     for item in parameters_to_prune:
@@ -83,7 +99,55 @@ def resolve_targets(
                 f"`parameter_names` contains {missing}, which no module has; parameter names present: {sorted(present)}"
             )
         names = [n for n in names if n in present]
-    return collect_prunable(module, names, None, pairs or None, embeddings=embeddings)
+    targets = collect_prunable(module, names, None, pairs or None, embeddings=embeddings, heads=heads)
+    if pairs:
+        warn_head_targets(module, targets)
+    return targets
+
+
+#: the head targets already warned about, per model (a callback resolves its targets at every pruning event)
+_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def warn_head_targets(module: nn.Module, targets: Sequence[Target]) -> list[str]:
+    """Warn (``LowMemWarning``, once per model and head) when ``targets`` include a task head or the output
+    layer; their names."""
+    heads = head_parameters(module)
+    named = [mask_key(fqn, pname) for fqn, sub, pname in targets if id(getattr(sub, pname)) in heads]
+    warned = _WARNED.setdefault(module, set())
+    if set(named) - warned:
+        warned.update(named)
+        warnings.warn(
+            f"pruning {named[:4]}{' ...' if len(named) > 4 else ''}: the model's output layer / task head. Every "
+            "weight of a head carries the prediction, and global magnitude pruning strips it first (50% global L1 "
+            "zeroed 86% of a BERT classifier); leave it out of `parameters_to_prune` unless that is the point",
+            LowMemWarning,
+            stacklevel=3,
+        )
+    return named
+
+
+def describe_targets(module: nn.Module, targets: Sequence[Target], *, embeddings: bool, heads: bool) -> str:
+    """One line: how many tensors / weights are pruned, and what the defaults left out (embeddings, heads).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> describe_targets(model, resolve_targets(model, parameter_names=["weight"]), embeddings=False, heads=False)
+        'prunes 1 tensors (16 weights) in 1 modules: 0.weight; left out: heads 2 (prune_heads=True includes them)'
+    """
+    names = [mask_key(fqn, pname) for fqn, _, pname in targets]
+    weights = sum(getattr(sub, pname).numel() for _, sub, pname in targets)
+    shown = ", ".join(names[:6]) + (f", ... ({len(names) - 6} more)" if len(names) > 6 else "")
+    line = (
+        f"prunes {len(names)} tensors ({weights:,} weights) in {len({fqn for fqn, _, _ in targets})} modules: {shown}"
+    )
+    left = []
+    if not embeddings and embedding_parameters(module):
+        left.append(f"{len(embedding_parameters(module))} embedding tables (prune_embeddings=True includes them)")
+    if not heads and head_modules(module):
+        left.append(f"heads {', '.join(head_modules(module))} (prune_heads=True includes them)")
+    return line + (f"; left out: {'; '.join(left)}" if left else "")
 
 
 def snapshot(targets: Sequence[Target]) -> dict[str, torch.Tensor]:

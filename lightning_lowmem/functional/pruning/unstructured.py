@@ -140,12 +140,13 @@ def prune_(
     relative: bool = False,
     generator: torch.Generator | None = None,
     embeddings: bool = False,
+    heads: bool = False,
 ) -> PruningReport:
     """Compute ``bool`` masks reaching ``target_sparsity`` and zero the pruned weights, in place.
 
     The arguments are a :class:`~lightning_lowmem.functional.config.PruningConfig` (pass it as
     ``target_sparsity``: the config's method, parameter names, ``use_global_unstructured`` (not for ``"nm"``),
-    ``n``/``m``, ``pruning_dim``/``pruning_norm``, ``prune_embeddings`` and ``seed`` apply, pruning to its
+    ``n``/``m``, ``pruning_dim``/``pruning_norm``, ``prune_embeddings``, ``prune_heads`` and ``seed`` apply, pruning to its
     ``final_sparsity``), or its flat shorthand below, which builds one (every check is the config's).
     ``filter_fn``, ``parameters_to_prune`` pairs, ``relative`` and ``generator`` belong to the call.
 
@@ -168,6 +169,9 @@ def prune_(
         generator: random generator for the random methods. Default: ``None`` (global RNG).
         embeddings: also prune embedding tables (and the parameters tied to them, e.g. a tied LM head)
             when targets are searched (``parameters_to_prune`` pairs are always honoured). Default: ``False``.
+        heads: also prune the task heads when targets are searched (poolers, classifiers, LM heads, the output
+            layer: :func:`~lightning_lowmem.functional.pruning.masks.head_modules`); explicit pairs naming one are
+            honoured with a ``LowMemWarning``. Default: ``False``.
 
     Returns:
         A :class:`PruningReport`.
@@ -199,6 +203,7 @@ def prune_(
         dim=dim,
         norm=norm,
         embeddings=embeddings,
+        heads=heads,
     )
     if callable(config.final_sparsity):
         raise TypeError(
@@ -207,7 +212,13 @@ def prune_(
         )
     method, target_sparsity, parameter_names = config.pruning_fn, config.final_sparsity, config.names
     n, m, dim, norm, embeddings = config.n, config.m, config.pruning_dim, config.norm, config.prune_embeddings
-    targets = collect_prunable(module, parameter_names, filter_fn, parameters_to_prune, embeddings=embeddings)
+    targets = collect_prunable(
+        module, parameter_names, filter_fn, parameters_to_prune, embeddings=embeddings, heads=config.prune_heads
+    )
+    if parameters_to_prune:
+        from lightning_lowmem.functional.pruning.targets import warn_head_targets
+
+        warn_head_targets(module, targets)
     if not targets:
         warnings.warn("prune_ matched no parameter: nothing was pruned", NoEffectWarning, stacklevel=2)
         return PruningReport(str(method), 0.0)
@@ -265,7 +276,7 @@ def _call_config(
     if isinstance(target_sparsity, PruningConfig):
         shorthand["parameter_names"] = tuple(shorthand["parameter_names"])
         defaults = dict(method="l1_unstructured", global_=False, parameter_names=("weight",), n=2, m=4, norm=1)
-        defaults.update(dim=None, embeddings=False)
+        defaults.update(dim=None, embeddings=False, heads=False)
         given = sorted(name for name, value in shorthand.items() if value != defaults[name])
         if given:
             raise ValueError(f"`{'`, `'.join(given)}` given beside a PruningConfig; set them in the config (one place)")
@@ -287,6 +298,7 @@ def _call_config(
         n=shorthand["n"],
         m=shorthand["m"],
         prune_embeddings=shorthand["embeddings"],
+        prune_heads=shorthand["heads"],
     )
     return config, shorthand["global_"], generator, parameters_to_prune
 

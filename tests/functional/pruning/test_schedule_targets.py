@@ -48,22 +48,24 @@ def test_schedule_and_argument_errors_name_the_value():
 
 def test_resolve_targets_finds_strings_and_skips_embeddings_unless_asked():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2, bias=False))
-    assert [(f, p) for f, _, p in resolve_targets(model, ["2.weight"])] == [("2", "weight")]
-    default = [(f, p) for f, _, p in resolve_targets(model, names_given=False)]
+    assert [(f, p) for f, _, p in resolve_targets(model, ["2.weight"], heads=True)] == [("2", "weight")]
+    default = [(f, p) for f, _, p in resolve_targets(model, names_given=False, heads=True)]
     assert default == [("1", "weight"), ("1", "bias"), ("2", "weight")]
-    assert ("0", "weight") in [(f, p) for f, _, p in resolve_targets(model, names_given=False, embeddings=True)]
+    assert ("0", "weight") in [
+        (f, p) for f, _, p in resolve_targets(model, names_given=False, embeddings=True, heads=True)
+    ]
     with pytest.raises(ValueError, match=r"`parameters_to_prune` entry '3.weight' names no submodule of Sequential"):
-        resolve_targets(model, ["3.weight"])
+        resolve_targets(model, ["3.weight"], heads=True)
     with pytest.raises(ValueError, match=r"`parameter_names` contains \['scale'\], which no module has"):
-        resolve_targets(model, parameter_names=["weight", "scale"])
+        resolve_targets(model, parameter_names=["weight", "scale"], heads=True)
 
 
 def test_rewind_restores_the_snapshot_and_keeps_pruned_entries_zero():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8))
-    targets = resolve_targets(model, parameter_names=["weight"])
+    targets = resolve_targets(model, parameter_names=["weight"], heads=True)
     saved = snapshot(targets)
-    prune_(model, 0.5, "l1_unstructured", parameters_to_prune=[(sub, p) for _, sub, p in targets])
+    prune_(model, 0.5, "l1_unstructured", parameters_to_prune=[(sub, p) for _, sub, p in targets], heads=True)
     with torch.no_grad():
         model[0].weight.add_(1.0)
     rewind_(targets, saved)

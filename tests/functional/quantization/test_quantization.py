@@ -209,8 +209,39 @@ def test_compile_inference_bad_input():
 
     with pytest.raises(TypeError, match="`module` must be an nn.Module, got function"):
         compile_inference(lambda x: x)
-    with pytest.raises(TypeError, match="`example_inputs` must be a tuple.*got Tensor.*`\\(tensor,\\)`"):
+    with pytest.raises(
+        TypeError, match="`example_inputs` must be a tuple.*or a dict batch, got Tensor.*`\\(tensor,\\)`"
+    ):
         compile_inference(wide_mlp(), torch.randn(2, 256))
+
+
+class _KeywordModel(nn.Module):
+    """Takes a Hugging Face-style dict batch as keywords: ``model(input_ids=..., attention_mask=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.out = nn.Embedding(32, 64), nn.Linear(64, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).float()  # (B, T, 1)
+        return self.out((self.embed(input_ids) * mask).sum(1) / mask.sum(1))  # (B, 4)
+
+
+@pytest.mark.slow
+def test_compile_inference_takes_a_dict_batch():
+    from lightning_lowmem.functional.quantization.compile import compile_inference
+
+    model = _KeywordModel().eval()
+    quantize_(model, "int8_weight_only")
+    batch = {"input_ids": torch.randint(0, 32, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    batch["attention_mask"][1, 5:] = 0
+    with torch.no_grad():
+        reference = model(**batch)
+    fast = compile_inference(model, (batch,))  # was: TypeError, the dict given as `input_ids`
+    torch.testing.assert_close(fast(batch), reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fast(**batch), reference, atol=1e-4, rtol=1e-4)
+    assert isinstance(compile_inference(_KeywordModel(), batch), nn.Module)  # a bare dict is a batch too
 
 
 @pytest.mark.slow
