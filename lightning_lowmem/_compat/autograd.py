@@ -7,7 +7,7 @@ API does the job.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -15,6 +15,7 @@ __all__ = [
     "current_autograd_node_name",
     "in_backward",
     "move_post_accumulate_grad_hook_first",
+    "observing_saved_tensors",
     "top_saved_tensors_hooks",
     "view_base",
 ]
@@ -80,3 +81,30 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     if top is None:  # pragma: no cover - torch without the getter: observe without passing on
         return None
     return top(True)  # True: ignore whether dynamo is tracing
+
+
+def observing_saved_tensors(observe: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``saved_tensors_hooks`` that show each saved tensor to ``observe``, then hand it to the hooks below, if any.
+
+    Saved-tensors hooks replace the pair below them (:func:`top_saved_tensors_hooks`); these pass every tensor on
+    (e.g. to activation compression entered first), so an observed step stores activations as an unobserved one.
+    """
+    below = top_saved_tensors_hooks()
+    if below is None:
+        return torch.autograd.graph.saved_tensors_hooks(observe, _identity)
+    return torch.autograd.graph.saved_tensors_hooks(_PassOn(observe, below[0]), below[1])
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+class _PassOn:
+    """A pack hook that observes a saved tensor, then hands it to the pack hook it sits on."""
+
+    def __init__(self, observe: Callable[[torch.Tensor], Any], pack_below: Callable[[torch.Tensor], Any]) -> None:
+        self.observe = observe
+        self.pack_below = pack_below
+
+    def __call__(self, tensor: torch.Tensor) -> Any:
+        return self.pack_below(self.observe(tensor))

@@ -9,11 +9,8 @@ autograd assigns it to ``.grad``; optimizer state when ``step()`` returns). Rela
 corrects every snapshot taken while the storage was alive, so the breakdown at the peak is exact.
 The same holds for storages that existed before tracking began and are first seen later.
 
-``other`` (neither model / optimizer state nor saved for backward) is split by where each storage was made
-(:data:`OTHER_KINDS`): the loss and logits (after the output head ran), attention, activation packing
-(``tagged_allocations``, e.g. compression's pack / unpack), forward / backward temporaries, the optimizer step's
-temporaries, inputs (alive before tracking), communication buffers. ``report.other_breakdown`` is that split at the
-peak, ``report.phases[phase]["other"]`` at each phase's peak.
+``other`` (neither model / optimizer state nor saved for backward) is split by where each storage was made, at
+the peak and at each phase's peak: ``_origins.py`` names the kinds (:data:`OTHER_KINDS`) and tells them apart.
 
 ``torch.compile`` cannot trace a region while a user ``TorchDispatchMode`` is active (dynamo skips the
 frame; with ``fullgraph=True``, as torchao's 8/4-bit optimizers use for their per-parameter step, it
@@ -35,50 +32,16 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from lightning_lowmem._compat.autograd import (
-    current_autograd_node_name,
-    in_backward,
-    move_post_accumulate_grad_hook_first,
-    top_saved_tensors_hooks,
-)
+from lightning_lowmem._compat.autograd import in_backward, move_post_accumulate_grad_hook_first, observing_saved_tensors
 from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem._compat import TorchDispatchMode
-from lightning_lowmem.memory._tensors import (  # noqa: F401 - iter_tensors / optimizer_state_tensors: used from here
-    is_parameter,
-    is_plain,
-    op_tensors,
-    plain_tensors,
-    iter_tensors,
-    optimizer_state_tensors,
-)
+from lightning_lowmem.memory._module_peaks import ModulePeaks
+from lightning_lowmem.memory._origins import OTHER_KINDS, Origins, nonzero_kinds
+from lightning_lowmem.memory._tensors import is_parameter, is_plain, iter_tensors, op_tensors, optimizer_state_tensors
+from lightning_lowmem.memory._tensors import plain_tensors
 from lightning_lowmem.memory.report import CATEGORIES, PHASES, MemoryReport
 
 _ACTIVE: list["StorageTracker"] = []
-
-OTHER_KINDS: tuple[str, ...] = (
-    "loss / logits",
-    "attention",
-    "activation packing",
-    "forward temporaries",
-    "backward temporaries",
-    "optimizer step",
-    "inputs",
-    "communication buffers",
-)
-"""What ``other`` bytes are, by where they were made (module docstring)."""
-
-_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "classifier", "score", "embed_out")
-"""Last name segments of an output head: what a forward allocates after one ran is the loss and its logits."""
-
-_LOSS_NODES = ("NllLoss", "LogSoftmax", "CrossEntropy", "ChunkedCrossEntropy")
-"""Autograd nodes of a loss (by name): what their backward makes is the logits' gradient."""
-
-
-def cuda_block_bytes(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator books for a request of ``nbytes`` (512-byte rounding)."""
-    if nbytes <= 0:
-        return 0
-    return max(512, -(-nbytes // 512) * 512)
 
 
 @dataclass
@@ -137,10 +100,6 @@ class StorageTracker(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._current = dict.fromkeys(CATEGORIES, 0)
         self._current_other = dict.fromkeys(OTHER_KINDS, 0)  # the "other" bytes by kind
-        self._kind_stack: list[tuple[int, str]] = []  # (module id, kind) of the module forwards running
-        self._module_kinds: dict[int, str] = {}
-        self._after_head = False  # an output head ran in this forward: what follows is the loss
-        self._tag: str | None = None  # set by tagged_allocations
         self._total = 0
         self._seq = itertools.count(1)
         self._last_seq = 0
@@ -152,8 +111,8 @@ class StorageTracker(TorchDispatchMode):
         self._hooked_params: dict[int, Any] = {}
         self._handles: list[Any] = []
         self._module_names: dict[int, str] = {}
-        self._module_stack: list[tuple[str, int]] = []
-        self._module_stats: dict[str, dict[str, int]] = {}
+        self.origins = Origins(self._module_names)  # the kind of each "other" allocation
+        self._module_peaks = ModulePeaks(self._module_names)  # by_module
         self.limit_bytes: int | None = None  # raise MemoryLimitExceeded once live bytes pass it
         self.stop_before_phase: str | None = None  # raise PhaseReached when this phase starts (e.g. "backward")
         self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
@@ -175,17 +134,11 @@ class StorageTracker(TorchDispatchMode):
         self._handles.append(register_optimizer_step_pre_hook(self._on_step_pre))
         self._handles.append(register_optimizer_step_post_hook(self._on_step_post))
         self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_pre))
-        self._handles.append(nn.modules.module.register_module_forward_hook(self._on_module_exit))
+        self._handles.append(nn.modules.module.register_module_forward_hook(self.origins.exit))
         if self.track_modules and self._module_names:
             self._handles.append(nn.modules.module.register_module_forward_hook(self._on_module_post))
-        # observe saved tensors without replacing the hooks below (e.g. activation compression entered
-        # first): pass each one on to them, so a tracked step stores activations exactly as an untracked one
-        below = top_saved_tensors_hooks()
-        if below is None:
-            pack, unpack = self._on_pack, _identity
-        else:
-            pack, unpack = _PassOn(self._on_pack, below[0]), below[1]
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        # observe saved tensors, passing each on to the hooks below (e.g. activation compression entered first)
+        self._saved_hooks = observing_saved_tensors(self._on_pack)
         self._saved_hooks.__enter__()
         # compiled regions cannot run under a dispatch mode: run them eagerly (see module docstring)
         self._eager_stance = force_eager()
@@ -364,7 +317,7 @@ class StorageTracker(TorchDispatchMode):
                 self._update_peaks(next(self._seq))
             return
         seq = next(self._seq)
-        kind = self._kind_now()
+        kind = self.origins.kind_now(self._phase)
         self._records[key] = _Record(nbytes, "other", seq, self._phase, kind)
         self._current["other"] += nbytes
         self._current_other[kind] += nbytes
@@ -395,8 +348,7 @@ class StorageTracker(TorchDispatchMode):
             snap.breakdown[category] += nbytes
             if category == "other":
                 snap.other["inputs"] += nbytes
-        for stats in self._module_stats.values():
-            stats["peak_bytes"] += nbytes
+        self._module_peaks.seen_late(nbytes)
         if self._total > self._peak.total:
             self._update_peaks(self._last_seq)
 
@@ -433,9 +385,7 @@ class StorageTracker(TorchDispatchMode):
         phase_peak = self._phase_peaks.get(self._phase)
         if phase_peak is None or self._total > phase_peak.total:
             self._phase_peaks[self._phase] = _Snapshot(self._total, seq, dict(self._current), dict(self._current_other))
-        for name, _ in self._module_stack:
-            stats = self._module_stats[name]
-            stats["peak_bytes"] = max(stats["peak_bytes"], self._total)
+        self._module_peaks.peak(self._total)
 
     def _phase_now(self) -> str:
         if in_backward():
@@ -456,7 +406,7 @@ class StorageTracker(TorchDispatchMode):
             self._forward_keys.clear()
         elif phase == "forward":
             self._forward_keys.clear()
-            self._after_head = False
+            self.origins.new_forward()
         self._phase = self._last_phase = phase
         if phase not in self._phase_peaks:
             self._phase_peaks[phase] = _Snapshot(
@@ -504,85 +454,31 @@ class StorageTracker(TorchDispatchMode):
         self._label_optimizer(optimizer)
         self._last_phase = "forward"
 
-    def _kind_now(self) -> str:
-        """Where an allocation made now is made (:data:`OTHER_KINDS`)."""
-        if self._tag is not None:
-            return self._tag
-        if self._phase == "optimizer":
-            return "optimizer step"
-        if self._phase == "backward":
-            node = current_autograd_node_name()
-            if any(loss in node for loss in _LOSS_NODES):
-                return "loss / logits"  # the gradient of the logits
-            return "attention" if "ttention" in node else "backward temporaries"
-        if self._after_head:
-            return "loss / logits"
-        return self._kind_stack[-1][1] if self._kind_stack else "forward temporaries"
-
-    def _module_kind(self, module: nn.Module) -> str:
-        kind = self._module_kinds.get(id(module))
-        if kind is None:
-            name = self._module_names.get(id(module), "")
-            last = name.rpartition(".")[2]
-            attention = "attention" in type(module).__name__.lower() or any(
-                "attn" in part or "attention" in part for part in name.lower().split(".")
-            )
-            kind = "loss / logits" if last in _HEAD_NAMES else "attention" if attention else "forward temporaries"
-            self._module_kinds[id(module)] = kind
-        return kind
-
-    def _on_module_exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._kind_stack and self._kind_stack[-1][0] == id(module):
-            self._kind_stack.pop()
-
     def _on_module_pre(self, module: nn.Module, args: Any) -> None:
         if self._stopped or in_backward():  # checkpoint recomputation: not a new forward
             return
         self._last_phase = "forward"  # a module forward starts the forward phase
-        kind = self._module_kind(module)
-        if kind == "loss / logits":
-            self._after_head = True
-        inner = self._kind_stack[-1][1] if self._kind_stack else "forward temporaries"
-        self._kind_stack.append((id(module), inner if kind == "forward temporaries" else kind))
-        name = self._module_names.get(id(module)) if self.track_modules else None
-        if name is None:
-            return
-        self._module_stats.setdefault(name, {"peak_bytes": 0, "retained_bytes": 0, "calls": 0})
-        self._module_stack.append((name, self._total))
-        stats = self._module_stats[name]
-        stats["peak_bytes"] = max(stats["peak_bytes"], self._total)
+        self.origins.enter(module)
+        if self.track_modules:
+            self._module_peaks.enter(module, self._total)
 
     def _on_module_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        name = self._module_names.get(id(module))
-        if name is None or not self._module_stack or self._module_stack[-1][0] != name:
-            return
-        _, start_total = self._module_stack.pop()
-        stats = self._module_stats[name]
-        stats["retained_bytes"] += self._total - start_total
-        stats["calls"] += 1
+        self._module_peaks.exit(module, self._total)
 
     def _build_report(self) -> MemoryReport:
         phases = {
-            phase: {"peak_bytes": snap.total, "breakdown": dict(snap.breakdown), "other": _nonzero(snap.other)}
+            phase: {"peak_bytes": snap.total, "breakdown": dict(snap.breakdown), "other": nonzero_kinds(snap.other)}
             for phase, snap in sorted(self._phase_peaks.items(), key=lambda kv: PHASES.index(kv[0]))
         }
         return MemoryReport(
             peak_bytes=self._peak.total,
             breakdown=dict(self._peak.breakdown),
-            other_breakdown=_nonzero(self._peak.other),
+            other_breakdown=nonzero_kinds(self._peak.other),
             device=self.device,
             phases=phases,
-            by_module={name: dict(stats) for name, stats in self._module_stats.items()},
+            by_module=self._module_peaks.report(),
             end_bytes=self._total,
         )
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _nonzero(kinds: dict[str, int]) -> dict[str, int]:
-    return {kind: nbytes for kind, nbytes in kinds.items() if nbytes}
 
 
 @contextlib.contextmanager
@@ -593,22 +489,8 @@ def tagged_allocations(kind: str) -> Iterator[None]:
     if tracker is None:
         yield
         return
-    outer, tracker._tag = tracker._tag, kind
-    try:
+    with tracker.origins.tagged(kind):
         yield
-    finally:
-        tracker._tag = outer
-
-
-class _PassOn:
-    """A pack hook that observes a saved tensor, then hands it to the pack hook it sits on."""
-
-    def __init__(self, observe: Callable[[torch.Tensor], Any], pack_below: Callable[[torch.Tensor], Any]) -> None:
-        self.observe = observe
-        self.pack_below = pack_below
-
-    def __call__(self, tensor: torch.Tensor) -> Any:
-        return self.pack_below(self.observe(tensor))
 
 
 def active_tracker() -> StorageTracker | None:

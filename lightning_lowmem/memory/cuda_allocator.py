@@ -45,6 +45,11 @@ def round_size(nbytes: int) -> int:
     return max(MIN_BLOCK_BYTES, -(-nbytes // MIN_BLOCK_BYTES) * MIN_BLOCK_BYTES)
 
 
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator books for a storage of ``nbytes``: :func:`round_size`, none for an empty one."""
+    return round_size(nbytes) if nbytes > 0 else 0
+
+
 def segment_size(size: int) -> int:
     """The segment ``cudaMalloc``'d for a rounded request ``size`` no free block can hold (``get_allocation_size``)."""
     if size <= SMALL_SIZE_BYTES:

@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lightning_lowmem.memory._tracker import StorageTracker, active_tracker, cuda_block_bytes, tagged_allocations
+from lightning_lowmem.memory._tracker import StorageTracker, active_tracker, tagged_allocations
+from lightning_lowmem.memory.cuda_allocator import cuda_block_bytes
 from lightning_lowmem.memory.report import CATEGORIES, MemoryReport
 
 __all__ = ["MemoryTracking", "mark_memory", "measure_memory", "state_bytes", "tagged_allocations", "track_memory"]
@@ -210,7 +211,7 @@ def state_bytes(module: nn.Module | None = None, optimizers: list[Any] | tuple[A
         >>> state_bytes(torch.nn.Linear(10, 10))["parameters"]
         440
     """
-    from lightning_lowmem.memory._tracker import iter_tensors, optimizer_state_tensors
+    from lightning_lowmem.memory._tensors import iter_tensors, optimizer_state_tensors
 
     seen: set[tuple[str, int]] = set()
     totals = {"parameters": 0, "gradients": 0, "optimizer_state": 0}

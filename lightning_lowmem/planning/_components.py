@@ -42,13 +42,9 @@ from lightning_lowmem.planning._fake_step import (
     fake_module,
     train_step,
 )
-from lightning_lowmem.memory._tracker import (
-    MemoryLimitExceeded,
-    PhaseReached,
-    StorageTracker,
-    cuda_block_bytes,
-    iter_tensors,
-)
+from lightning_lowmem.memory._tensors import iter_tensors
+from lightning_lowmem.memory._tracker import MemoryLimitExceeded, PhaseReached, StorageTracker
+from lightning_lowmem.memory.cuda_allocator import cuda_block_bytes
 from lightning_lowmem.planning.attention_kernels import fake_attention
 from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
 from lightning_lowmem.memory.report import CATEGORIES

@@ -40,7 +40,8 @@ from lightning_lowmem.planning._fake_step import (
     resolve_loop,
     train_step,
 )
-from lightning_lowmem.memory._tracker import StorageTracker, cuda_block_bytes
+from lightning_lowmem.memory._tracker import StorageTracker
+from lightning_lowmem.memory.cuda_allocator import cuda_block_bytes
 from lightning_lowmem.memory.report import MemoryReport
 from lightning_lowmem.planning.attention_kernels import fake_attention, validate_attention_kernel
 from lightning_lowmem.planning.cuda_autocast import cuda_autocast_rules
@@ -209,15 +210,7 @@ def estimate_memory(
     accumulate = accumulation_steps(accumulate_grad_batches)
     refuse_accumulation_in_backward(accumulate, config)
     check_estimable(config, "estimate_memory")  # a technique fake tensors cannot run: one line, before any work
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
-    validate_attention_kernel(attention_kernel)
-    if any(type(layer).__module__.startswith("transformers.") for layer in module.modules()):
-        require("transformers", "estimate_memory on a Hugging Face model")  # older: untested mask code paths
+    _check_arguments(module, device, steps, attention_kernel)
     loop = resolve_loop(module, loss_fn, loop)
     loss_fn = loss_fn or default_loss
     sharded = ShardedStep(sharding, world_size, device=device)  # validates world_size / sharding
@@ -244,15 +237,7 @@ def estimate_memory(
         cuda_rules = cuda_autocast_rules(device, autocast_dtype)  # CUDA autocast's op rules for CPU autocast
         with sharded, attention as cuda_attention, cuda_rules, fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.train()
-            apply_model_techniques(model, config)
-            sharded.shard(model, precision_.preset)
-            batch, real_batch = fake_batch(batch, true_dtype), batch
-            # a real step's answers to value questions on the batch (and the model's buffers)
-            batch_values = BatchValues((real_batch, [r for r, _ in buffers]), (batch, [f for _, f in buffers]))
-            params = [p for p in model.parameters() if p.requires_grad]
-            kwargs = device_optimizer_kwargs(config.optimizer.name, device, config.optimizer.kwargs)
-            opt = build_optimizer(config.optimizer.name, params, kwargs)
+            batch, batch_values, params, opt = _prepared_fake_model(model, batch, buffers, config, sharded, device)
             tracker.modules = [model]
             tracker.optimizers = [opt]
             # compiled kernels (torchao's low-bit optimizer steps) must not see fake tensors
@@ -268,6 +253,44 @@ def estimate_memory(
                     with tracker, card_simulation(card if world_size == 1 else None, model, opt, batch) as simulation:
                         step(accumulate)
 
+    report = _labelled_report(tracker, device, config, steps, loop, accumulate, cuda_attention)
+    return on_card(sharded.finish(report, opt), device, card, simulation)
+
+
+def _check_arguments(module: nn.Module, device: str, steps: int, attention_kernel: str) -> None:
+    """Refuse an unknown ``device``, a ``module`` that is no module, bad ``steps``, an unknown attention kernel; a
+    Hugging Face model needs a tested transformers."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"`device`={device!r} is not supported; use 'cuda' (default) or 'cpu'")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"`module` must be an nn.Module, got {type(module).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
+    validate_attention_kernel(attention_kernel)
+    if any(type(layer).__module__.startswith("transformers.") for layer in module.modules()):
+        require("transformers", "estimate_memory on a Hugging Face model")  # older: untested mask code paths
+
+
+def _prepared_fake_model(
+    model: nn.Module, batch: Any, buffers: list, config: TrainingConfig, sharded: ShardedStep, device: str
+) -> tuple[Any, BatchValues, list[torch.Tensor], Any]:
+    """Inside the fake mode: ``model`` with its techniques applied and sharded, the fake batch, the batch's (and
+    buffers') real values beside it, the trained parameters and the optimizer over them."""
+    model.train()
+    apply_model_techniques(model, config)
+    sharded.shard(model, config.precision.preset)
+    batch, real_batch = fake_batch(batch, config.precision.true_dtype), batch
+    # a real step's answers to value questions on the batch (and the model's buffers)
+    batch_values = BatchValues((real_batch, [r for r, _ in buffers]), (batch, [f for _, f in buffers]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = device_optimizer_kwargs(config.optimizer.name, device, config.optimizer.kwargs)
+    return batch, batch_values, params, build_optimizer(config.optimizer.name, params, kwargs)
+
+
+def _labelled_report(
+    tracker: StorageTracker, device: str, config: TrainingConfig, steps: int, loop: str, accumulate: int, attention: Any
+) -> MemoryReport:
+    """The tracked step's report, marked estimated on ``device``, with the config, steps, loop and kernels run."""
     report = tracker.report
     assert report is not None
     report.source = "estimated"
@@ -275,9 +298,9 @@ def estimate_memory(
     report.meta = {"config": config.to_dict(), "steps": steps, "label": config.describe(), "loop": loop}
     if accumulate > 1:
         report.meta["accumulate_grad_batches"] = accumulate
-    if cuda_attention is not None:
-        report.meta["attention_kernels"] = dict(cuda_attention.chosen)
-    return on_card(sharded.finish(report, opt), device, card, simulation)
+    if attention is not None:
+        report.meta["attention_kernels"] = dict(attention.chosen)
+    return report
 
 
 def resolved_config(

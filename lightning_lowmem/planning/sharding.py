@@ -287,7 +287,7 @@ class ShardedStep:
 
 
 def _state_bytes(state: Any) -> int:
-    from lightning_lowmem.memory._tracker import iter_tensors
+    from lightning_lowmem.memory._tensors import iter_tensors
 
     seen: dict[int, int] = {}
     for tensor in iter_tensors(state):

@@ -190,37 +190,21 @@ def prune_(
         >>> prune_(nn.Linear(8, 8), PruningConfig(target_sparsity=0.5, parameter_names=["weight"])).sparsity
         0.5
     """
-    from lightning_lowmem.functional.config.pruning import PruningConfig
-
-    if isinstance(target_sparsity, PruningConfig):
-        shorthand = dict(method=method, global_=global_, parameter_names=tuple(parameter_names), n=n, m=m, dim=dim)
-        shorthand["norm"] = norm
-        shorthand.update(embeddings=embeddings, heads=heads)
-        defaults = dict(method="l1_unstructured", global_=False, parameter_names=("weight",), n=2, m=4, norm=1)
-        defaults.update(dim=None, embeddings=False, heads=False)
-        given = sorted(name for name, value in shorthand.items() if value != defaults[name])
-        if given:
-            raise ValueError(f"`{'`, `'.join(given)}` given beside a PruningConfig; set them in the config (one place)")
-        config = target_sparsity
-        if generator is None and config.pruning_fn in ("random_unstructured", "random_structured"):
-            generator = torch.Generator().manual_seed(config.seed)
-        global_ = config.use_global_unstructured and isinstance(config.pruning_fn, str) and config.pruning_fn != "nm"
-        if parameters_to_prune is None and config.parameters_to_prune:  # "fqn.param" strings or (module, name) pairs
-            pairs = [entry.rpartition(".") if isinstance(entry, str) else entry for entry in config.parameters_to_prune]
-            parameters_to_prune = [(module.get_submodule(p[0]), p[2]) if len(p) == 3 else p for p in pairs]
-    else:
-        config = PruningConfig(
-            method=method,
-            amount=target_sparsity,
-            use_global_unstructured=global_,
-            parameter_names=list(parameter_names),
-            pruning_dim=dim,
-            pruning_norm=norm,
-            n=n,
-            m=m,
-            prune_embeddings=embeddings,
-            prune_heads=heads,
-        )
+    config, global_, generator, parameters_to_prune = _call_config(
+        module,
+        target_sparsity,
+        generator,
+        parameters_to_prune,
+        method=method,
+        global_=global_,
+        parameter_names=parameter_names,
+        n=n,
+        m=m,
+        dim=dim,
+        norm=norm,
+        embeddings=embeddings,
+        heads=heads,
+    )
     if callable(config.final_sparsity):
         raise TypeError(
             f"`amount`={config.final_sparsity!r} must be a float in [0, 1] or an int >= 0 here; a callable(epoch) "
@@ -270,40 +254,119 @@ def prune_(
                 continue
             masks[i] = nm
     elif structured:
-        scores = []
-        for i, ((_, sub, pname), weight) in enumerate(zip(targets, weights, strict=True)):
-            d = (dim if dim is not None else weight_dims(sub, pname)[0]) % max(weight.dim(), 1)
-            s = _channel_scores(weight, masks[i], d, norm, random, generator)
-            if global_:  # compare channels of different sizes by norm per element
-                s = s / (weight.numel() // weight.shape[d]) ** (1.0 / norm)
-            scores.append((s, d))
-        for group in groups:
-            flat = torch.cat([scores[i][0].cpu() for i in group])
-            k = _num_to_prune(target_sparsity, flat.numel(), int(torch.isinf(flat).sum()), relative)
-            drop = torch.zeros(flat.numel(), dtype=torch.bool)
-            drop[torch.topk(flat, k, largest=False).indices] = True
-            offset = 0
-            for i in group:
-                weight, (s, d) = weights[i], scores[i]
-                keep = ~drop[offset : offset + s.numel()].to(weight.device)
-                offset += s.numel()
-                masks[i] &= _expand_channels(keep, weight.shape, d)
+        _structured_masks_(
+            masks, targets, weights, groups, target_sparsity, dim, norm, random, generator, relative, global_
+        )
     else:  # unstructured magnitude / random
-        for group in groups:
-            parts = []
-            for i in group:
-                weight = weights[i]
-                score = torch.rand(weight.shape, generator=generator) if random else weight.detach().abs().float().cpu()
-                parts.append(score.flatten().masked_fill(~masks[i].flatten().cpu(), float("-inf")))
-            flat = torch.cat(parts)
-            k = _num_to_prune(target_sparsity, flat.numel(), int(torch.isinf(flat).sum()), relative)
-            drop = torch.zeros(flat.numel(), dtype=torch.bool)
-            drop[torch.topk(flat, k, largest=False, sorted=False).indices] = True
-            offset = 0
-            for i, part in zip(group, parts, strict=True):
-                masks[i] &= ~drop[offset : offset + part.numel()].view(weights[i].shape).to(weights[i].device)
-                offset += part.numel()
+        _unstructured_masks_(masks, weights, groups, target_sparsity, random, generator, relative)
+    return _applied_masks(module, targets, weights, masks, method_name)
 
+
+def _call_config(
+    module: nn.Module,
+    target_sparsity: Amount | PruningConfig,
+    generator: torch.Generator | None,
+    parameters_to_prune: Sequence[tuple[nn.Module, str]] | None,
+    **shorthand: object,
+) -> tuple[PruningConfig, object, torch.Generator | None, Sequence[tuple[nn.Module, str]] | None]:
+    """``prune_``'s :class:`PruningConfig` (given, or built from its flat ``shorthand`` arguments), with the global
+    flag, the random generator and the explicit ``(module, name)`` pairs the config implies."""
+    from lightning_lowmem.functional.config.pruning import PruningConfig
+
+    if isinstance(target_sparsity, PruningConfig):
+        shorthand["parameter_names"] = tuple(shorthand["parameter_names"])
+        defaults = dict(method="l1_unstructured", global_=False, parameter_names=("weight",), n=2, m=4, norm=1)
+        defaults.update(dim=None, embeddings=False, heads=False)
+        given = sorted(name for name, value in shorthand.items() if value != defaults[name])
+        if given:
+            raise ValueError(f"`{'`, `'.join(given)}` given beside a PruningConfig; set them in the config (one place)")
+        config = target_sparsity
+        if generator is None and config.pruning_fn in ("random_unstructured", "random_structured"):
+            generator = torch.Generator().manual_seed(config.seed)
+        global_ = config.use_global_unstructured and isinstance(config.pruning_fn, str) and config.pruning_fn != "nm"
+        if parameters_to_prune is None and config.parameters_to_prune:  # "fqn.param" strings or (module, name) pairs
+            pairs = [entry.rpartition(".") if isinstance(entry, str) else entry for entry in config.parameters_to_prune]
+            parameters_to_prune = [(module.get_submodule(p[0]), p[2]) if len(p) == 3 else p for p in pairs]
+        return config, global_, generator, parameters_to_prune
+    config = PruningConfig(
+        method=shorthand["method"],
+        amount=target_sparsity,
+        use_global_unstructured=shorthand["global_"],
+        parameter_names=list(shorthand["parameter_names"]),
+        pruning_dim=shorthand["dim"],
+        pruning_norm=shorthand["norm"],
+        n=shorthand["n"],
+        m=shorthand["m"],
+        prune_embeddings=shorthand["embeddings"],
+        prune_heads=shorthand["heads"],
+    )
+    return config, shorthand["global_"], generator, parameters_to_prune
+
+
+def _structured_masks_(
+    masks: list[torch.Tensor],
+    targets: list,
+    weights: list[torch.Tensor],
+    groups: list[list[int]],
+    target_sparsity: Amount,
+    dim: int | None,
+    norm: float,
+    random: bool,
+    generator: torch.Generator | None,
+    relative: bool,
+    global_: bool,
+) -> None:
+    """Narrow ``masks`` by whole channels (slices along ``dim``), ranked within each group of targets."""
+    scores = []
+    for i, ((_, sub, pname), weight) in enumerate(zip(targets, weights, strict=True)):
+        d = (dim if dim is not None else weight_dims(sub, pname)[0]) % max(weight.dim(), 1)
+        s = _channel_scores(weight, masks[i], d, norm, random, generator)
+        if global_:  # compare channels of different sizes by norm per element
+            s = s / (weight.numel() // weight.shape[d]) ** (1.0 / norm)
+        scores.append((s, d))
+    for group in groups:
+        flat = torch.cat([scores[i][0].cpu() for i in group])
+        k = _num_to_prune(target_sparsity, flat.numel(), int(torch.isinf(flat).sum()), relative)
+        drop = torch.zeros(flat.numel(), dtype=torch.bool)
+        drop[torch.topk(flat, k, largest=False).indices] = True
+        offset = 0
+        for i in group:
+            weight, (s, d) = weights[i], scores[i]
+            keep = ~drop[offset : offset + s.numel()].to(weight.device)
+            offset += s.numel()
+            masks[i] &= _expand_channels(keep, weight.shape, d)
+
+
+def _unstructured_masks_(
+    masks: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    groups: list[list[int]],
+    target_sparsity: Amount,
+    random: bool,
+    generator: torch.Generator | None,
+    relative: bool,
+) -> None:
+    """Narrow ``masks`` by single weights (magnitude or random), ranked within each group of targets."""
+    for group in groups:
+        parts = []
+        for i in group:
+            weight = weights[i]
+            score = torch.rand(weight.shape, generator=generator) if random else weight.detach().abs().float().cpu()
+            parts.append(score.flatten().masked_fill(~masks[i].flatten().cpu(), float("-inf")))
+        flat = torch.cat(parts)
+        k = _num_to_prune(target_sparsity, flat.numel(), int(torch.isinf(flat).sum()), relative)
+        drop = torch.zeros(flat.numel(), dtype=torch.bool)
+        drop[torch.topk(flat, k, largest=False, sorted=False).indices] = True
+        offset = 0
+        for i, part in zip(group, parts, strict=True):
+            masks[i] &= ~drop[offset : offset + part.numel()].view(weights[i].shape).to(weights[i].device)
+            offset += part.numel()
+
+
+def _applied_masks(
+    module: nn.Module, targets: list, weights: list[torch.Tensor], masks: list[torch.Tensor], method_name: str
+) -> PruningReport:
+    """Store each mask (shared by every holder of a tied weight), zero the pruned weights, and report."""
     report = PruningReport(method_name, 0.0)
     owners = parameter_owners(module)
     for (fqn, sub, pname), weight, mask in zip(targets, weights, masks, strict=True):
