@@ -33,7 +33,7 @@ from lightning_lowmem import (
 from lightning_lowmem.functional.checkpointing import checkpoint_, checkpointed_modules
 from lightning_lowmem.functional.cross_entropy import DeferredLogits
 from lightning_lowmem.functional.optimizers.savings import predicted_state_bytes
-from lightning_lowmem.functional.pruning.masks import embedding_parameters
+from lightning_lowmem.functional.pruning.masks import embedding_parameters, head_parameters
 from lightning_lowmem.memory import state_bytes
 from lightning_lowmem.planning.estimate import estimate_memory
 
@@ -120,13 +120,15 @@ def check_optimizer(run: Run) -> None:
 
 
 def check_pruning(run: Run) -> None:
-    skip = embedding_parameters(run.module)  # the token table (LitGPT's lm_head is untied: pruned)
+    skip = embedding_parameters(run.module)  # the token table
     assert skip == {id(run.module.model.transformer.wte.weight)}
-    targets = [p for p in run.module.parameters() if id(p) not in skip]
+    heads = head_parameters(run.module)  # the task head, left out by default (#34): LitGPT's untied lm_head
+    assert heads == {id(run.module.model.lm_head.weight)}
+    targets = [p for p in run.module.parameters() if id(p) not in skip | heads]
     zeros = sum(int((p == 0).sum()) for p in targets)
     total = sum(p.numel() for p in targets)
     assert abs(zeros - 0.5 * total) <= 1, (zeros, total)  # global magnitude pruning: exactly at target
-    assert int((run.module.model.lm_head.weight == 0).sum()) > 0
+    assert int((run.module.model.lm_head.weight == 0).sum()) == 0
     assert int((run.module.model.transformer.wte.weight == 0).sum()) == 0
 
 

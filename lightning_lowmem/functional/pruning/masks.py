@@ -91,7 +91,8 @@ HEAD_NAMES = frozenset({"classifier", "pooler", "score", "lm_head", "head", "qa_
 
 def head_modules(module: nn.Module) -> list[str]:
     """Qualified names of ``module``'s task heads: every module named in :data:`HEAD_NAMES` (outermost only) and
-    the output layer, the last module holding a weight matrix other than an embedding (when more than one does).
+    (when none is named) the output layer, the last module holding a weight matrix other than an embedding (when more
+    than one does).
 
     Example::
 
@@ -106,7 +107,7 @@ def head_modules(module: nn.Module) -> list[str]:
             heads.append(fqn)
         if not isinstance(sub, EMBEDDING_TYPES) and any(p.dim() >= 2 for p in sub.parameters(recurse=False)):
             layers.append((fqn, inside or fqn in heads))
-    if len(layers) > 1 and not layers[-1][1]:
+    if not heads and len(layers) > 1:  # no named head: the last layer is the output (LitGPT registers lm_head first)
         heads.append(layers[-1][0])
     return heads
 

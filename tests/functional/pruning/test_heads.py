@@ -133,3 +133,19 @@ def test_scheduled_pruning_leaves_the_heads_and_says_what_it_prunes(tmp_path, ca
             assert int((param == 0).sum()) == 0, name
     zeros, total = _zeros_outside_heads(module.model, ("weight", "bias"))  # ModelPruning's default names
     assert zeros == total // 2  # exactly the target, on the rest
+
+
+def test_a_named_head_registered_first_is_the_only_head():
+    """LitGPT registers ``lm_head`` before its blocks: the named head is the output, the last block's projection
+    (the last-registered matrix) is not taken for one."""
+    import torch.nn as nn
+
+    from lightning_lowmem.functional.pruning.masks import head_modules
+
+    class HeadFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(8, 16)
+            self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+    assert head_modules(HeadFirst()) == ["lm_head"]
