@@ -6,17 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_lowmem.planning.estimate import CUDA_CONTEXT_BYTES
+from lightning_lowmem.planning.gpus import CUDA_CONTEXT_BYTES, GpuCard
 
 GB, GiB, MiB = 1e9, 2**30, 2**20
 
-CARDS = {  # total memory as nvidia-smi reports it (MiB)
-    "A10G": 23028 * MiB,
-    "RTX 4090": 24564 * MiB,
-    "RTX A6000": 49140 * MiB,
-    "RTX 4070 Ti SUPER": 16376 * MiB,
-    "A100 80GB": 81920 * MiB,
+CARDS = {  # each source's card: total memory as nvidia-smi reports it (MiB), compute capability (NVIDIA's list)
+    name: GpuCard(name, mib * MiB, capability)
+    for name, mib, capability in (
+        ("A10G", 23028, (8, 6)),
+        ("RTX 4090", 24564, (8, 9)),
+        ("RTX 4070 Ti SUPER", 16376, (8, 9)),
+        ("A100 80GB", 81920, (8, 0)),
+    )
 }
+UNSTATED = GpuCard("not stated", 1 << 50, (8, 0))
+"""A card for a row that does not name one: pre-Hopper (the 8 MiB cuBLAS workspace); its capacity is not judged."""
 
 LITGPT = "https://github.com/Lightning-AI/litgpt/blob/main/config_hub/finetune/README.md"
 TORCHTUNE = "https://github.com/pytorch/torchtune/blob/main/README.md#memory-and-training-speed"
@@ -26,6 +30,11 @@ TORCHAO = "https://github.com/pytorch/ao/blob/main/torchao/optim/README.md#bench
 PEFT = "https://github.com/huggingface/peft/blob/main/README.md#high-performance-on-consumer-hardware"
 LOWMEM_FT = "https://github.com/usamec/lowmem_finetuning/blob/main/README.md#results"
 
+BASE_WHY = (
+    "its finetune_base.py optimizes model.model.layers only while the embedding and the head still get gradients "
+    "(estimate_memory has no optimizer over a subset of the trained parameters), compiled with dynamic shapes, "
+    "after an evaluation pass at batch 32"
+)
 HF_CONTEXT = 1343 * MiB
 """The doc's own nvidia-smi reading after ``torch.ones((1, 1)).to("cuda")`` on its GPU: the CUDA context there."""
 
@@ -285,7 +294,8 @@ ROWS: list[Row] = [
         )
         for recipe, figure in (("full fine-tune", 47.14), ("LoRA r=8 (PEFT-LoRA PyTorch)", 14.4))
     ),
-    # usamec/lowmem_finetuning README: Llama-3.2-1B full fine-tunes on HellaSwag padded to 160 tokens, batch 8
+    # usamec/lowmem_finetuning README: Llama-3.2-1B full fine-tunes on HellaSwag padded to 160 tokens, batch 8;
+    # the figure is torch.cuda.mem_get_info's total - free (device-wide)
     *(
         Row(
             "lowmem_finetuning README",
@@ -298,18 +308,16 @@ ROWS: list[Row] = [
             8,
             160,
             shown=f"{figure} GB",
-            cannot="the figure is torch.cuda.mem_get_info's total - free (device-wide: the caching allocator's "
-            "reserved-but-free memory and torch.compile's buffers, which the estimate does not model yet: helper "
-            "`estimate`'s gpu=)" + extra,
+            cannot=why,
         )
-        for recipe, figure, extra in (
-            ("FP32 Adam", 29.2, ""),
-            ("FP32 Adafactor", 14.4, ""),
+        for recipe, figure, why in (
+            ("FP32 Adam", 29.2, BASE_WHY),
+            ("FP32 Adafactor", 14.4, BASE_WHY),
             (
                 "bf16 weights, compiled, checkpointing, cut cross-entropy, its own Adafactor with stochastic "
                 "rounding in backward, embedding and head frozen",
                 3.9,
-                "; the frozen embedding / head and its Adafactor variant have no estimate_memory argument",
+                "the frozen embedding / head and its Adafactor variant have no estimate_memory argument",
             ),
         )
     ),
@@ -336,3 +344,9 @@ ITEM7 = replace(
     "kept as int8)",
     compression="int8",
 )
+
+
+def card_of(row: Row) -> GpuCard:
+    """The card ``row`` is estimated on (``estimate_memory(gpu=...)``): the source's, :data:`UNSTATED` where it names
+    none, with the CUDA context the source itself measured where it did (else the package's 500 MiB)."""
+    return replace(CARDS[row.card] if row.card else UNSTATED, cuda_context_bytes=row.context)

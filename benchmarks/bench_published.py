@@ -6,14 +6,17 @@ library's doc with an ``nvidia-smi`` reading), reproduced here with the model's 
 source ran it (precision, LoRA rank / targets / dropout, micro-batch x tokens, checkpointing, optimizer, the loss as
 the framework computes it), estimated with ``estimate_memory(..., device="cuda")`` on a CPU-only machine.
 
-What "ours" adds to ``report.peak_bytes``, by the kind of the published number, and nothing else (no per-model
-factor): ``allocated`` -- the cuBLAS workspace (allocated through the caching allocator, so ``max_memory_allocated``
-counts it); ``nvidia-smi`` -- the workspace and the CUDA context (the package's documented constants; the
-allocator's reserved-but-free memory is not modelled before ``estimate_memory(gpu=...)``). "Fits" is judged as the
-card would: peak + workspace + context against the card's total memory.
+Each row is estimated on the source's card (``estimate_memory(..., gpu=card)``: its total memory as ``nvidia-smi``
+shows it, its compute capability), and "ours" is the card's figure of the published kind, nothing else (no per-model
+factor): ``allocated`` -- the tensors' peak + the card's cuBLAS workspace (allocated through the caching allocator,
+so ``max_memory_allocated`` counts it); ``nvidia-smi`` -- the caching allocator's simulated reserved peak (its
+reserved-but-free memory included) + the CUDA context + the workspace, with the CUDA context the source itself
+measured where it did (the HF doc's 1343 MiB), else the package's 500 MiB. A row that names no card runs on a
+pre-Hopper one (8 MiB workspace). "Fits" is the card's own verdict (``report.meta["gpu"]["fits"]``: what
+``nvidia-smi`` would show against the card's total memory).
 
-Rows the package cannot express are listed with the reason; rows that need a feature other work adds (NF4 QLoRA,
-gradient accumulation) are probed at run time and computed once the feature exists.
+Rows the package cannot express are listed with the reason; rows that need a feature (NF4 QLoRA, gradient
+accumulation) are probed at run time and listed as waiting if this ``estimate_memory`` refuses them.
 
 Where the source's model code differs from Hugging Face's (the estimate runs HF's): LitGPT fuses q/k/v into one
 linear, so its LoRA applies one dropout where HF's separate q_proj/k_proj/v_proj adapters apply three (each keeps
@@ -38,10 +41,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks._published_rows import CARDS, ITEM7, ITEM7_UNCOMPRESSED, ROWS, GiB, MiB, Row
+from benchmarks._published_rows import ITEM7, ITEM7_UNCOMPRESSED, ROWS, GiB, MiB, Row, card_of
 from benchmarks.common import smoke
 from lightning_lowmem.cli.hf_config import hf_config_batch, hf_config_model
-from lightning_lowmem.planning.estimate import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, estimate_memory
+from lightning_lowmem.planning.estimate import estimate_memory
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "hf_configs"
 
@@ -107,7 +110,7 @@ def estimate_row(row: Row) -> tuple[Any, str]:
         return None, row.cannot
     model = _model(row)
     kwargs: dict[str, Any] = dict(
-        loss_fn=LOSSES[row.loss], precision=row.precision, device="cuda", optimizer=row.optimizer, loop="torch"
+        loss_fn=LOSSES[row.loss], precision=row.precision, gpu=card_of(row), optimizer=row.optimizer, loop="torch"
     )
     if row.lora:
         kwargs["lora"] = row.lora
@@ -131,10 +134,13 @@ def estimate_row(row: Row) -> tuple[Any, str]:
 
 
 def _ours(report: Any, row: Row) -> int:
-    """Our figure of the published kind: the peak plus what that kind counts beyond the step's tensors."""
+    """Our figure of the published kind, from the card's figures (``report.meta["gpu"]``): ``nvidia-smi`` -- the
+    allocator's reserved peak + the CUDA context + the cuBLAS workspace; ``allocated`` -- the tensors' peak + the
+    cuBLAS workspace (allocated through the caching allocator, so ``max_memory_allocated`` counts it)."""
+    gpu = report.meta["gpu"]
     if row.kind == "nvidia-smi":
-        return report.peak_bytes + CUBLAS_WORKSPACE_BYTES + row.context
-    return report.peak_bytes + CUBLAS_WORKSPACE_BYTES
+        return gpu["nvidia_smi_bytes"]
+    return gpu["allocated_bytes"] + report.overheads["cublas_workspace"]
 
 
 def _cell(row: Row, report: Any, why: str, seconds: float) -> dict[str, Any]:
@@ -155,18 +161,22 @@ def _cell(row: Row, report: Any, why: str, seconds: float) -> dict[str, Any]:
     verdict = "-"
     if row.card:
         theirs_fit = row.published is not None
-        ours_fit = report.peak_bytes + CUBLAS_WORKSPACE_BYTES + CUDA_CONTEXT_BYTES <= CARDS[row.card]
+        ours_fit = report.meta["gpu"]["fits"]  # what nvidia-smi would show against the card's total memory
         agree = "agrees" if theirs_fit == ours_fit else "**disagrees**"
         verdict = f"{'fits' if theirs_fit else 'OOM'} / {'fits' if ours_fit else 'OOM'} ({agree})"
-    kinds = "+ cuBLAS workspace"
+    gpu = report.meta["gpu"]
+    kinds = f"+ cuBLAS workspace {report.overheads['cublas_workspace'] / MiB:.0f} MiB"
     if row.kind == "nvidia-smi":
-        kinds += f" + CUDA context {row.context / MiB:.0f} MiB (the source's reading); reserved-but-free not modelled"
+        kinds = (
+            f"reserved {gpu['reserved_bytes'] / GiB:.2f} GiB + CUDA context {row.context / MiB:.0f} MiB (the "
+            f"source's reading) {kinds}"
+        )
     return {
         **cells,
         "ours": f"{ours / GiB:.2f} GiB",
         "error %": error,
         "verdict (theirs / ours)": verdict,
-        "note": f"peak {report.peak_bytes / GiB:.2f} GiB {kinds}; estimated in {seconds:.0f} s",
+        "note": f"peak {report.peak_bytes / GiB:.2f} GiB, {kinds}; estimated in {seconds:.0f} s",
     }
 
 
