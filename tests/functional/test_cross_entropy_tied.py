@@ -216,3 +216,30 @@ def test_hugging_face_llama_with_tied_embeddings_one_buffer_same_gradients():
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-7, msg=name)
     report.undo()
     assert "forward" not in chunked.model.embed_tokens.__dict__
+
+
+def test_two_pass_loss_makes_the_tied_gradient_after_the_body_backward():
+    """bf16 (the two-pass path): the (V, H) gradient is computed by the embedding's backward, so it is not alive
+    while the body's backward runs (its temporaries stand in a (V, H)-sized tensor here): the step's bytes above
+    the parameters hold one (V, H) buffer, not two; the gradients are the fp32 reference's within bf16 rounding."""
+    vocab, width = 20_000, 64
+    torch.manual_seed(0)
+    model = TiedLM(vocab, width)
+    reference = TiedLM(vocab, width)
+    reference.load_state_dict(model.state_dict())
+    model.to(torch.bfloat16)
+    ids, targets = torch.randint(vocab, (1, 64)), torch.randint(vocab, (1, 64))
+    buffer = vocab * width * 2
+    body_temporary = []
+    model.body.weight.register_post_accumulate_grad_hook(
+        lambda p: body_temporary.append(float(torch.ones(vocab, width, dtype=torch.bfloat16).sum()))
+    )
+    chunk_cross_entropy_(model)
+    with track_memory(model, device="cpu") as tracking:
+        chunked_cross_entropy(model(ids), targets, chunk_size=8).backward()
+    assert len(body_temporary) == 1
+    assert tracking.report.peak_bytes - tracking.report.breakdown["parameters"] < 1.5 * buffer
+    F.cross_entropy(reference(ids).flatten(0, 1), targets.flatten()).backward()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        error = float((ours.grad.float() - theirs.grad).norm() / theirs.grad.norm())
+        assert error < 2e-2, (name, error)  # bf16 weights and gradients against fp32 ones
