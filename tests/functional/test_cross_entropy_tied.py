@@ -243,3 +243,21 @@ def test_two_pass_loss_makes_the_tied_gradient_after_the_body_backward():
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
         error = float((ours.grad.float() - theirs.grad).norm() / theirs.grad.norm())
         assert error < 2e-2, (name, error)  # bf16 weights and gradients against fp32 ones
+
+
+def test_two_pass_deferred_tied_gradient_is_bit_identical_to_the_head_gradient_plus_the_rows():
+    """The deferred weight gradient (computed in the embedding's backward) equals, bit for bit, the loss's own weight
+    gradient on an untied copy with the embedding's rows added in place: deferring changes when, not what."""
+    vocab, width = 3000, 32
+    _, model, _ = _pair(vocab=vocab, width=width)
+    model.to(torch.bfloat16)
+    ids, targets = _batch(vocab)
+    hidden = torch.tanh(model.body(model.embed(ids)))
+    linear_cross_entropy(hidden, model.lm_head.weight, targets, chunk_size=7).backward()
+    weight = model.embed.weight.detach().clone()
+    head = weight.clone().requires_grad_(True)
+    embedded = F.embedding(ids, weight).requires_grad_(True)
+    hidden = torch.tanh(F.linear(embedded, model.body.weight.detach(), model.body.bias.detach()))
+    linear_cross_entropy(hidden, head, targets, chunk_size=7).backward()
+    expected = head.grad.index_add_(0, ids.reshape(-1), embedded.grad.reshape(-1, width))
+    assert torch.equal(model.embed.weight.grad, expected)
