@@ -8,8 +8,10 @@ is that step's thread CPU time (one torch thread). Setups: plain fp32 AdamW; ``b
 own recipe (``gradient_checkpointing_enable`` + bf16 + torchao 8-bit AdamW); the lowmem stack (checkpointing +
 int8 activations + chunked loss + Adafactor in backward) in fp32 and bf16. The physical floor is bf16 weights +
 the largest gradient (the tied embedding's) + each block's boundary activation. Estimates (fake tensors) give the
-full 16-layer model and Llama-3.1-8B dims (32 layers, 4096 wide, 128,256 untied). bf16 speed depends on the CPU's
-bf16 instructions (AVX512-BF16, AMX): the notes end with the flags of the machine that ran it.
+full 16-layer model and Llama-3.1-8B dims (32 layers, 4096 wide, 128,256 untied). The floor counts the boundaries in
+bf16; the stack keeps them as int8, so at full depth its estimate can fall below that floor. Step times are one
+step each (not interleaved; a shared machine's load moves them): a ratio, not a speed. bf16 speed depends on the
+CPU's bf16 instructions (AVX512-BF16, AMX): the notes end with the flags of the machine that ran it.
 """
 
 from __future__ import annotations
