@@ -8,7 +8,10 @@ is that step's thread CPU time (one torch thread). Setups: plain fp32 AdamW; ``b
 own recipe (``gradient_checkpointing_enable`` + bf16 + torchao 8-bit AdamW); the lowmem stack (checkpointing +
 int8 activations + chunked loss + Adafactor in backward) in fp32 and bf16. The physical floor is bf16 weights +
 the largest gradient (the tied embedding's) + each block's boundary activation. Estimates (fake tensors) give the
-full 16-layer model and Llama-3.1-8B dims (32 layers, 4096 wide, 128,256 untied).
+full 16-layer model and Llama-3.1-8B dims (32 layers, 4096 wide, 128,256 untied). The floor counts the boundaries in
+bf16; the stack keeps them as int8, so at full depth its estimate can fall below that floor. Step times are one
+step each (not interleaved; a shared machine's load moves them): a ratio, not a speed. bf16 speed depends on the
+CPU's bf16 instructions (AVX512-BF16, AMX): the notes end with the flags of the machine that ran it.
 """
 
 from __future__ import annotations
@@ -63,6 +66,17 @@ def _setup(name: str) -> Any:
     config = TrainingConfig(precision=precision, cross_entropy="chunked", **_STACK)
     dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
     return Setup(name, config, dtype=dtype, optimizer="adafactor_in_backward", lr=0.05)
+
+
+def _cpu_flags() -> str:
+    """The CPU's vector / bf16 instruction flags (``/proc/cpuinfo``), for the notes."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next(line.split(":", 1)[1].split() for line in info if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = [flag for flag in flags if flag.startswith(("avx512", "amx")) or flag in ("avx2", "fma")]
+    return " ".join(wanted) + ("" if "amx_bf16" in flags else " (no AMX)")
 
 
 def _rss(field: str) -> int:
@@ -218,5 +232,5 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "title": "The stack at real widths: Llama-3.2-1B dims, peak RSS without a meter (CPU)",
         "rows": rows,
         "targets": targets,
-        "notes": __doc__,
+        "notes": f"{__doc__}\nCPU flags: {_cpu_flags()}.",
     }

@@ -216,3 +216,48 @@ def test_hugging_face_llama_with_tied_embeddings_one_buffer_same_gradients():
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-7, msg=name)
     report.undo()
     assert "forward" not in chunked.model.embed_tokens.__dict__
+
+
+def test_two_pass_loss_makes_the_tied_gradient_after_the_body_backward():
+    """bf16 (the two-pass path): the (V, H) gradient is computed by the embedding's backward, so it is not alive
+    while the body's backward runs (its temporaries stand in a (V, H)-sized tensor here): the step's bytes above
+    the parameters hold one (V, H) buffer, not two; the gradients are the fp32 reference's within bf16 rounding."""
+    vocab, width = 20_000, 64
+    torch.manual_seed(0)
+    model = TiedLM(vocab, width)
+    reference = TiedLM(vocab, width)
+    reference.load_state_dict(model.state_dict())
+    model.to(torch.bfloat16)
+    ids, targets = torch.randint(vocab, (1, 64)), torch.randint(vocab, (1, 64))
+    buffer = vocab * width * 2
+    body_temporary = []
+    model.body.weight.register_post_accumulate_grad_hook(
+        lambda p: body_temporary.append(float(torch.ones(vocab, width, dtype=torch.bfloat16).sum()))
+    )
+    chunk_cross_entropy_(model)
+    with track_memory(model, device="cpu") as tracking:
+        chunked_cross_entropy(model(ids), targets, chunk_size=8).backward()
+    assert len(body_temporary) == 1
+    assert tracking.report.peak_bytes - tracking.report.breakdown["parameters"] < 1.5 * buffer
+    F.cross_entropy(reference(ids).flatten(0, 1), targets.flatten()).backward()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        error = float((ours.grad.float() - theirs.grad).norm() / theirs.grad.norm())
+        assert error < 2e-2, (name, error)  # bf16 weights and gradients against fp32 ones
+
+
+def test_two_pass_deferred_tied_gradient_is_bit_identical_to_the_head_gradient_plus_the_rows():
+    """The deferred weight gradient (computed in the embedding's backward) equals, bit for bit, the loss's own weight
+    gradient on an untied copy with the embedding's rows added in place: deferring changes when, not what."""
+    vocab, width = 3000, 32
+    _, model, _ = _pair(vocab=vocab, width=width)
+    model.to(torch.bfloat16)
+    ids, targets = _batch(vocab)
+    hidden = torch.tanh(model.body(model.embed(ids)))
+    linear_cross_entropy(hidden, model.lm_head.weight, targets, chunk_size=7).backward()
+    weight = model.embed.weight.detach().clone()
+    head = weight.clone().requires_grad_(True)
+    embedded = F.embedding(ids, weight).requires_grad_(True)
+    hidden = torch.tanh(F.linear(embedded, model.body.weight.detach(), model.body.bias.detach()))
+    linear_cross_entropy(hidden, head, targets, chunk_size=7).backward()
+    expected = head.grad.index_add_(0, ids.reshape(-1), embedded.grad.reshape(-1, width))
+    assert torch.equal(model.embed.weight.grad, expected)

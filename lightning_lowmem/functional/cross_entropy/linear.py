@@ -24,6 +24,7 @@ CPU and CUDA, under autocast, and on fake tensors (the estimator traces them). t
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -226,38 +227,77 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = torch.where(counted, scale.expand(num_tokens), torch.zeros_like(lse))  # (N,)
         dtype = ctx.autocast or hidden.dtype  # the forward's matmul dtype (autocast's, else the inputs')
         hidden_c = hidden.to(dtype)  # no copy without autocast
+        logits_of = functools.partial(
+            _slice_grad_logits, hidden_c, weight, bias, targets, counted, lse, scale, smoothing
+        )
+        # a tied weight's gradient is computed by the embedding's backward, after the body's (see .tied)
+        defer = need_weight and ctx.tied is not None
+        grad_weight = torch.empty_like(weight) if need_weight and not defer else None
         grad_hidden = torch.zeros(hidden.shape, dtype=accumulate, device=hidden.device) if need_hidden else None
-        grad_weight = torch.empty_like(weight) if need_weight else None
         grad_bias = torch.empty_like(bias) if need_bias else None
-        token_index = torch.arange(num_tokens, device=hidden.device)
-        for start in range(0, vocab_size, ctx.columns):
+        for start in range(0, vocab_size, ctx.columns) if need_hidden or need_bias or grad_weight is not None else ():
             stop = min(start + ctx.columns, vocab_size)
-            weight_slice = weight[start:stop].to(dtype)
-            bias_slice = bias[start:stop].to(dtype) if bias is not None else None
-            # softmax of the slice's logits minus the (smoothed) one-hot target, in place: (N, columns)
-            grad_logits = F.linear(hidden_c, weight_slice, bias_slice).to(accumulate)
-            grad_logits.sub_(lse[:, None]).exp_()
-            if smoothing:
-                grad_logits.sub_(smoothing / vocab_size)
-            in_slice = (targets >= start) & (targets < stop) & counted
-            hits = torch.where(in_slice, targets - start, torch.zeros_like(targets))
-            grad_logits[token_index, hits] -= in_slice.to(accumulate) * (1.0 - smoothing)
-            grad_logits.mul_(scale[:, None])  # in fp32, before any rounding (as the unchunked loss's backward)
+            grad_logits = logits_of(start, stop)  # (N, columns) in fp32
             if grad_bias is not None:
                 grad_bias[start:stop] = grad_logits.sum(dim=0)
-            grad_logits_acc, grad_logits = grad_logits, grad_logits.to(dtype)
-            if grad_weight is not None:  # (columns, H), one matmul over all tokens, written in place
-                if grad_weight.dtype == dtype:
-                    torch.matmul(grad_logits.T, hidden_c, out=grad_weight[start:stop])
-                else:  # autocast: the matmul in its dtype, the gradient in the weight's
-                    grad_weight[start:stop] = grad_logits.T @ hidden_c
+            if grad_weight is not None:
+                _write_weight_slice(grad_weight, grad_logits.to(dtype), hidden_c, start, stop)
             if grad_hidden is not None:  # (N, H), the matmul in fp32 too: one rounding, at the end
-                grad_hidden.addmm_(grad_logits_acc, weight_slice.to(accumulate))
-            del grad_logits, grad_logits_acc
+                grad_hidden.addmm_(grad_logits, weight[start:stop].to(dtype).to(accumulate))
+            del grad_logits
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        grad_weight = _deliver(ctx.tied, grad_weight)
+        if defer:
+            ctx.tied.deliver_later(functools.partial(_weight_gradient, logits_of, weight, hidden_c, ctx.columns))
+        else:
+            grad_weight = _deliver(ctx.tied, grad_weight)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _slice_grad_logits(
+    hidden: torch.Tensor,  # (N, H) in the matmul dtype
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    counted: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    smoothing: float,
+    start: int,
+    stop: int,
+) -> torch.Tensor:
+    """The gradient of the loss with respect to the logits of classes ``start:stop``: ``(N, columns)`` in fp32,
+    the slice's softmax minus the (smoothed) one-hot target, scaled per token (before any rounding)."""
+    dtype, accumulate, vocab_size = hidden.dtype, lse.dtype, weight.shape[0]
+    bias_slice = bias[start:stop].to(dtype) if bias is not None else None
+    grad_logits = F.linear(hidden, weight[start:stop].to(dtype), bias_slice).to(accumulate)
+    grad_logits.sub_(lse[:, None]).exp_()
+    if smoothing:
+        grad_logits.sub_(smoothing / vocab_size)
+    in_slice = (targets >= start) & (targets < stop) & counted
+    hits = torch.where(in_slice, targets - start, torch.zeros_like(targets))
+    token_index = torch.arange(targets.shape[0], device=targets.device)
+    grad_logits[token_index, hits] -= in_slice.to(accumulate) * (1.0 - smoothing)
+    return grad_logits.mul_(scale[:, None])
+
+
+def _write_weight_slice(
+    grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor, start: int, stop: int
+) -> None:
+    """Rows ``start:stop`` of the weight gradient: one matmul over all tokens, written in place."""
+    if grad_weight.dtype == grad_logits.dtype:
+        torch.matmul(grad_logits.T, hidden, out=grad_weight[start:stop])
+    else:  # autocast: the matmul in its dtype, the gradient in the weight's
+        grad_weight[start:stop] = grad_logits.T @ hidden
+
+
+def _weight_gradient(logits_of: Any, weight: torch.Tensor, hidden: torch.Tensor, columns: int) -> torch.Tensor:
+    """The whole weight gradient, a vocabulary slice at a time (the tied embedding's backward calls it)."""
+    grad_weight = torch.empty_like(weight)
+    for start in range(0, weight.shape[0], columns):
+        stop = min(start + columns, weight.shape[0])
+        _write_weight_slice(grad_weight, logits_of(start, stop).to(hidden.dtype), hidden, start, stop)
+    return grad_weight
 
 
 def _columns(rows: int, num_tokens: int, vocab_size: int) -> int:

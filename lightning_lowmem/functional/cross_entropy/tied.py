@@ -7,6 +7,9 @@ lookup's (``embedding_dense_backward``), summed into one before the weight's ``.
 :class:`TiedGradient` made by the embedding's forward and claimed by the loss's), which adds its rows into that
 buffer in place (``index_add_``) and returns it as the weight's only gradient. Autograd then sets ``.grad`` to
 it without a copy, and a post-accumulate-grad hook (an optimizer in backward) runs once, on the whole gradient.
+The two-pass (bf16) loss defers its weight gradient to the embedding's backward (:meth:`TiedGradient.deliver_later`):
+the buffer is made after the body's backward, so it is never alive beside a layer's backward temporaries; the
+price is the logits computed once more (one more head matmul), the gradient bit-identical.
 
 The loss claims the buffer only when the embedding's backward is sure to run after its own: the embedding's
 autograd node is reachable from the hidden states' (checked once per forward by walking the graph). Otherwise
@@ -35,17 +38,31 @@ _PENDING: dict[int, "weakref.ref[TiedGradient]"] = {}  # id(weight) -> the lates
 class TiedGradient:
     """The gradient buffer one embedding lookup shares with the loss that claimed it (one per forward)."""
 
-    __slots__ = ("__weakref__", "buffer", "claimed", "node", "weight")
+    __slots__ = ("__weakref__", "buffer", "claimed", "later", "node", "weight")
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weakref.ref(weight)
         self.buffer: torch.Tensor | None = None  # the loss's weight gradient, once its backward ran
+        self.later: list[Callable[[], torch.Tensor]] = []  # weight gradients the embedding's backward computes
         self.claimed = False
         self.node: Any = None  # a weak reference to the embedding's autograd node (which holds this object)
 
     def deliver(self, gradient: torch.Tensor) -> None:
         """The loss's weight gradient: kept for the embedding's backward to complete and return."""
         self.buffer = gradient if self.buffer is None else self.buffer.add_(gradient)
+
+    def deliver_later(self, compute: Callable[[], torch.Tensor]) -> None:
+        """The loss's weight gradient as a function the embedding's backward calls (after the body's backward):
+        the ``(V, H)`` buffer is then not alive while the body's gradients are computed."""
+        self.later.append(compute)
+
+    def take(self) -> torch.Tensor | None:
+        """The loss's weight gradient (computing the deferred ones now), or ``None`` if none was delivered."""
+        later, self.later = self.later, []
+        for compute in later:
+            self.deliver(compute())
+        buffer, self.buffer = self.buffer, None
+        return buffer
 
 
 def claim(weight: torch.Tensor, hidden: torch.Tensor) -> TiedGradient | None:
@@ -93,7 +110,7 @@ class _TiedEmbedding(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         (ids,) = ctx.saved_tensors
         shared: TiedGradient = ctx.shared
-        buffer, shared.buffer = shared.buffer, None
+        buffer = shared.take()
         if buffer is None:  # no loss delivered (not claimed, or its weight gradient was not needed)
             buffer = grad_output.new_zeros(ctx.weight_shape, dtype=ctx.weight_dtype)
         flat_ids = ids.reshape(-1)
