@@ -78,7 +78,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
                 ]
     notes = (
         f"{bf16}. Every run on {threads} torch thread{'s' if threads != 1 else ''} (`lowmem demo --threads`, "
-        "default 1). Per-run rows: the {'quick' if quick else 'full'} demo's own timing of each run (imports, corpus "
+        f"default 1). Per-run rows: the {'quick' if quick else 'full'} demo's own timing of each run (imports, corpus "
         "read, table and picture not included). A load average above ~1 means other processes shared the 2 "
         "cores and the wall times overstate an idle machine's."
     )
