@@ -45,7 +45,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
     rows, targets = [], []
     modes = ["quick"] if quick else ["quick", "full"]
     per_run: list[dict[str, Any]] = []
-    bf16 = ""
+    bf16, threads = "", 1
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             measured = _run_demo(mode == "quick", Path(tmp) / mode)
@@ -67,6 +67,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
                 }
             )
             settings = measured["result"]["settings"]
+            threads = settings.get("threads", threads)
             bf16 = (
                 "bf16 rows short (memory only): " if settings["bf16_short"] else "bf16 rows full length: "
             ) + settings["bf16_reason"]
@@ -76,7 +77,8 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
                     for run in measured["result"]["runs"]
                 ]
     notes = (
-        f"{bf16}. Per-run rows: the {'quick' if quick else 'full'} demo's own timing of each run (imports, corpus "
+        f"{bf16}. Every run on {threads} torch thread{'s' if threads != 1 else ''} (`lowmem demo --threads`, "
+        f"default 1). Per-run rows: the {'quick' if quick else 'full'} demo's own timing of each run (imports, corpus "
         "read, table and picture not included). A load average above ~1 means other processes shared the 2 "
         "cores and the wall times overstate an idle machine's."
     )

@@ -61,31 +61,34 @@ def _accuracy_vs_sparsity(device: str, quick: bool) -> tuple[list[dict[str, Any]
         }
     ]
     accuracy = {}
-    for target in (0.5, 0.8, 0.9):
-        for name in ("one-shot", "cubic"):
-            schedule = (
-                dict(schedule="constant", start_step=start, end_step=start + 1)
-                if name == "one-shot"
-                else dict(schedule="cubic", start_step=start, end_step=end, frequency=max(1, steps // 60))
-            )
-            callback = ScheduledPruning(
-                "l1_unstructured",
-                parameter_names=["weight"],
-                target_sparsity=target,
-                make_pruning_permanent=True,
-                **schedule,
-            )
-            model, acc = _train("mlp", 256, epochs, callback, device)
-            accuracy[f"{name}@{target}"] = acc
-            rows.append(
-                {
-                    "model": "digits MLP 64-256-256-10",
-                    "schedule": name,
-                    "sparsity (%)": round(100 * sparsity(model), 1),
-                    "test acc (%)": round(acc, 2),
-                    "drop (points)": round(dense_acc - acc, 2),
-                }
-            )
+    # every layer, the output layer included (prune_heads=True), as Lightning's ModelPruning prunes: like with like;
+    # then the default targets (the output layer left out, #34) at 90% cubic
+    runs = [(target, name, True) for target in (0.5, 0.8, 0.9) for name in ("one-shot", "cubic")]
+    for target, name, heads in runs + [(0.9, "cubic", False)]:
+        schedule = (
+            dict(schedule="constant", start_step=start, end_step=start + 1)
+            if name == "one-shot"
+            else dict(schedule="cubic", start_step=start, end_step=end, frequency=max(1, steps // 60))
+        )
+        callback = ScheduledPruning(
+            "l1_unstructured",
+            parameter_names=["weight"],
+            target_sparsity=target,
+            make_pruning_permanent=True,
+            prune_heads=heads,
+            **schedule,
+        )
+        model, acc = _train("mlp", 256, epochs, callback, device)
+        accuracy[f"{name}@{target}" + ("" if heads else " default")] = acc
+        rows.append(
+            {
+                "model": "digits MLP 64-256-256-10",
+                "schedule": name + (", all layers" if heads else ", default targets (output layer left out)"),
+                "sparsity (%)": round(100 * sparsity(model), 1),
+                "test acc (%)": round(acc, 2),
+                "drop (points)": round(dense_acc - acc, 2),
+            }
+        )
     # anchor: Lightning's ModelPruning, one-shot to 90% at the end of the epoch nearest 10% of training
     from lightning.pytorch.callbacks import ModelPruning
 
@@ -224,9 +227,10 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "rows": rows + structural_rows + hf_rows,
         "targets": [
             {
-                "target": "<= 1 point accuracy drop at 90% sparsity with the cubic schedule (digits MLP)",
+                "target": "<= 1 point accuracy drop at 90% sparsity with the cubic schedule (digits MLP, all layers)",
                 "measured": f"{cubic_drop:+.2f} points (one-shot: {accuracy['dense'] - accuracy['one-shot@0.9']:+.2f}; "
-                f"Lightning ModelPruning one-shot: {accuracy['dense'] - accuracy['ModelPruning@0.9']:+.2f})",
+                f"Lightning ModelPruning one-shot: {accuracy['dense'] - accuracy['ModelPruning@0.9']:+.2f}; "
+                f"default targets, output layer left out: {accuracy['dense'] - accuracy['cubic@0.9 default']:+.2f})",
                 "met": cubic_drop <= 1.0,
             },
             {
@@ -252,11 +256,15 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             },
         ],
         "notes": "Same seed, data split, optimizer (AdamW 3e-3) and number of steps for every row; masks applied "
-        "after every optimizer step. One-shot prunes to the target at 10% of training and fine-tunes; cubic ramps "
+        "after every optimizer step. Digits MLP rows marked 'all layers' prune every Linear, the 10-way output layer "
+        "included (`prune_heads=True`), as Lightning's ModelPruning does, so they compare with its anchor row; the "
+        "'default targets' row is ScheduledPruning's default since #34, which leaves the output layer out (90% of the "
+        "other two layers' weights, hence the lower overall sparsity). The CNN and GPT-2 rows use the default targets. "
+        "One-shot prunes to the target at 10% of training and fine-tunes; cubic ramps "
         "(Zhu & Gupta) from 10% to 50% of training. Structural: ln_structured masks ramp to 50% of the output channels "
         "of each conv, then those channels are removed with Torch-Pruning (BatchNorm and the next conv's inputs "
         "follow) and training continues with the rebound optimizer. Latency: eval forward of a 512-image batch, "
-        "median of 60 runs, torch's default CPU threads. HF GPT-2: a randomly initialised transformers GPT2LMHeadModel "
+        "median of 60 runs, on the torch threads the header names. HF GPT-2: a randomly initialised transformers GPT2LMHeadModel "
         "(2 layers, width 64, byte vocabulary) trained on the stdlib corpus (HFTextDataModule, seq 32, batch 16, ragged "
         "padding) for the same number of steps in every row; pruning ramps over steps 20%..75% of training; val loss = "
         "the model's own HF loss over 20 validation batches.",
