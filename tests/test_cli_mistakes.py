@@ -46,7 +46,7 @@ MISTAKES = {
     ),
     "int4 QLoRA on CPU": (
         ["--trainer.callbacks+=LowRankAdapters", "--trainer.callbacks.quantize_base", "int4"],
-        r"RuntimeError in LowRankAdapters\.\w+: `quantize_base`='int4' is not supported .*use quantize_base=",
+        r"RuntimeError in LowRankAdapters\.\w+: `quantize_base`='int4' runs on CUDA only .*quantize_base='nf4'",
     ),
     "missing --ckpt_path": (
         ["--ckpt_path", "no_such.ckpt"],
