@@ -136,8 +136,9 @@ sys.path.insert(0, {tests!r})
 from test_demo_run import tiny_settings
 demo.settings_for = tiny_settings
 import time, lightning as L
+from lightning_lowmem.demo import digits_runs
 made = []
-_trainer = demo._trainer
+_trainer = digits_runs.demo_trainer
 
 
 class Pause(L.Callback):  # the second run waits inside its fit, so the signal lands there on any machine
@@ -151,7 +152,7 @@ def trainer(title, *args, callbacks=(), **kwargs):
     return _trainer(title, *args, callbacks=[*callbacks, Pause()] if len(made) == 2 else callbacks, **kwargs)
 
 
-demo._trainer = trainer
+digits_runs.demo_trainer = trainer
 from lightning_lowmem.cli import main
 raise SystemExit(main(["demo", "--workloads", "digits", "--out", {out!r}]))
 """
