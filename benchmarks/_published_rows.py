@@ -79,6 +79,8 @@ def _litgpt(
     what = "full fine-tune, AdamW" if lora is None else f"LoRA r={lora['r']} on {'/'.join(lora['target'])}"
     if lora and lora.get("quantize_base"):
         what = f"QLoRA ({lora['quantize_base']}) r={lora['r']} on {'/'.join(lora['target'])}"
+        if lora.get("quantize_frozen"):
+            what += ", every other linear (lm_head too) and the embedding NF4"
     recipe = f"litgpt {recipe_file}: {what}, bf16-true, micro-batch {batch} x 512, no checkpointing"
     accumulate = kw.pop("accumulate", 1)
     if accumulate > 1:
@@ -121,23 +123,46 @@ ROWS: list[Row] = [
     _litgpt("TinyLlama-1.1B", "tiny-llama/lora.yaml", 13.50, 8, _lora(32, [*LLAMA_ALL, "lm_head"])),
     _litgpt("gemma-7b", "gemma-7b/lora.yaml", None, 1, _lora(16, [*LLAMA_ALL, "lm_head"])),
     _litgpt("TinyLlama-1.1B", "tiny-llama/full.yaml", 14.10, 4, None, accumulate=8),
-    _litgpt("Llama-2-7b-hf", "llama-2-7b/qlora.yaml", 13.68, 2, _lora(32, ["q_proj", "v_proj"], quantize_base="nf4")),
-    _litgpt("Mistral-7B-v0.1", "mistral-7b/qlora.yaml", 14.29, 2, _lora(32, ["q_proj", "v_proj"], quantize_base="nf4")),
-    _litgpt("Meta-Llama-3-8B", "llama-3-8b/qlora.yaml", 17.41, 2, _lora(32, ["q_proj", "v_proj"], quantize_base="nf4")),
+    # --quantize bnb.nf4: Fabric's BitsandbytesPrecision(mode="nf4") builds the model under its module_init_context,
+    # which swaps torch.nn.Linear for bitsandbytes' Linear4bit (no ignore_modules): every linear -- the LoRA layers'
+    # base, the other projections, lm_head -- is NF4; the embedding stays bf16 (quantize_frozen quantizes it too)
+    _litgpt(
+        "Llama-2-7b-hf",
+        "llama-2-7b/qlora.yaml",
+        13.68,
+        2,
+        _lora(32, ["q_proj", "v_proj"], quantize_base="nf4", quantize_frozen=True),
+    ),
+    _litgpt(
+        "Mistral-7B-v0.1",
+        "mistral-7b/qlora.yaml",
+        14.29,
+        2,
+        _lora(32, ["q_proj", "v_proj"], quantize_base="nf4", quantize_frozen=True),
+    ),
+    _litgpt(
+        "Meta-Llama-3-8B",
+        "llama-3-8b/qlora.yaml",
+        17.41,
+        2,
+        _lora(32, ["q_proj", "v_proj"], quantize_base="nf4", quantize_frozen=True),
+    ),
     _litgpt(
         "stablelm-base-alpha-3b",
         "stablelm-base-alpha-3b/qlora.yaml",
         5.24,
         1,
-        _lora(32, ["query_key_value"], quantize_base="nf4"),
+        _lora(32, ["query_key_value"], quantize_base="nf4", quantize_frozen=True),
     ),
-    # torchtune README: Llama 3.1 8B, batch 2 x 2048 (packed), torch.compile on, bf16, activation checkpointing
+    # torchtune README: Llama 3.1 8B, batch 2 x 2048 (packed), torch.compile on, bf16, activation checkpointing; the
+    # figures were published in 30b8519e8 (2024-09-24): the recipes are that commit's configs (later commits moved
+    # the LoRA one to q/v/output_proj + MLP and took k_proj out of the QLoRA one)
     Row(
         "torchtune README",
         TORCHTUNE,
         "Llama-3.1-8B",
-        "torchtune lora_finetune_single_device (8B_lora_single_device.yaml): LoRA r=8 alpha=16 on q/v/output_proj + "
-        "MLP, bf16, batch 2 x 2048, activation checkpointing, chunked loss, AdamW, compile",
+        "torchtune lora_finetune_single_device (8B_lora_single_device.yaml as of the figure, 30b8519e8): LoRA r=8 "
+        "alpha=16 on q/v_proj, bf16, batch 2 x 2048, activation checkpointing, chunked loss, AdamW, compile",
         16.2 * GiB,
         "allocated",
         "RTX 4090",
@@ -147,14 +172,15 @@ ROWS: list[Row] = [
         loss="hf",
         checkpointing=True,
         chunked_loss=True,
-        lora=_lora(8, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], dropout=0.0),
+        lora=_lora(8, ["q_proj", "v_proj"], dropout=0.0),
     ),
     Row(
         "torchtune README",
         TORCHTUNE,
         "Llama-3.1-8B",
-        "torchtune lora_finetune_single_device (8B_qlora_single_device.yaml): QLoRA NF4, r=8 alpha=16 on "
-        "q/v/output_proj + MLP, bf16, batch 2 x 2048, activation checkpointing, chunked loss, AdamW, compile",
+        "torchtune lora_finetune_single_device (8B_qlora_single_device.yaml as of the figure, 30b8519e8): QLoRA "
+        "NF4, r=8 alpha=16 on q/k/v/output_proj + MLP, output and embedding bf16, batch 2 x 2048, activation "
+        "checkpointing, chunked loss, AdamW, compile",
         7.4 * GiB,
         "allocated",
         "RTX 4090",
@@ -165,7 +191,10 @@ ROWS: list[Row] = [
         checkpointing=True,
         chunked_loss=True,
         lora=_lora(
-            8, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], dropout=0.0, quantize_base="nf4"
+            8,
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            dropout=0.0,
+            quantize_base="nf4",
         ),
     ),
     Row(

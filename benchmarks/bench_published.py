@@ -27,6 +27,15 @@ eager estimate does not model; the HF doc's BERT ran eager attention (``attn_imp
 torchao's ViT-H is timm's ``vit_huge_patch14_224`` (one fused q/k/v linear, SDPA): the same dimensions as HF's
 ``ViTForImageClassification`` run here (separate q/k/v, SDPA; 630.8M parameters, timm says 630M), with ``torch.compile``
 (not modelled) and CUDA BF16 autocast (estimated with the autocast rules the package has for ``bf16-mixed``).
+
+LitGPT's ``--quantize bnb.nf4`` (Fabric's ``BitsandbytesPrecision``, no ``ignore_modules``) builds the model with every
+``nn.Linear`` swapped for bitsandbytes' ``Linear4bit``: its NF4 rows quantize every linear (``quantize_frozen=True``;
+that also quantizes the embedding, which LitGPT keeps bf16). Two differences stay, each the source's: bitsandbytes'
+``MatMul4Bit`` keeps each 4-bit linear's input for backward (``ctx.tensors = (A, B)``) where the package's frozen NF4
+linear keeps only the quantized weight, and its ``nf4`` (not ``nf4-dq``) stores an fp32 scale per 64 weights where
+torchao's NF4 double-quantizes them. torchtune's rows run the configs of the commit that published the figures
+(30b8519e8): QLoRA on q/k/v/output_proj + MLP (every layer linear NF4, the output and the embedding bf16), LoRA on
+q/v_proj.
 """
 
 from __future__ import annotations
