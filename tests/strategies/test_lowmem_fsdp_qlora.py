@@ -60,7 +60,7 @@ def _reference(rank: int, directory: str) -> None:
 
 @pytest.mark.skip(
     reason="open: alone its 2 ranks train the adapters of one process (relative difference 0.1-0.5%), but inside the "
-    "full suite they differ entirely (1.41 on lora_A), not yet understood; run it alone: pytest -p no:skip ..."
+    "full suite they differ entirely (1.41 on lora_A), not yet understood (without this mark it passes alone)"
 )
 @pytest.mark.slow
 def test_an_nf4_base_is_sharded_over_two_processes_and_trains_the_adapters_of_one(tmp_path):
