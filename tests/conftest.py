@@ -15,19 +15,26 @@ warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# Process-wide variables Lightning writes into ``os.environ`` that a process started later inherits
 _DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+_SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")  # L.seed_everything / LightningCLI's seed_everything
 
 
 @pytest.fixture(autouse=True)
 def _fresh_distributed_env():
-    """Lightning writes ``MASTER_PORT`` (and friends) into ``os.environ`` when it launches processes.
+    """Every test starts and ends without the variables Lightning leaves in ``os.environ``.
 
-    Left there, the next multi-process test reuses the port while the previous store may still hold it
-    (``EADDRINUSE``), so every test starts and ends without them.
+    - ``MASTER_PORT`` (and friends), written when Lightning launches processes: the next multi-process test would
+      reuse the port while the previous store may still hold it (``EADDRINUSE``).
+    - ``PL_GLOBAL_SEED`` / ``PL_SEED_WORKERS``, written by ``L.seed_everything``: every rank of a later DDP / FSDP
+      fit inherits them and re-seeds at setup (Lightning's ``reset_seed``), so its LoRA adapters start from the
+      seed's first draws, not from the state the test seeded (the 2-process NF4 QLoRA test's adapters differed
+      from one process's by 1.41 relative after a ``seed_everything(0)`` test ran earlier in the same process).
     """
-    saved = {key: os.environ.pop(key) for key in _DISTRIBUTED_ENV if key in os.environ}
+    keys = (*_DISTRIBUTED_ENV, *_SEED_ENV)
+    saved = {key: os.environ.pop(key) for key in keys if key in os.environ}
     yield
-    for key in _DISTRIBUTED_ENV:
+    for key in keys:
         os.environ.pop(key, None)
     os.environ.update(saved)
 
