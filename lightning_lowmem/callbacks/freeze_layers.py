@@ -9,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.callbacks._technique_base import TechniqueCallback
-from lightning_lowmem.functional.freeze import FreezeConfig
+from lightning_lowmem.functional.techniques.freeze import FreezeConfig
 from lightning_lowmem.functional.optimizers.convert import drop_frozen_
 
 
