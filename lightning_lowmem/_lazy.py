@@ -51,8 +51,8 @@ def lazy_exports(namespace: str, exports: dict[str, str]) -> tuple[Callable[[str
 
 def class_exports(package: str, folder: Path) -> dict[str, str]:
     """``{ClassName: module}`` for a folder of one-class modules, found by file (nothing imported): each public module
-    ``snake_name.py`` of ``folder`` defines the class ``SnakeName`` (the callbacks: ``freeze_layers.py`` ->
-    ``FreezeLayers``).
+    ``snake_name.py`` of ``folder`` defines the class ``SnakeName`` (the callbacks: ``memory_monitor.py`` ->
+    ``MemoryMonitor``).
 
     Args:
         package: the folder's package name, e.g. ``"lightning_lowmem.callbacks"``.

@@ -1,7 +1,7 @@
 """Thin Lightning callbacks: they decide *when* a technique runs; ``functional/`` holds *what* it does.
 
-One callback per module, found by file: ``snake_name.py`` defines and exports ``SnakeName`` (``freeze_layers.py`` ->
-``FreezeLayers``), so a new callback is its file and nothing else here. Names are imported lazily so a callback's
+One callback per module, found by file: ``snake_name.py`` defines and exports ``SnakeName`` (``memory_monitor.py`` ->
+``MemoryMonitor``), so a new callback is its file and nothing else here. Names are imported lazily so a callback's
 optional dependency loads only when that callback is used.
 """
 
