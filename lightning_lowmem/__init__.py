@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checker
     from lightning_lowmem.callbacks.activation_compression import ActivationCompression
     from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch
     from lightning_lowmem.callbacks.chunked_cross_entropy import ChunkedCrossEntropy
+    from lightning_lowmem.callbacks.freeze_layers import FreezeLayers
     from lightning_lowmem.callbacks.low_rank_adapters import LowRankAdapters
     from lightning_lowmem.callbacks.memory_efficient_optimizer import MemoryEfficientOptimizer
     from lightning_lowmem.callbacks.memory_monitor import MemoryMonitor

@@ -28,6 +28,7 @@ from lightning_lowmem import (
     ActivationCompression,
     AutoMicrobatch,
     ChunkedCrossEntropy,
+    FreezeLayers,
     LowRankAdapters,
     MemoryEfficientOptimizer,
     MemoryMonitor,
@@ -55,6 +56,7 @@ SWITCHES: dict[str, object] = {
     "qat": lambda: QuantizationAwareTraining("intx4_weight_only", group_size=16),
     "monitor": lambda: MemoryMonitor(summary=False),
     "chunked_loss": lambda: ChunkedCrossEntropy(head="model.head"),
+    "freeze": lambda: FreezeLayers(blocks=1),
     "accumulation": {"accumulate_grad_batches": 2},
     "clipping": {"gradient_clip_val": 1.0},
 }
@@ -69,6 +71,8 @@ REFUSED: dict[frozenset[str], str] = {
     frozenset({"lora", "qat"}): "fake-quantizes the layers.*quantize_base",
     frozenset({"structural", "qat"}): "groups of group_size channels.*'int8_weight_only'.*prune structurally",
     frozenset({"chunked_loss", "qat"}): "fake-quantizes the output head too.*drop ChunkedCrossEntropy for the QAT run",
+    frozenset({"freeze", "pruning"}): "masks weights inside the blocks.*freeze fewer blocks",
+    frozenset({"freeze", "structural"}): "masks weights inside the blocks.*freeze fewer blocks",
 }
 #: Lightning itself refuses two callbacks of one class with the same ``state_key`` in ``Trainer()``; our rules
 #: refuse the twins it lets through (tested below with different modes)
@@ -91,6 +95,7 @@ SHORT = {
     "qat": "QAT",
     "monitor": "Mon",
     "chunked_loss": "CE",
+    "freeze": "Freeze",
     "accumulation": "accum",
     "clipping": "clip",
 }  # the column names of docs/composition.md's matrix
