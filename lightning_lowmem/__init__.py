@@ -6,9 +6,10 @@ Public names are imported lazily, so ``import lightning_lowmem`` stays fast and 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_lowmem._lazy import lazy_exports
+from lightning_lowmem._lazy import class_exports, lazy_exports
 
 __version__ = "0.1.0.dev0"
 
@@ -26,18 +27,6 @@ _EXPORTS: dict[str, str] = {
     "Plan": "lightning_lowmem.planning.plan",
     "EstimationError": "lightning_lowmem.planning.estimate",
     "TrainingConfig": "lightning_lowmem.functional.config",
-    # callbacks
-    "MemoryMonitor": "lightning_lowmem.callbacks.memory_monitor",
-    "ScheduledPruning": "lightning_lowmem.callbacks.scheduled_pruning",
-    "PostTrainingQuantization": "lightning_lowmem.callbacks.post_training_quantization",
-    "QuantizationAwareTraining": "lightning_lowmem.callbacks.quantization_aware_training",
-    "ActivationCheckpointing": "lightning_lowmem.callbacks.activation_checkpointing",
-    "ActivationCompression": "lightning_lowmem.callbacks.activation_compression",
-    "MemoryEfficientOptimizer": "lightning_lowmem.callbacks.memory_efficient_optimizer",
-    "AutoMicrobatch": "lightning_lowmem.callbacks.auto_microbatch",
-    "LowRankAdapters": "lightning_lowmem.callbacks.low_rank_adapters",
-    "ChunkedCrossEntropy": "lightning_lowmem.callbacks.chunked_cross_entropy",
-    "FreezeLayers": "lightning_lowmem.callbacks.freeze_layers",
     # modules, strategies, plugins
     "DistillationModule": "lightning_lowmem.distillation.module",
     "LowMemoryStrategy": "lightning_lowmem.strategies.low_memory",
@@ -48,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     # warnings
     "NoEffectWarning": "lightning_lowmem.warnings",
     "LowMemWarning": "lightning_lowmem.warnings",
+    # every callback, found by file: callbacks/<snake_name>.py defines <SnakeName>
+    **class_exports("lightning_lowmem.callbacks", Path(__file__).parent / "callbacks"),
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -58,7 +49,7 @@ def __dir__() -> list[str]:
     return __all__
 
 
-if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checkers
+if TYPE_CHECKING:  # what the lazy exports resolve to, for IDEs and type checkers (a new callback: one line here)
     from lightning_lowmem.callbacks.activation_checkpointing import ActivationCheckpointing
     from lightning_lowmem.callbacks.activation_compression import ActivationCompression
     from lightning_lowmem.callbacks.auto_microbatch import AutoMicrobatch

@@ -9,7 +9,9 @@ load only with the feature that needs them. Each namespace also imports the same
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -45,3 +47,22 @@ def lazy_exports(namespace: str, exports: dict[str, str]) -> tuple[Callable[[str
         return list(names)
 
     return __getattr__, __dir__
+
+
+def class_exports(package: str, folder: Path) -> dict[str, str]:
+    """``{ClassName: module}`` for a folder of one-class modules, found by file (nothing imported): each public module
+    ``snake_name.py`` of ``folder`` defines the class ``SnakeName`` (the callbacks: ``memory_monitor.py`` ->
+    ``MemoryMonitor``).
+
+    Args:
+        package: the folder's package name, e.g. ``"lightning_lowmem.callbacks"``.
+        folder: the folder.
+
+    Example::
+
+        >>> exports = class_exports("lightning_lowmem.callbacks", Path(__file__).parent / "callbacks")
+        >>> exports["MemoryMonitor"]
+        'lightning_lowmem.callbacks.memory_monitor'
+    """
+    found = (module.name for module in pkgutil.iter_modules([str(folder)]) if not module.name.startswith("_"))
+    return {"".join(part.title() for part in name.split("_")): f"{package}.{name}" for name in sorted(found)}

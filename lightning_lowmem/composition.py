@@ -9,7 +9,8 @@ is one line naming both sides, why they do not compose and what to do instead.
 The module imports neither the callbacks nor the strategies (they import it): a callback says what it is
 (``composition_technique()``, from the technique callbacks' base class: its label and its tags), a strategy
 whether it shards parameters (``shards_parameters``) and which options it was given (``explicit``). A new
-callback joins the checks by its tags; a new incompatibility adds one :class:`Rule` to :data:`RULES`.
+callback joins the checks by its tags; a new incompatibility adds one :class:`Rule` to :data:`RULES`, or, for a
+pair with a new callback, to that callback's own ``rules`` (checked whenever it is in play).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Technique:
     label: str
     tags: frozenset[str]
     optimizer: str | None = None  # the optimizer's name, for optimizer techniques
+    rules: tuple[Rule, ...] = ()  # the refusals this technique brings (its callback's ``rules``), beside RULES
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,6 @@ RULES: tuple[Rule, ...] = (
         "{b.label} removes channels of the layers {a.label} wraps, and the adapters keep their old shapes (the fit "
         "would fail mid-run)",
         "prune unstructured (structural=False), or prune in one run and add adapters to the smaller model in the next",
-    ),
-    Rule(
-        "freeze",
-        "pruning",
-        "{b.label} masks weights inside the blocks {a.label} keeps unchanged",
-        "freeze fewer blocks than you prune, or prune in a second run",
     ),
     Rule(
         "lora",
@@ -238,8 +234,10 @@ def techniques_of(trainer: Any) -> list[Technique]:
 
 def refusal(techniques: list[Technique], rules: Iterable[Rule] | None = None) -> str | None:
     """The first refusal among ``techniques`` (one line), or ``None`` when every pair composes (``rules``:
-    :data:`RULES`, read at call time)."""
-    for rule in RULES if rules is None else rules:
+    :data:`RULES`, read at call time, and the rules the techniques in play bring)."""
+    if rules is None:
+        rules = (*RULES, *dict.fromkeys(rule for technique in techniques for rule in technique.rules))
+    for rule in rules:
         for i, a in enumerate(techniques):
             if rule.left not in a.tags:
                 continue

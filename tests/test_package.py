@@ -16,6 +16,33 @@ def test_every_public_name_resolves():
         assert getattr(lightning_lowmem, name) is not None, name
 
 
+def test_every_callback_module_exports_its_class_and_type_checkers_see_every_export():
+    """callbacks/<snake_name>.py defines the callback <SnakeName> (found by file, exported from the package and from
+    lightning_lowmem.callbacks), and the root's ``TYPE_CHECKING`` block imports every export (the real types)."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    import lightning as L
+
+    import lightning_lowmem.callbacks as callbacks
+
+    for name in callbacks.__all__:
+        value = getattr(callbacks, name)
+        assert inspect.isclass(value) and issubclass(value, L.Callback) and value.__name__ == name, name
+        assert getattr(lightning_lowmem, name) is value
+    tree = ast.parse(Path(lightning_lowmem.__file__).read_text())
+    typed = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for inner in node.body
+        if isinstance(inner, ast.ImportFrom)
+        for alias in inner.names
+    }
+    assert sorted(set(lightning_lowmem.__all__) - {"__version__"} - typed) == []
+
+
 def test_import_does_not_load_torchao_or_lightning():
     code = "import sys, lightning_lowmem; print(sorted(m for m in ('torchao', 'lightning', 'torch_pruning') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -1,30 +1,16 @@
 """Thin Lightning callbacks: they decide *when* a technique runs; ``functional/`` holds *what* it does.
 
-Names are imported lazily so a callback's optional dependency loads only when that callback is used.
+One callback per module, found by file: ``snake_name.py`` defines and exports ``SnakeName`` (``memory_monitor.py`` ->
+``MemoryMonitor``), so a new callback is its file and nothing else here. Names are imported lazily so a callback's
+optional dependency loads only when that callback is used.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pathlib import Path
 
-_EXPORTS = {
-    "MemoryMonitor": "memory_monitor",
-    "ScheduledPruning": "scheduled_pruning",
-    "PostTrainingQuantization": "post_training_quantization",
-    "QuantizationAwareTraining": "quantization_aware_training",
-    "ActivationCheckpointing": "activation_checkpointing",
-    "ActivationCompression": "activation_compression",
-    "MemoryEfficientOptimizer": "memory_efficient_optimizer",
-    "AutoMicrobatch": "auto_microbatch",
-    "LowRankAdapters": "low_rank_adapters",
-    "ChunkedCrossEntropy": "chunked_cross_entropy",
-    "FreezeLayers": "freeze_layers",
-}
+from lightning_lowmem._lazy import class_exports, lazy_exports
+
+_EXPORTS = class_exports(__name__, Path(__file__).parent)
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'lightning_lowmem.callbacks' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"lightning_lowmem.callbacks.{_EXPORTS[name]}"), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

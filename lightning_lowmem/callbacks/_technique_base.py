@@ -3,8 +3,9 @@
 *What it is*: :attr:`TechniqueCallback.technique` (the registry field of the config it trains with,
 ``self.config``: what ``lowmem estimate`` and the planner read), :attr:`~TechniqueCallback.changes_step` (it
 changes the training step itself, not only the module), and :meth:`~TechniqueCallback.composition_technique`
-(how :mod:`lightning_lowmem.composition` names it and what it does, its tags). Nothing recognises a callback by
-its class name.
+(how :mod:`lightning_lowmem.composition` names it and what it does, its tags), the refusals it brings
+(:attr:`~TechniqueCallback.rules`) and whether others apply it first (:attr:`~TechniqueCallback.applies_first`).
+Nothing recognises a callback by its class name.
 
 *The lifecycle*: ``setup`` checks that every technique of the Trainer composes
 (:func:`~lightning_lowmem.composition.check_composition`), joins the fit's setup transaction
@@ -25,7 +26,7 @@ from typing import Any, Callable, ClassVar
 import lightning as L
 from typing_extensions import override
 
-from lightning_lowmem.composition import Technique, check_composition
+from lightning_lowmem.composition import Rule, Technique, check_composition
 from lightning_lowmem.functional.applied import Applied, apply
 from lightning_lowmem.transaction import Transaction, commit, join, rollback
 from lightning_lowmem.warnings import LowMemWarning
@@ -47,6 +48,11 @@ class TechniqueCallback(L.Callback):
     changes_step: ClassVar[bool] = False
     #: what it does, for :data:`lightning_lowmem.composition.RULES` (see :meth:`composition_tags`)
     tags: ClassVar[frozenset[str]] = frozenset()
+    #: the composition rules this callback brings (pairs with it that are refused), checked beside ``RULES``
+    rules: ClassVar[tuple[Rule, ...]] = ()
+    #: its change must be in place before another callback chooses layers (``LowRankAdapters``), whatever the
+    #: callbacks' order: that callback applies this one's config first (its handler gives the same result twice)
+    applies_first: ClassVar[bool] = False
     #: ``teardown`` undoes the applied config (``False``: the change is the fit's result, e.g. LoRA's adapters)
     undo_on_teardown: ClassVar[bool] = True
     #: a fit that fails after training started gives the model back as it came (``teardown`` on ``on_exception``)
@@ -69,7 +75,9 @@ class TechniqueCallback(L.Callback):
 
     def composition_technique(self) -> Technique:
         """This callback for :func:`~lightning_lowmem.composition.check_composition`."""
-        return Technique(self.composition_label(), self.composition_tags(), optimizer=self.composition_optimizer())
+        return Technique(
+            self.composition_label(), self.composition_tags(), optimizer=self.composition_optimizer(), rules=self.rules
+        )
 
     def composition_optimizer(self) -> str | None:
         """The optimizer's name, for an optimizer technique (default: ``None``)."""

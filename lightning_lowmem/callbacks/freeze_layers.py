@@ -9,7 +9,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_lowmem.callbacks._technique_base import TechniqueCallback
-from lightning_lowmem.functional.freeze import FreezeConfig
+from lightning_lowmem.composition import Rule
+from lightning_lowmem.functional.techniques.freeze import FreezeConfig
 from lightning_lowmem.functional.optimizers.convert import drop_frozen_
 
 
@@ -45,6 +46,15 @@ class FreezeLayers(TechniqueCallback):
 
     technique = "freeze_layers"
     tags = frozenset({"freeze"})
+    rules = (
+        Rule(
+            "freeze",
+            "pruning",
+            "{b.label} masks weights inside the blocks {a.label} keeps unchanged",
+            "freeze fewer blocks than you prune, or prune in a second run",
+        ),
+    )
+    applies_first = True  # LowRankAdapters applies the freeze first: no adapter in a frozen block
     undo_on_teardown = (
         False  # frozen is the fit's result (as Composer's); undone only when the fit fails before training
     )

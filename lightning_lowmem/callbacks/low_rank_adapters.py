@@ -152,10 +152,10 @@ class LowRankAdapters(TechniqueCallback):
                 # train (Lightning moves the module after `setup`; moving it first changes nothing else)
                 pl_module.to(device)
             # kept after fit (adapters are the trained result); undone if the fit fails before training
-            # a freeze technique of this fit applies first (again, if it ran already: the same frozen set), so
-            # its frozen blocks get no adapter whatever the callbacks' order
-            freezes = [c.config for c in trainer.callbacks if getattr(c, "technique", None) == "freeze_layers"]
-            self.report = self.apply_config(pl_module, [*freezes, self.config]).lora
+            # a technique that must come first (a layer freeze) applies first (again, if it ran already: the same
+            # result), so e.g. frozen blocks get no adapter whatever the callbacks' order
+            first = [c.config for c in trainer.callbacks if c is not self and getattr(c, "applies_first", False)]
+            self.report = self.apply_config(pl_module, [*first, self.config]).lora
             self.on_rollback(self._forget_report)
             rank_zero_info(wrap_summary(self.report))
         if not self.save_base_weights:

@@ -3,7 +3,8 @@ planner apply. One package per technique that has several files (``quantization`
 ``optimizers``, ``lora``); one module otherwise (``checkpointing``, ``compression``, ``fsdp``,
 ``microbatch``). ``config`` holds the one vocabulary of a technique mix (a frozen config per technique,
 composed into ``TrainingConfig``); ``registry`` the handler registered for each config type (the built-ins
-in ``handlers``); ``applied`` the :func:`apply` that applies one, with its undo handle.
+in ``handlers``; ``techniques/`` one module per technique added since: its config and handler, found by file);
+``applied`` the :func:`apply` that applies one, with its undo handle.
 
 The public transforms are re-exported here and imported on first use (torchao and torch-pruning load only
 with the feature that needs them).

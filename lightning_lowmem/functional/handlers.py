@@ -1,17 +1,20 @@
 """The built-in techniques: for each config of :mod:`lightning_lowmem.functional.config`, the handler that
-:func:`~lightning_lowmem.functional.apply` runs, and the shorthands :class:`TrainingConfig` takes for it.
+:func:`~lightning_lowmem.functional.apply` runs, and the shorthands :class:`TrainingConfig` takes for it. The
+techniques added since live in one module each, in :mod:`lightning_lowmem.functional.techniques` (registered after
+these, found by file).
 
 Registered in ``describe()`` order; applied in their registered ``order``, which is written here once (the
-doctest below reads it from the registry): a one-shot prune first, then quantization, QAT's fake quantizers,
-the layer freeze (registered in :mod:`~lightning_lowmem.functional.freeze`, imported at the end), LoRA (adapters
-on the possibly quantized layers, none in a frozen block), activation checkpointing (wrapping whole blocks, adapters
-included), the chunked cross-entropy, and the KV-cache hold activation compression needs::
+doctest below reads this module's techniques from the registry): a one-shot prune first, then quantization, QAT's
+fake quantizers, LoRA (adapters on the possibly quantized layers), activation checkpointing (wrapping whole blocks,
+adapters included), the chunked cross-entropy, and the KV-cache hold activation compression needs; a technique of
+:mod:`~lightning_lowmem.functional.techniques` takes its place between them by its own ``order``::
 
     >>> from lightning_lowmem.functional.registry import techniques
-    >>> [t.field for t in techniques()]  # describe() / to_dict() order
-    ['precision', 'lora', 'quantization', 'checkpointing', 'compression', 'cross_entropy', 'optimizer', 'microbatch', 'sharding', 'pruning', 'qat', 'freeze_layers']
-    >>> [(t.field, t.order) for t in sorted(techniques(), key=lambda t: t.order) if t.order]  # apply() order
-    [('pruning', 5), ('quantization', 10), ('qat', 15), ('freeze_layers', 18), ('lora', 20), ('checkpointing', 30), ('cross_entropy', 40), ('compression', 50)]
+    >>> built_in = [t for t in techniques() if t.handler.__module__ == __name__]  # describe() / to_dict() order
+    >>> [t.field for t in built_in]
+    ['precision', 'lora', 'quantization', 'checkpointing', 'compression', 'cross_entropy', 'optimizer', 'microbatch', 'sharding', 'pruning', 'qat']
+    >>> [(t.field, t.order) for t in sorted(built_in, key=lambda t: t.order) if t.order]  # apply() order
+    [('pruning', 5), ('quantization', 10), ('qat', 15), ('lora', 20), ('checkpointing', 30), ('cross_entropy', 40), ('compression', 50)]
 
 Precision, the optimizer, micro-batching and sharding change
 nothing in the module (order 0): their step-side part is their config's (``OptimizerConfig.build``,
@@ -484,7 +487,3 @@ def _qat(module: nn.Module, config: QATConfig, applied: Any) -> None:
 
     applied.on_undo(_Structure.of(module).restore)
     applied.reports["qat"] = prepare_qat_(module, config)
-
-
-# ----------------------------------------------------------------------------- layer freezing (order 18)
-import lightning_lowmem.functional.freeze  # noqa: E402, F401  (its module registers FreezeConfig)

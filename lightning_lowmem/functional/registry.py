@@ -5,7 +5,8 @@ A technique is a frozen config (validated once, in ``__post_init__``) and a hand
 config's type with :func:`register_technique`. :func:`lightning_lowmem.functional.apply` looks the handler up
 (:func:`handler_for`) and calls it in ``order``; ``TrainingConfig`` takes the config as the keyword ``field``
 (or its ``shorthand``), shows it in ``describe()`` / ``to_dict()``, and compares by it. The built-in
-techniques are registered in :mod:`lightning_lowmem.functional.handlers`.
+techniques are registered in :mod:`lightning_lowmem.functional.handlers`, the others by their own modules in
+:mod:`lightning_lowmem.functional.techniques` (imported by file when the registry fills).
 
 A handler is ``fn(module, config, applied) -> None``: it changes ``module`` in place and records how to
 give it back with ``applied.on_undo(callable)`` (undone last-in, first-out; record the undo *before* the

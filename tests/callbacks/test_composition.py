@@ -428,8 +428,13 @@ def test_each_switch_under_lowmem_fsdp_trains_or_is_refused_before_training(name
 
 def test_every_rule_is_tested():
     """A rule added to composition.RULES without a refused pair above would go untested."""
+    import lightning_lowmem.callbacks as callbacks
+
+    declared = [rule for name in callbacks.__all__ for rule in getattr(getattr(callbacks, name), "rules", ())]
     tags = {"structural_pruning": "structural", "grouped_qat": "qat"}
-    matrix = {frozenset({tags.get(rule.left, rule.left), tags.get(rule.right, rule.right)}) for rule in RULES}
+    matrix = {
+        frozenset({tags.get(rule.left, rule.left), tags.get(rule.right, rule.right)}) for rule in (*RULES, *declared)
+    }
     tested = {pair for pair, expected in REFUSED.items() if expected is not LIGHTNING}
     twins = {frozenset({tag}) for tag in ("ptq", "qat", "compression", "optimizer", "checkpointing")}  # TWINS
     budget = {

@@ -9,7 +9,7 @@ import torch
 from lightning_lowmem.demo import CharLM
 from lightning_lowmem.functional import TrainingConfig, apply
 from lightning_lowmem.functional.config import LoRAConfig, PruningConfig
-from lightning_lowmem.functional.freeze import FreezeConfig, freeze_layers_, frozen_modules
+from lightning_lowmem.functional.techniques.freeze import FreezeConfig, freeze_layers_, frozen_modules
 from lightning_lowmem.functional.lora.adapters import lora_layers
 from lightning_lowmem.planning.estimate import estimate_memory
 from lightning_lowmem.planning.plan import plan_memory

@@ -22,6 +22,7 @@ from lightning_lowmem.functional.config import (
     ShardingConfig,
     TrainingConfig,
 )
+from lightning_lowmem.functional.techniques import technique_modules
 from lightning_lowmem.functional.registry import (
     handler_for,
     register_technique,
@@ -38,11 +39,12 @@ def test_every_config_has_a_handler_and_every_handler_a_config_and_a_field():
     for kind in technique_configs:
         assert callable(handler_for(kind)), kind
     registered = techniques()
-    # a built-in's config is in the config package, or in the technique's own module (functional/freeze.py)
+    # a built-in's config is in the config package, or in the technique's own module (functional/techniques/)
     in_package = [t for t in registered if t.config_type.__module__.startswith(config_package.__name__)]
     assert sorted(t.config_type.__name__ for t in in_package) == sorted(k.__name__ for k in technique_configs)
     own_module = {t.config_type.__module__ for t in registered} - {t.config_type.__module__ for t in in_package}
-    assert own_module == {"lightning_lowmem.functional.freeze"}
+    assert own_module <= set(technique_modules())
+    assert {t.handler.__module__ for t in registered if t not in in_package} == own_module  # config and handler
     # TrainingConfig's keywords and attributes are the registry's (#35): nothing spelt again there
     assert list(TrainingConfig.keywords()) == [t.field for t in registered]
     config = TrainingConfig()
@@ -230,3 +232,15 @@ def test_pruning_and_qat_are_techniques_applied_once_and_undone_exactly():
     config = TrainingConfig(pruning={"amount": 0.3}, qat="int8_weight_only", optimizer="sgd")
     assert config.to_dict()["pruning"] == {"amount": 0.3} and TrainingConfig(**config.to_dict()) == config
     assert config.describe() == "32-true + sgd + prune(l1_unstructured 0.3) + qat(int8_weight_only)"
+
+
+@pytest.mark.parametrize("module", technique_modules())
+def test_the_built_ins_register_first_whichever_module_is_imported_first(module):
+    """``describe()`` / ``to_dict()`` order is the built-ins', then the technique modules' (by file), even when a
+    technique module is the first thing imported."""
+    import subprocess
+    import sys
+
+    code = f"import {module}\nfrom lightning_lowmem.functional.registry import techniques\nprint([t.field for t in techniques()])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str([t.field for t in techniques()])

@@ -2,7 +2,8 @@
 
 What it composes is :mod:`lightning_lowmem.functional.registry`'s list, the one source: each technique's field,
 its default, the shorthands it owns, its ``describe()`` label and its ``to_dict()`` keywords are registered with
-its handler (the built-ins in :mod:`lightning_lowmem.functional.handlers`). Nothing here names a technique: a
+its handler (the built-ins in :mod:`lightning_lowmem.functional.handlers`, the others in
+:mod:`lightning_lowmem.functional.techniques`, one module each). Nothing here names a technique: a
 technique registered later is composed exactly as the built-ins (``TrainingConfig(myfield=...)``,
 ``config.myfield``).
 """
@@ -13,7 +14,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning_lowmem.functional.handlers  # noqa: F401  (registers the built-in techniques)
+import lightning_lowmem.functional.techniques  # noqa: F401  (registers the built-ins, then every technique module)
 from lightning_lowmem.functional.registry import technique_for, techniques
 
 __all__ = ["TrainingConfig"]

@@ -6,7 +6,7 @@ Candidates are ``nn.Linear`` and Hugging Face ``Conv1D`` layers, ``nn.Conv2d`` l
 ``"all-conv"`` the convolutions, ``"all"`` both; output heads are left out of all three. Name patterns and
 classes choose any candidate. Convolutions :class:`~lightning_lowmem.functional.lora.layers.LoraConv2d` cannot
 adapt (grouped / depthwise, non-zero padding modes) are left out with a :class:`NoEffectWarning` naming each.
-A module a technique froze and marked with :data:`FROZEN_MARK` (``FreezeLayers``' blocks and embeddings) gets no
+A module a technique froze and marked with :data:`FROZEN_MARK` (a layer freeze's blocks and embeddings) gets no
 adapter inside it, whatever the target.
 """
 
@@ -42,7 +42,7 @@ ALL = "all"
 BROAD_TARGETS = (ALL_LINEAR, ALL_CONV, ALL)
 # Output projections left out by the broad targets (vocabulary / class heads, as PEFT does).
 HEAD_NAMES = ("lm_head", "head", "classifier", "score")
-# Set in a module's __dict__ by a technique that froze it (lightning_lowmem.functional.freeze): no adapter inside.
+# Set in a module's __dict__ by a technique that froze it (e.g. a layer freeze): no adapter inside.
 FROZEN_MARK = "_lowmem_frozen"
 
 
