@@ -13,6 +13,7 @@ import torch
 from lightning_lowmem.functional.config.constants import (
     COMPRESSION_MIN_BYTES,
     COMPRESSION_MODES,
+    CROSS_ENTROPY_KERNELS,
     GROUP_SIZE,
     QUANTIZATION_MODES,
 )
@@ -468,16 +469,20 @@ class CrossEntropyConfig:
         chunk_size: tokens per chunk, >= 1. Default: ``None`` (a chunk's logits at most 1/8 of the whole, 32 MiB).
         head: the output head's module name, when it is not found (a Hugging Face model's
             ``get_output_embeddings()``, an ``nn.Linear`` named ``lm_head`` / ``output``). Default: ``None``.
+        kernel: what computes the loss: ``"auto"`` (a fused CUDA kernel, Liger-Kernel's or Cut Cross-Entropy's,
+            when installed and the tensors are on CUDA, else ours), ``"lowmem"`` (ours), ``"liger"``, ``"cce"``
+            (:mod:`lightning_lowmem.functional.cross_entropy.kernels`). Default: ``"auto"``.
 
     Example::
 
         >>> CrossEntropyConfig(chunk_size=1024)
-        CrossEntropyConfig(mode='chunked', chunk_size=1024, head=None)
+        CrossEntropyConfig(mode='chunked', chunk_size=1024, head=None, kernel='auto')
     """
 
     mode: str = "chunked"
     chunk_size: int | None = None
     head: str | None = None
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in CROSS_ENTROPY_MODES:
@@ -494,4 +499,9 @@ class CrossEntropyConfig:
         if self.head is not None and (not isinstance(self.head, str) or not self.head):
             raise ValueError(
                 f"`head`={self.head!r} must be the output head's module name (e.g. 'model.lm_head') or None"
+            )
+        if self.kernel not in CROSS_ENTROPY_KERNELS:
+            raise ValueError(
+                f"`kernel`={self.kernel!r} is unknown; choose one of {list(CROSS_ENTROPY_KERNELS)} ('auto': a fused "
+                "CUDA kernel when installed, else ours)." + _did_you_mean(str(self.kernel), CROSS_ENTROPY_KERNELS)
             )
