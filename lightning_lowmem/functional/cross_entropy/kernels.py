@@ -33,7 +33,7 @@ import torch
 
 from lightning_lowmem._compat.fake_mode import is_fake
 from lightning_lowmem.functional.config.constants import CROSS_ENTROPY_KERNELS
-from lightning_lowmem.functional.cross_entropy.tied import _PENDING
+from lightning_lowmem.functional.cross_entropy.tied import pending
 
 __all__ = ["KERNELS", "check_kernel", "kernel_loss", "on_cuda", "refusal"]
 
@@ -101,7 +101,7 @@ def kernel_loss(
         return None
     call = _Call(hidden, weight, targets, bias, ignore_index, reduction, float(label_smoothing))
     if kernel == "auto":
-        if not (on_cuda(hidden) and on_cuda(weight)) or _tied(weight):
+        if not (on_cuda(hidden) and on_cuda(weight)) or pending(weight):  # tied: ours keeps one gradient
             return None
         for name in AUTO_ORDER:
             library = LIBRARIES[name]
@@ -175,14 +175,6 @@ def _import_or_raise(library: _Library) -> ModuleType:
             f"kernel={library.name!r} needs the {library.package} package ({library.module} does not import: "
             f"{error}): pip install 'lightning-lowmem[{library.name}]', or use kernel='auto' / 'lowmem'"
         ) from error
-
-
-def _tied(weight: torch.Tensor) -> bool:
-    """Whether an input embedding tied to ``weight`` waits for this loss's gradient (:mod:`.tied`): ours then
-    keeps one gradient buffer for both uses."""
-    ref = _PENDING.get(id(weight))
-    shared = ref() if ref is not None else None
-    return shared is not None and not shared.claimed and shared.weight() is weight
 
 
 # ----------------------------------------------------------------------------- Liger-Kernel
