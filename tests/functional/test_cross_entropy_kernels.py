@@ -158,6 +158,11 @@ def test_auto_tries_liger_then_cce(liger, cuda_like, monkeypatch):
     loss = linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=-1, reduction="none")
     assert (len(liger), len(cce)) == (1, 1)  # liger refuses "none": CCE computes it
     assert cce[0]["bias"] is bias and cce[0]["ignore_index"] == -1 and loss.shape == targets.shape
+    flat = hidden.reshape(-1, 8)
+    assert kernels.resolve_kernel("auto", flat, weight, bias=bias) == "liger"
+    assert kernels.resolve_kernel("auto", flat, weight, bias=bias, reduction="none") == "cce"
+    assert kernels.resolve_kernel("auto", flat, weight, reduction="none", label_smoothing=0.1) == "lowmem"
+    assert kernels.resolve_kernel("lowmem", flat, weight) == "lowmem"
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from lightning_lowmem._compat.fake_mode import is_fake
 from lightning_lowmem.functional.config.constants import CROSS_ENTROPY_KERNELS
 from lightning_lowmem.functional.cross_entropy.tied import pending
 
-__all__ = ["KERNELS", "check_kernel", "kernel_loss", "on_cuda", "refusal"]
+__all__ = ["AUTO_ORDER", "KERNELS", "LIBRARIES", "check_kernel", "kernel_loss", "on_cuda", "refusal", "resolve_kernel"]
 
 KERNELS = CROSS_ENTROPY_KERNELS  # ("auto", "lowmem", "liger", "cce")
 AUTO_ORDER = ("liger", "cce")  # what "auto" tries, in order
@@ -49,11 +49,11 @@ class _Call:
 
     hidden: torch.Tensor
     weight: torch.Tensor
-    targets: torch.Tensor
     bias: torch.Tensor | None
-    ignore_index: int
     reduction: str
     label_smoothing: float
+    targets: torch.Tensor | None = None  # None: only which kernel computes it is asked (resolve_kernel)
+    ignore_index: int = -100
 
 
 @dataclass(frozen=True)
@@ -95,11 +95,47 @@ def kernel_loss(
     Raises:
         ValueError: an unknown ``kernel``; ``"liger"`` / ``"cce"`` for a call that library cannot compute.
         ImportError: ``"liger"`` / ``"cce"`` not installed (one line naming the package and the extra).
+        IndexError: a target outside ``[0, V)`` (not ``ignore_index``), before a library runs.
     """
+    call = _Call(hidden, weight, bias, reduction, float(label_smoothing), targets, ignore_index)
+    chosen = _choose(kernel, call)
+    if chosen is None:
+        return None
+    library, module = chosen
+    _check_targets(targets, weight.shape[0], ignore_index)
+    return library.call(module, call).float()  # float32 as ours (both libraries already return it)
+
+
+def resolve_kernel(
+    kernel: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> str:
+    """What computes ``linear_cross_entropy(hidden, weight, ..., kernel=kernel)``: ``"lowmem"`` (ours), ``"liger"``
+    or ``"cce"``.
+
+    Raises:
+        ValueError / ImportError: as :func:`kernel_loss`.
+
+    Example::
+
+        >>> resolve_kernel("auto", torch.randn(4, 8), torch.randn(16, 8))  # CPU tensors: ours
+        'lowmem'
+    """
+    chosen = _choose(kernel, _Call(hidden, weight, bias, reduction, float(label_smoothing)))
+    return "lowmem" if chosen is None else chosen[0].name
+
+
+def _choose(kernel: str, call: _Call) -> tuple[_Library, ModuleType] | None:
+    """The library (and its module) that computes ``call``; ``None``: ours."""
     check_kernel(kernel)
+    hidden, weight = call.hidden, call.weight
     if kernel == "lowmem" or is_fake(hidden) or hidden.device.type == "meta":  # the estimator traces ours
         return None
-    call = _Call(hidden, weight, targets, bias, ignore_index, reduction, float(label_smoothing))
     if kernel == "auto":
         if not (on_cuda(hidden) and on_cuda(weight)) or pending(weight):  # tied: ours keeps one gradient
             return None
@@ -107,7 +143,7 @@ def kernel_loss(
             library = LIBRARIES[name]
             module = _import(library)
             if module is not None and refusal(library, module, call) is None:
-                return _run(library, module, call)
+                return library, module
         return None
     library = LIBRARIES[kernel]
     module = _import_or_raise(library)
@@ -117,7 +153,7 @@ def kernel_loss(
             f"`kernel`={kernel!r} cannot compute this loss: {why}. Use kernel='auto' (ours computes what "
             f"{library.package} cannot) or 'lowmem'"
         )
-    return _run(library, module, call)
+    return library, module
 
 
 def refusal(library: _Library, module: ModuleType, call: _Call) -> str | None:
@@ -132,22 +168,16 @@ def refusal(library: _Library, module: ModuleType, call: _Call) -> str | None:
     return library.limits(module, call)
 
 
-def _run(library: _Library, module: ModuleType, call: _Call) -> torch.Tensor:
-    _check_targets(call)
-    return library.call(module, call).float()  # float32 as ours (both libraries already return it)
-
-
-def _check_targets(call: _Call) -> None:
+def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
     """Raise as ``F.cross_entropy`` (and ours) for a class index outside ``[0, V)``: the kernels would read out of
     bounds (one min / max, one synchronisation)."""
-    targets, vocab_size = call.targets, call.weight.shape[0]
     if targets.numel() == 0:
         return
-    low, high = torch.stack(torch.aminmax(torch.where(targets != call.ignore_index, targets, 0))).tolist()
+    low, high = torch.stack(torch.aminmax(torch.where(targets != ignore_index, targets, 0))).tolist()
     if low < 0 or high >= vocab_size:
         raise IndexError(
             f"`targets` holds class index {low if low < 0 else high}, outside [0, {vocab_size}) for a weight of "
-            f"{vocab_size} classes: targets must be class indices or ignore_index={call.ignore_index}"
+            f"{vocab_size} classes: targets must be class indices or ignore_index={ignore_index}"
         )
 
 
