@@ -13,7 +13,6 @@ import torch
 from lightning_lowmem.functional.config.constants import (
     COMPRESSION_MIN_BYTES,
     COMPRESSION_MODES,
-    CROSS_ENTROPY_KERNELS,
     GROUP_SIZE,
     QUANTIZATION_MODES,
 )
@@ -469,9 +468,7 @@ class CrossEntropyConfig:
         chunk_size: tokens per chunk, >= 1. Default: ``None`` (a chunk's logits at most 1/8 of the whole, 32 MiB).
         head: the output head's module name, when it is not found (a Hugging Face model's
             ``get_output_embeddings()``, an ``nn.Linear`` named ``lm_head`` / ``output``). Default: ``None``.
-        kernel: what computes the loss: ``"auto"`` (a fused CUDA kernel, Liger-Kernel's or Cut Cross-Entropy's,
-            when installed and the tensors are on CUDA, else ours), ``"lowmem"`` (ours), ``"liger"``, ``"cce"``
-            (:mod:`lightning_lowmem.functional.cross_entropy.kernels`). Default: ``"auto"``.
+        kernel: ``"auto"`` / ``"lowmem"`` / ``"liger"`` / ``"cce"`` (:mod:`.cross_entropy.kernels`). Default: ``"auto"``.
 
     Example::
 
@@ -490,6 +487,9 @@ class CrossEntropyConfig:
                 f"`cross_entropy`={self.mode!r} is unknown; choose None (the model's own loss) or 'chunked'."
                 + _did_you_mean(self.mode, CROSS_ENTROPY_MODES)
             )
+        from lightning_lowmem.functional.cross_entropy.kernels import check_kernel  # one list of kernels, one message
+
+        check_kernel(self.kernel)
         size = self.chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(
@@ -497,11 +497,4 @@ class CrossEntropyConfig:
                 "(a chunk's logits at most 1/8 of the whole)"
             )
         if self.head is not None and (not isinstance(self.head, str) or not self.head):
-            raise ValueError(
-                f"`head`={self.head!r} must be the output head's module name (e.g. 'model.lm_head') or None"
-            )
-        if self.kernel not in CROSS_ENTROPY_KERNELS:
-            raise ValueError(
-                f"`kernel`={self.kernel!r} is unknown; choose one of {list(CROSS_ENTROPY_KERNELS)} ('auto': a fused "
-                "CUDA kernel when installed, else ours)." + _did_you_mean(str(self.kernel), CROSS_ENTROPY_KERNELS)
-            )
+            raise ValueError(f"`head`={self.head!r} must be the output head's module name ('model.lm_head') or None")

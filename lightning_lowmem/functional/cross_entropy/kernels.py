@@ -21,6 +21,7 @@ autograd, as without the chunked loss), one under ours (:mod:`.tied`): ``"auto"`
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import re
@@ -73,9 +74,11 @@ def on_cuda(tensor: torch.Tensor) -> bool:
 def check_kernel(kernel: Any) -> None:
     """Raise ``ValueError`` unless ``kernel`` is one of :data:`KERNELS`."""
     if not isinstance(kernel, str) or kernel not in KERNELS:
+        close = difflib.get_close_matches(str(kernel), KERNELS, n=1)
         raise ValueError(
             f"`kernel`={kernel!r} is unknown; choose one of {list(KERNELS)} ('auto': a fused CUDA kernel when one is "
-            "installed and the tensors are on CUDA, else ours; 'lowmem': always ours)"
+            "installed and the tensors are on CUDA, else ours; 'lowmem': always ours)."
+            + (f" Did you mean {close[0]!r}?" if close else "")
         )
 
 
