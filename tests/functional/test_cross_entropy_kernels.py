@@ -137,7 +137,8 @@ def test_auto_falls_back_to_ours_for_what_liger_cannot_compute(liger, cuda_like,
         with fake_tensor_mode() as mode:
             fake = [mode.from_tensor(t) for t in (hidden, weight, targets)]
             loss = linear_cross_entropy(*fake, ignore_index=-1)
-        assert liger == [] and loss.shape == ()
+            named = linear_cross_entropy(*fake, ignore_index=-1, kernel="liger")  # the estimator traces ours
+        assert liger == [] and loss.shape == () and named.shape == ()
         return
     loss = linear_cross_entropy(hidden, weight, targets, ignore_index=-1, reduction=reduction)
     assert liger == []
