@@ -237,7 +237,7 @@ def _cce_limits(module: ModuleType, call: _Call) -> str | None:
     if call.label_smoothing:
         return f"label_smoothing={call.label_smoothing} (Cut Cross-Entropy has none)"
     if call.bias is not None and "bias" not in inspect.signature(module.linear_cross_entropy).parameters:
-        return "a bias (this cut-cross-entropy release takes none: install one from 2025-02 on)"
+        return "a bias (this cut-cross-entropy release, e.g. PyPI's 25.1.1, has no `bias` argument; later ones do)"
     autocast = torch.is_autocast_enabled(call.hidden.device.type)
     if autocast and _version(module) < (25, 6, 3):
         return "autocast (cut-cross-entropy follows it from 25.6.3 on; give it bf16 weights, e.g. 'bf16-true')"
