@@ -62,6 +62,7 @@ BENCHMARKS = (
     "quantization",
     "lora",
     "optimizers",
+    "loss_kernels",
 )
 DEADLINE_S = 450.0  # the whole real run stays inside 7.5 minutes (the device allows 10 per command)
 DRY_DEADLINE_S = 600.0
@@ -80,6 +81,7 @@ BUDGETS = {
     "bench:quantization": 60,
     "bench:lora": 75,
     "bench:optimizers": 90,
+    "bench:loss_kernels": 90,  # the chunked loss vs plain, Liger's and CCE's kernels (Triton compiles ~20 s)
     "suite": 240,
 }
 # the dry run on 2 CPU cores: install (with wheels) ~5 s, env ~10 s, tests ~12 s, bench ~30 s; the budgets
@@ -87,7 +89,7 @@ BUDGETS = {
 DRY_BUDGETS = {"install": 60, "env": 90, "tests": 120, "bench": 300, "bench:one": 120}
 
 ENV_SCRIPT = r"""
-import importlib, json, subprocess, sys
+import importlib, importlib.metadata, json, subprocess, sys
 info = {"python": sys.version.split()[0]}
 import torch
 info.update(torch=torch.__version__, cuda_build=str(torch.version.cuda), cuda_available=torch.cuda.is_available())
@@ -101,9 +103,11 @@ if torch.cuda.is_available():
         info["driver"] = out.splitlines()[0] if out else "unknown"
     except Exception:
         info["driver"] = "unknown"
-for name in ("lightning", "torchmetrics", "torchao", "transformers", "jsonargparse", "torch_pruning", "zstandard", "lz4"):
+for name in ("lightning", "torchmetrics", "torchao", "transformers", "jsonargparse", "torch_pruning", "zstandard", "lz4",
+             "triton", "liger_kernel", "cut_cross_entropy"):
     try:
-        info[name] = importlib.import_module(name).__version__
+        module = importlib.import_module(name)  # liger_kernel has no __version__: its distribution's
+        info[name] = getattr(module, "__version__", None) or importlib.metadata.version(name)
     except Exception as error:
         info[name] = f"missing ({type(error).__name__})"
 import lightning_lowmem

@@ -34,11 +34,14 @@ class ChunkedCrossEntropy(TechniqueCallback):
         chunk_size: tokens per chunk. Default: ``None`` (a chunk's logits at most 1/8 of the whole, 32 MiB).
         head: the output head's module name in the LightningModule (``"model.lm_head"``) when it cannot be
             found. Default: ``None``.
+        kernel: what computes the loss: ``"auto"`` (Liger-Kernel's or Cut Cross-Entropy's fused CUDA kernel when
+            one is installed, ``pip install 'lightning-lowmem[liger]'``, and the model trains on CUDA; else ours),
+            ``"lowmem"`` (ours), ``"liger"`` or ``"cce"`` (that one, or an error). Default: ``"auto"``.
 
     Raises:
-        ValueError: ``chunk_size`` is not a positive int, ``head`` not a non-empty string; at ``fit`` start,
-            no output head found, a head that is not a plain ``nn.Linear`` (LoRA-wrapped, quantized), a Hugging
-            Face model that is not a causal LM.
+        ValueError: ``chunk_size`` is not a positive int, ``head`` not a non-empty string, ``kernel`` unknown; at
+            ``fit`` start, no output head found, a head that is not a plain ``nn.Linear`` (LoRA-wrapped,
+            quantized), a Hugging Face model that is not a causal LM.
 
     Example::
 
@@ -55,10 +58,11 @@ class ChunkedCrossEntropy(TechniqueCallback):
     tags = frozenset({"chunked_loss"})
     undo_on_exception = True
 
-    def __init__(self, chunk_size: int | None = None, head: str | None = None) -> None:
-        self.config = CrossEntropyConfig("chunked", chunk_size=chunk_size, head=head)  # validates
+    def __init__(self, chunk_size: int | None = None, head: str | None = None, kernel: str = "auto") -> None:
+        self.config = CrossEntropyConfig("chunked", chunk_size=chunk_size, head=head, kernel=kernel)  # validates
         self.chunk_size = chunk_size
         self.head = head
+        self.kernel = kernel
         self.heads: list[str] = []
 
     @override
@@ -70,7 +74,10 @@ class ChunkedCrossEntropy(TechniqueCallback):
         routed = self._applied.cross_entropy.losses
         how = f"the loss of {routed} computed from them" if routed else "compute the loss with chunked_cross_entropy"
         size = self.chunk_size if self.chunk_size is not None else "auto"
-        rank_zero_info(f"ChunkedCrossEntropy(chunk_size={size}): {self.heads} defer their logits in training; {how}")
+        rank_zero_info(
+            f"ChunkedCrossEntropy(chunk_size={size}, kernel={self.kernel}): {self.heads} defer their logits in "
+            f"training; {how}"
+        )
         self.warn_if_restored_differs(
             "heads",
             self.heads,

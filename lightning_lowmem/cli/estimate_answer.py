@@ -12,7 +12,7 @@ _DEFAULTS = {
     "LowRankAdapters": {"r": 8, "alpha": 16.0, "dropout": 0.0, "target": "all-linear", "quantize_base": None},
     "ActivationCheckpointing": {"policy": "auto", "nested": False},
     "ActivationCompression": {"mode": "int8"},
-    "ChunkedCrossEntropy": {"chunk_size": None, "head": None},
+    "ChunkedCrossEntropy": {"chunk_size": None, "head": None, "kernel": "auto"},
 }
 _STRATEGIES = {
     "ddp": ("lowmem_ddp", {}),
@@ -56,7 +56,7 @@ def plan_settings(config: Any, baseline_optimizer: str | None = None) -> tuple[d
         callbacks.append(("ActivationCompression", {"mode": config.compression.mode}))
     if config.cross_entropy is not None:
         ce = config.cross_entropy
-        callbacks.append(("ChunkedCrossEntropy", {"chunk_size": ce.chunk_size, "head": ce.head}))
+        callbacks.append(("ChunkedCrossEntropy", {"chunk_size": ce.chunk_size, "head": ce.head, "kernel": ce.kernel}))
     optimizer = config.optimizer
     if optimizer is not None and optimizer.name != baseline_optimizer:
         callbacks.append(("MemoryEfficientOptimizer", {"optimizer": optimizer.name, **dict(optimizer.kwargs)}))

@@ -336,7 +336,9 @@ def _cross_entropy(module: nn.Module, config: CrossEntropyConfig, applied: Any) 
             applied.reports.pop("cross_entropy").undo()
 
     applied.on_undo(undo)
-    applied.reports["cross_entropy"] = chunk_cross_entropy_(module, chunk_size=config.chunk_size, head=config.head)
+    applied.reports["cross_entropy"] = chunk_cross_entropy_(
+        module, chunk_size=config.chunk_size, head=config.head, kernel=config.kernel
+    )
 
 
 # ----------------------------------------------------------------------------- the optimizer

@@ -173,3 +173,62 @@ def test_two_fsdp_ranks_train_as_one_unchunked_process(tmp_path, tiny_trainer_kw
             sharded[name], value, rtol=1e-4, atol=1e-5, msg=functools.partial("{}: {}".format, name)
         )
     assert not torch.equal(sharded["model.transformer.h.0.mlp.c_fc.weight"], start)  # it trained
+
+
+# ----------------------------------------------------------------------------- kernel=
+def test_kernel_reaches_the_loss_of_a_fit(tiny_trainer_kwargs, monkeypatch):
+    """ChunkedCrossEntropy(kernel="liger") -> config -> handler -> the Hugging Face loss -> the library's function
+    (a fake liger-kernel; CPU tensors pass for CUDA ones)."""
+    import sys
+    import types
+
+    from torch.nn import functional as F
+
+    from lightning_lowmem.functional.cross_entropy import kernels
+
+    calls = []
+
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, **kwargs):
+        calls.append(kwargs)
+        logits = F.linear(input, weight, bias).float()
+        return F.cross_entropy(logits, target, ignore_index=kwargs["ignore_index"], reduction=kwargs["reduction"])
+
+    for name in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.functional"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[
+        "liger_kernel.transformers.functional"
+    ].liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    monkeypatch.setattr(kernels, "on_cuda", lambda tensor: True)
+    _fit(hf_zoo.hf_module("llama"), [ChunkedCrossEntropy(kernel="liger")], tiny_trainer_kwargs, steps=2)
+    assert len(calls) == 2 and calls[0]["reduction"] == "mean" and calls[0]["ignore_index"] == -100
+    _fit(hf_zoo.hf_module("llama"), [ChunkedCrossEntropy(kernel="lowmem")], tiny_trainer_kwargs, steps=1)
+    assert len(calls) == 2
+
+
+def test_kernel_in_yaml(tmp_path, capfd):
+    from lightning_lowmem.cli import main
+
+    yaml = """\
+model:
+  class_path: lightning_lowmem.demo.CharLM
+  init_args: {n_layer: 1, n_embd: 32, n_head: 2, block_size: 16}
+data:
+  class_path: lightning_lowmem.demo.CharLMDataModule
+  init_args: {block_size: 16, batch_size: 4, max_chars: 5000}
+trainer:
+  fast_dev_run: true
+  logger: false
+  callbacks:
+    - class_path: lightning_lowmem.ChunkedCrossEntropy
+      init_args: {kernel: %s}
+"""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml % "lowmem")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--print_config"])
+    assert "kernel: lowmem" in capfd.readouterr().out
+    config.write_text(yaml % "ligr")
+    assert main(["fit", "--config", str(config)]) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert err[0].startswith("error: lightning_lowmem.ChunkedCrossEntropy: `kernel`='ligr' is unknown; choose one of")
+    assert err[0].endswith("Did you mean 'liger'?") and len(err) == 2

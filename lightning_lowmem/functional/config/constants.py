@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "COMPRESSION_MIN_BYTES",
+    "CROSS_ENTROPY_KERNELS",
     "COMPRESSION_MODES",
     "GROUP_SIZE",
     "PRUNING_METHODS",
@@ -25,6 +26,10 @@ COMPRESSION_MIN_BYTES = 1 << 16
 
 #: activation compression modes (:func:`lightning_lowmem.functional.compression.compress_activations`).
 COMPRESSION_MODES: tuple[str, ...] = ("bf16", "int8", "cpu")
+
+#: what computes the chunked loss (:func:`lightning_lowmem.functional.cross_entropy.linear_cross_entropy`'s
+#: ``kernel=``): a fused CUDA kernel when installed (``"auto"``), ours, Liger-Kernel's, Cut Cross-Entropy's.
+CROSS_ENTROPY_KERNELS: tuple[str, ...] = ("auto", "lowmem", "liger", "cce")
 
 #: group length of the grouped (int4) quantization modes: weights share one scale per ``GROUP_SIZE`` inputs.
 GROUP_SIZE = 32

@@ -468,16 +468,18 @@ class CrossEntropyConfig:
         chunk_size: tokens per chunk, >= 1. Default: ``None`` (a chunk's logits at most 1/8 of the whole, 32 MiB).
         head: the output head's module name, when it is not found (a Hugging Face model's
             ``get_output_embeddings()``, an ``nn.Linear`` named ``lm_head`` / ``output``). Default: ``None``.
+        kernel: ``"auto"`` / ``"lowmem"`` / ``"liger"`` / ``"cce"`` (:mod:`.cross_entropy.kernels`). Default: ``"auto"``.
 
     Example::
 
         >>> CrossEntropyConfig(chunk_size=1024)
-        CrossEntropyConfig(mode='chunked', chunk_size=1024, head=None)
+        CrossEntropyConfig(mode='chunked', chunk_size=1024, head=None, kernel='auto')
     """
 
     mode: str = "chunked"
     chunk_size: int | None = None
     head: str | None = None
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in CROSS_ENTROPY_MODES:
@@ -485,6 +487,9 @@ class CrossEntropyConfig:
                 f"`cross_entropy`={self.mode!r} is unknown; choose None (the model's own loss) or 'chunked'."
                 + _did_you_mean(self.mode, CROSS_ENTROPY_MODES)
             )
+        from lightning_lowmem.functional.cross_entropy.kernels import check_kernel  # one list of kernels, one message
+
+        check_kernel(self.kernel)
         size = self.chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(
@@ -492,6 +497,4 @@ class CrossEntropyConfig:
                 "(a chunk's logits at most 1/8 of the whole)"
             )
         if self.head is not None and (not isinstance(self.head, str) or not self.head):
-            raise ValueError(
-                f"`head`={self.head!r} must be the output head's module name (e.g. 'model.lm_head') or None"
-            )
+            raise ValueError(f"`head`={self.head!r} must be the output head's module name ('model.lm_head') or None")

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from lightning_lowmem._compat.fake_mode import is_fake
 from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads
+from lightning_lowmem.functional.cross_entropy.kernels import kernel_loss
 from lightning_lowmem.functional.cross_entropy.tied import TiedGradient, claim
 
 __all__ = ["REDUCTIONS", "default_chunk_size", "linear_cross_entropy"]
@@ -73,6 +74,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     chunk_size: int | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, targets, ...)`` computed in chunks of tokens: the
     ``(tokens, classes)`` logits never exist whole, in forward or backward.
@@ -94,6 +96,9 @@ def linear_cross_entropy(
         chunk_size: the size of the logits held at once, in tokens' worth of whole rows: both passes walk the
             vocabulary in slices of ``chunk_size * V / N`` classes for all ``N`` tokens. Default: ``None`` =
             :func:`default_chunk_size` (a slice's logits at most 1/8 of the whole, 32 MiB).
+        kernel: ``"auto"`` (a fused CUDA kernel, Liger-Kernel's or Cut Cross-Entropy's, when one is installed,
+            the tensors are on CUDA and it computes the call; else ours), ``"lowmem"`` (ours), ``"liger"`` or
+            ``"cce"`` (that one, or an error): :mod:`.kernels`. Default: ``"auto"``.
 
     Returns:
         A float32 scalar (``"mean"`` / ``"sum"``; ``nan`` for a mean over no counted target, as
@@ -101,7 +106,9 @@ def linear_cross_entropy(
 
     Raises:
         ValueError / TypeError: shapes that do not fit together, non-integer targets, an unknown
-            ``reduction``, ``label_smoothing`` outside ``[0, 1]``, ``chunk_size`` not a positive int.
+            ``reduction``, ``label_smoothing`` outside ``[0, 1]``, ``chunk_size`` not a positive int, an unknown
+            ``kernel`` or one that cannot compute the call.
+        ImportError: ``kernel="liger"`` / ``"cce"`` and that library is not installed.
 
     Example::
 
@@ -114,6 +121,9 @@ def linear_cross_entropy(
     _check(hidden, weight, targets, bias, reduction, label_smoothing, chunk_size)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when contiguous
     flat_targets = targets.reshape(-1)
+    fused = kernel_loss(kernel, flat_hidden, weight, flat_targets, bias, ignore_index, reduction, label_smoothing)
+    if fused is not None:  # a fused CUDA kernel computed it (.kernels)
+        return fused.view(targets.shape) if reduction == "none" else fused
     rows = chunk_size if chunk_size is not None else default_chunk_size(flat_hidden.shape[0], weight.shape[0])
     in_graph = torch.is_grad_enabled()
     tied = claim(weight, flat_hidden) if in_graph and weight.requires_grad else None

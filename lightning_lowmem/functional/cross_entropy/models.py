@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_lowmem.functional.cross_entropy.kernels import check_kernel
 from lightning_lowmem.functional.cross_entropy.linear import REDUCTIONS, linear_cross_entropy
 from lightning_lowmem.functional.cross_entropy.tied import tie_embedding_gradient_, tied_embeddings
 
@@ -77,11 +78,12 @@ class DeferredLogits:
     states; ``shape`` is the logits' shape. Any other use raises :class:`LogitsNotComputedError`.
     """
 
-    __slots__ = ("hidden", "head", "name")
+    __slots__ = ("hidden", "head", "kernel", "name")
     defers_logits = True  # what model_io.output_logits recognises
 
-    def __init__(self, hidden: torch.Tensor, head: nn.Linear, name: str) -> None:
+    def __init__(self, hidden: torch.Tensor, head: nn.Linear, name: str, kernel: str = "auto") -> None:
         self.hidden, self.head, self.name = hidden, head, name  # hidden: (..., H)
+        self.kernel = kernel  # what computes the loss (linear_cross_entropy's kernel=)
 
     @property
     def shape(self) -> torch.Size:
@@ -99,7 +101,7 @@ class DeferredLogits:
                 f"logits[{key!r}] of `{self.name}` selects classes, but the logits were not computed (chunked loss): "
                 + _ONE_LINE
             )
-        return DeferredLogits(self.hidden[key], self.head, self.name)
+        return DeferredLogits(self.hidden[key], self.head, self.name, self.kernel)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -126,6 +128,7 @@ def chunked_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     chunk_size: int | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``(..., V)`` logits against ``(...)`` targets: chunked when the logits are deferred
     (:func:`chunk_cross_entropy_`), ``F.cross_entropy`` on float32 logits otherwise. Shift a causal LM's
@@ -136,6 +139,8 @@ def chunked_cross_entropy(
         targets: ``(...)`` class indices.
         ignore_index / reduction / label_smoothing: as ``F.cross_entropy``'s. Defaults: ``-100``, ``"mean"``, ``0.0``.
         chunk_size: tokens per chunk of the deferred path (:func:`linear_cross_entropy`). Default: ``None`` (auto).
+        kernel: what computes the deferred path (:func:`linear_cross_entropy`'s ``kernel=``). Default: ``None``
+            (the one :func:`chunk_cross_entropy_` was given, ``"auto"`` unless told).
 
     Returns:
         A float32 loss (``"none"``: shaped like ``targets``).
@@ -154,6 +159,7 @@ def chunked_cross_entropy(
             reduction=reduction,
             label_smoothing=label_smoothing,
             chunk_size=chunk_size,
+            kernel=logits.kernel if kernel is None else kernel,
         )
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"`logits` must be a tensor or DeferredLogits, got {type(logits).__name__}")
@@ -181,6 +187,7 @@ class ChunkedLoss:
         heads: names of the output heads that defer their logits in training.
         losses: names of the Hugging Face causal LMs whose ``loss_function`` computes the chunked loss.
         chunk_size: tokens per chunk (``None``: :func:`default_chunk_size`).
+        kernel: what computes the loss (:func:`linear_cross_entropy`'s ``kernel=``).
         tied_embeddings: names of the input embeddings that share a head's weight: in training their backward
             adds its rows into the loss's weight gradient, one ``(V, H)`` buffer (:mod:`.tied`).
     """
@@ -189,6 +196,7 @@ class ChunkedLoss:
     tied_embeddings: list[str] = field(default_factory=list)
     losses: list[str] = field(default_factory=list)
     chunk_size: int | None = None
+    kernel: str = "auto"
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def undo(self) -> None:
@@ -198,7 +206,9 @@ class ChunkedLoss:
         self.heads, self.losses, self.tied_embeddings = [], [], []
 
 
-def chunk_cross_entropy_(module: nn.Module, *, chunk_size: int | None = None, head: str | None = None) -> ChunkedLoss:
+def chunk_cross_entropy_(
+    module: nn.Module, *, chunk_size: int | None = None, head: str | None = None, kernel: str = "auto"
+) -> ChunkedLoss:
     """Make ``module``'s output head(s) defer their logits in training, and Hugging Face causal LMs compute
     their loss from the deferred logits with :func:`linear_cross_entropy`; in place, undoable.
 
@@ -208,6 +218,8 @@ def chunk_cross_entropy_(module: nn.Module, *, chunk_size: int | None = None, he
         head: the output head's module name in ``module`` (``"model.lm_head"``) when it cannot be found: not a
             Hugging Face model's ``get_output_embeddings()`` nor an ``nn.Linear`` named ``lm_head`` / ``output``.
             Default: ``None`` (found).
+        kernel: what computes the loss: ``"auto"``, ``"lowmem"``, ``"liger"`` or ``"cce"``
+            (:func:`linear_cross_entropy`'s ``kernel=``). Default: ``"auto"``.
 
     Returns:
         A :class:`ChunkedLoss`; ``.undo()`` restores the module.
@@ -215,9 +227,11 @@ def chunk_cross_entropy_(module: nn.Module, *, chunk_size: int | None = None, he
     Raises:
         ValueError: no output head is found (or ``head`` names none), or a head is not a plain ``nn.Linear``
             with a float weight (LoRA-wrapped, quantized), or a Hugging Face model whose loss is not the causal LM
-            one (masked LM, seq2seq: compute the loss with :func:`chunked_cross_entropy` in the training step).
+            one (masked LM, seq2seq: compute the loss with :func:`chunked_cross_entropy` in the training step),
+            an unknown ``kernel``.
     """
-    report = ChunkedLoss(chunk_size=chunk_size)
+    check_kernel(kernel)
+    report = ChunkedLoss(chunk_size=chunk_size, kernel=kernel)
     try:
         for name, hf_model in _hf_models(module):
             if not _is_causal_lm(hf_model):
@@ -312,7 +326,7 @@ def _defer_head(module: nn.Module, name: str, head: nn.Module, report: ChunkedLo
 
     def forward(self: nn.Linear, hidden: torch.Tensor) -> Any:
         if self.training:
-            return DeferredLogits(hidden, self, name)
+            return DeferredLogits(hidden, self, name, report.kernel)
         return nn.Linear.forward(self, hidden)
 
     head.forward = types.MethodType(forward, head)  # type: ignore[method-assign]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["TiedGradient", "claim", "tie_embedding_gradient_", "tied_embeddings"]
+__all__ = ["TiedGradient", "claim", "pending", "tie_embedding_gradient_", "tied_embeddings"]
 
 _PENDING: dict[int, "weakref.ref[TiedGradient]"] = {}  # id(weight) -> the latest embedding use's buffer
 
@@ -77,6 +77,13 @@ def claim(weight: torch.Tensor, hidden: torch.Tensor) -> TiedGradient | None:
         return None
     shared.claimed = True
     return shared
+
+
+def pending(weight: torch.Tensor) -> bool:
+    """Whether an embedding lookup of ``weight`` waits for a loss to claim its buffer (without claiming it)."""
+    ref = _PENDING.get(id(weight))
+    shared = ref() if ref is not None else None
+    return shared is not None and not shared.claimed and shared.weight() is weight
 
 
 def _reaches(start: Any, target: Any) -> bool:
