@@ -9,6 +9,9 @@ autograd assigns it to ``.grad``; optimizer state when ``step()`` returns). Rela
 corrects every snapshot taken while the storage was alive, so the breakdown at the peak is exact.
 The same holds for storages that existed before tracking began and are first seen later.
 
+Any dispatch mode makes autograd add two gradients of one tensor out of place, where a run without a mode adds
+in place; the tracker books such sums as the run without it makes them (``_accumulation.py``).
+
 ``other`` (neither model / optimizer state nor saved for backward) is split by where each storage was made, at
 the peak and at each phase's peak: ``_origins.py`` names the kinds (:data:`OTHER_KINDS`) and tells them apart.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -35,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from lightning_lowmem._compat.autograd import in_backward, move_post_accumulate_grad_hook_first, observing_saved_tensors
 from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem._compat import TorchDispatchMode
+from lightning_lowmem.memory._accumulation import first_of_engine_sum
 from lightning_lowmem.memory._module_peaks import ModulePeaks
 from lightning_lowmem.memory._origins import OTHER_KINDS, Origins, nonzero_kinds
 from lightning_lowmem.memory._tensors import is_parameter, is_plain, iter_tensors, op_tensors, optimizer_state_tensors
@@ -117,6 +122,8 @@ class StorageTracker(TorchDispatchMode):
         self.stop_before_phase: str | None = None  # raise PhaseReached when this phase starts (e.g. "backward")
         self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
         self._backend_depth = 0  # > 0 inside a collective: storages first seen then were made by the backend
+        self._held_sum: tuple[int, int, int] | None = None  # autograd's sum not yet counted: its key, first's, bytes
+        self._limit_passed = False  # the limit was passed inside a weakref callback: raise at the next op
         self.report: MemoryReport | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -157,6 +164,7 @@ class StorageTracker(TorchDispatchMode):
         """
         if self._stopped:
             return
+        self._count_held_sum()
         self._stopped = True
         try:
             super().__exit__(None, None, None)
@@ -182,6 +190,10 @@ class StorageTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self._count_held_sum()
+        if self._limit_passed:
+            self._limit_passed = False
+            raise MemoryLimitExceeded(f"live bytes {self._peak.total} passed the limit {self.limit_bytes}")
         phase = self._phase_now()
         if phase != self._phase:
             self._enter_phase(phase)
@@ -198,7 +210,10 @@ class StorageTracker(TorchDispatchMode):
                 self._relabel(key, "parameters")
             if is_param:
                 self._hook_param(tensor)
+        first = first_of_engine_sum(func, args, kwargs, sys._getframe(1)) if phase == "backward" else None
         out = func(*args, **kwargs)
+        if first is not None and self._hold_sum(out, first):
+            return out
         if isinstance(out, torch.Tensor):
             self._allocate_all(plain_tensors(out) if not is_plain(out) else (out,))
         else:
@@ -212,6 +227,7 @@ class StorageTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ public helpers
     def mark(self, tensor: torch.Tensor, category: str) -> None:
         """Label the storage(s) behind ``tensor`` as ``category`` (see :func:`mark_memory`)."""
+        self._count_held_sum()
         for plain in plain_tensors(tensor):
             key = self._key(plain)
             if key is None:
@@ -223,6 +239,7 @@ class StorageTracker(TorchDispatchMode):
 
     def resized(self, tensor: torch.Tensor) -> None:
         """Count a storage resized in place (no tensor op a dispatch mode sees), e.g. by FSDP2."""
+        self._count_held_sum()
         self._allocate(tensor)
 
     @contextlib.contextmanager
@@ -247,6 +264,7 @@ class StorageTracker(TorchDispatchMode):
         staging buffer, made and freed in its own threads; e.g. gloo's all-gather holds one of the output's size).
         """
         nbytes = self.round_bytes(nbytes) if nbytes > 0 else 0
+        self._count_held_sum()
         self._current["other"] += nbytes
         self._current_other["communication buffers"] += nbytes
         self._total += nbytes
@@ -261,10 +279,12 @@ class StorageTracker(TorchDispatchMode):
 
     @property
     def current_bytes(self) -> int:
+        self._count_held_sum()
         return self._total
 
     @property
     def peak_bytes(self) -> int:
+        self._count_held_sum()
         return self._peak.total
 
     @property
@@ -287,6 +307,11 @@ class StorageTracker(TorchDispatchMode):
 
     def _freed_callback(self, key: int) -> Callable[[Any], None]:
         def freed(_: Any) -> None:
+            if self._held_sum is not None:
+                if self._held_sum[1] == key:  # autograd's last reference to the first gradient: it adds in place
+                    self._sum_in_place()
+                    return
+                self._count_held_sum(in_callback=True)
             record = self._records.pop(key, None)
             self._refs.pop(key, None)
             if record is not None:
@@ -302,10 +327,11 @@ class StorageTracker(TorchDispatchMode):
 
     def _allocate(self, tensor: torch.Tensor) -> None:
         key = self._key(tensor)
-        if key is None:
-            return
+        if key is not None:
+            self._allocate_bytes(key, self._storage_bytes(tensor))
+
+    def _allocate_bytes(self, key: int, nbytes: int) -> None:
         record = self._records.get(key)
-        nbytes = self._storage_bytes(tensor)
         if record is not None:
             if nbytes != record.nbytes:  # resize_ and friends
                 delta = nbytes - record.nbytes
@@ -325,6 +351,39 @@ class StorageTracker(TorchDispatchMode):
         if self._phase == "forward":
             self._forward_keys.append(key)
         self._update_peaks(seq)
+
+    def _hold_sum(self, out: Any, first: torch.Tensor) -> bool:
+        """Hold back the allocation of autograd's sum ``out`` of ``first`` and another gradient (``_accumulation.py``)."""
+        if not isinstance(out, torch.Tensor) or not is_plain(out) or out.shape != first.shape:
+            return False
+        out_key, first_key = self._key(out), self._key(first)
+        if out_key is None or out_key in self._records or first_key not in self._records:
+            return False
+        nbytes = self._storage_bytes(out)
+        if nbytes != self._records[first_key].nbytes:
+            return False
+        self._held_sum = (out_key, first_key, nbytes)
+        return True
+
+    def _sum_in_place(self) -> None:
+        """The first gradient freed right after the sum: the sum lives in its bytes, as autograd adds without a mode."""
+        out_key, first_key, _ = self._held_sum  # type: ignore[misc]
+        self._held_sum = None
+        self._records[out_key] = self._records.pop(first_key)
+        self._refs.pop(first_key, None)
+
+    def _count_held_sum(self, in_callback: bool = False) -> None:
+        """Something else happened first: the held sum is a new allocation (its first gradient lives on), counted now."""
+        if self._held_sum is None:
+            return
+        out_key, _, nbytes = self._held_sum
+        self._held_sum = None
+        try:
+            self._allocate_bytes(out_key, nbytes)
+        except MemoryLimitExceeded:
+            if not in_callback:
+                raise
+            self._limit_passed = True  # a weakref callback cannot raise: the next op does
 
     def _see(self, tensor: torch.Tensor, category: str) -> None:
         """Register a storage that existed before tracking (or was made where we could not see)."""
@@ -414,6 +473,7 @@ class StorageTracker(TorchDispatchMode):
             )
 
     def _on_pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._count_held_sum()
         key = self._key(tensor)
         if key is not None and key in self._records and self._records[key].category == "other":
             self._relabel(key, "activations")
@@ -455,6 +515,7 @@ class StorageTracker(TorchDispatchMode):
         self._last_phase = "forward"
 
     def _on_module_pre(self, module: nn.Module, args: Any) -> None:
+        self._count_held_sum()
         if self._stopped or in_backward():  # checkpoint recomputation: not a new forward
             return
         self._last_phase = "forward"  # a module forward starts the forward phase
