@@ -52,8 +52,53 @@ def first_of_engine_sum(func: Any, args: tuple, kwargs: dict, caller: Any) -> to
     return first
 
 
+class EngineSums:
+    """The part of :class:`~lightning_lowmem.memory._tracker.StorageTracker` that books autograd's sums in place:
+    the tracker holds a sum back (``_hold_sum``), then either its first gradient is freed next (``_sum_in_place``)
+    or anything else happens first and the sum is counted (``_count_held_sum``, called on every event)."""
+
+    def _hold_sum(self, out: Any, first: torch.Tensor) -> bool:
+        """Hold back the allocation of ``out``, autograd's sum of ``first`` and another gradient."""
+        if not isinstance(out, torch.Tensor) or not is_plain(out) or out.shape != first.shape:
+            return False
+        out_key, first_key = self._key(out), self._key(first)
+        if out_key is None or out_key in self._records or first_key not in self._records:
+            return False
+        nbytes = self._storage_bytes(out)
+        if nbytes != self._records[first_key].nbytes:
+            return False
+        self._held_sum = (out_key, first_key, nbytes)
+        return True
+
+    def _sum_in_place(self) -> None:
+        """The first gradient freed right after the sum: the sum lives in its bytes, as autograd adds without a mode."""
+        out_key, first_key, _ = self._held_sum
+        self._held_sum = None
+        self._records[out_key] = self._records.pop(first_key)
+        self._refs.pop(first_key, None)
+
+    def _count_held_sum(self, in_callback: bool = False) -> None:
+        """Something else happened first: the held sum is a new allocation (its first gradient lives on), counted now.
+
+        Inside a weakref callback (another storage freed), an error (``MemoryLimitExceeded``) cannot propagate: it is
+        kept in ``_callback_error`` for the next op to raise.
+        """
+        if self._held_sum is None:
+            return
+        out_key, _, nbytes = self._held_sum
+        self._held_sum = None
+        try:
+            self._allocate_bytes(out_key, nbytes)
+        except Exception as error:
+            if not in_callback:
+                raise
+            self._callback_error = error
+
+
 def _dense(tensor: torch.Tensor) -> bool:
     """The tensor covers its whole storage, each element once (non-overlapping and dense, no offset)."""
     if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         return False
-    return tensor.numel() <= 1 or all(stride != 0 for size, stride in zip(tensor.shape, tensor.stride()) if size > 1)
+    return tensor.numel() <= 1 or all(
+        stride != 0 for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1
+    )

@@ -39,11 +39,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from lightning_lowmem._compat.autograd import in_backward, move_post_accumulate_grad_hook_first, observing_saved_tensors
 from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem._compat import TorchDispatchMode
-from lightning_lowmem.memory._accumulation import first_of_engine_sum
+from lightning_lowmem.memory._accumulation import EngineSums, first_of_engine_sum
 from lightning_lowmem.memory._module_peaks import ModulePeaks
 from lightning_lowmem.memory._origins import OTHER_KINDS, Origins, nonzero_kinds
 from lightning_lowmem.memory._tensors import is_parameter, is_plain, iter_tensors, op_tensors, optimizer_state_tensors
 from lightning_lowmem.memory._tensors import plain_tensors
+from lightning_lowmem.memory._unseen import UnseenAllocations
 from lightning_lowmem.memory.report import CATEGORIES, PHASES, MemoryReport
 
 _ACTIVE: list["StorageTracker"] = []
@@ -74,7 +75,7 @@ class PhaseReached(RuntimeError):
     """Raised by a tracker with ``stop_before_phase`` when that phase's first op is about to run."""
 
 
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(EngineSums, UnseenAllocations, TorchDispatchMode):
     """Counts live storages on one device type, by category and phase. Use via ``track_memory``.
 
     Args:
@@ -123,7 +124,7 @@ class StorageTracker(TorchDispatchMode):
         self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
         self._backend_depth = 0  # > 0 inside a collective: storages first seen then were made by the backend
         self._held_sum: tuple[int, int, int] | None = None  # autograd's sum not yet counted: its key, first's, bytes
-        self._limit_passed = False  # the limit was passed inside a weakref callback: raise at the next op
+        self._callback_error: Exception | None = None  # raised in a weakref callback (the limit): the next op raises
         self.report: MemoryReport | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -191,9 +192,9 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         self._count_held_sum()
-        if self._limit_passed:
-            self._limit_passed = False
-            raise MemoryLimitExceeded(f"live bytes {self._peak.total} passed the limit {self.limit_bytes}")
+        if self._callback_error is not None:
+            error, self._callback_error = self._callback_error, None
+            raise error
         phase = self._phase_now()
         if phase != self._phase:
             self._enter_phase(phase)
@@ -236,46 +237,6 @@ class StorageTracker(TorchDispatchMode):
                 self._see(plain, category)
             else:
                 self._relabel(key, category)
-
-    def resized(self, tensor: torch.Tensor) -> None:
-        """Count a storage resized in place (no tensor op a dispatch mode sees), e.g. by FSDP2."""
-        self._count_held_sum()
-        self._allocate(tensor)
-
-    @contextlib.contextmanager
-    def backend_allocations(self) -> Iterator[None]:
-        """Inside: a storage first seen was allocated just now by a communication backend, not before tracking.
-
-        A collective's backend may allocate in its own thread, where this (thread-local) dispatch mode sees
-        nothing; gloo's reduce-scatter, for one, reduces a copy of its input and reads it back in the caller's
-        thread when the work is waited on. Seen there for the first time, such a storage would otherwise count
-        as alive since tracking began (the rule for storages made before tracking), once for every
-        collective of the step, all at the same snapshot.
-        """
-        self._backend_depth += 1
-        try:
-            yield
-        finally:
-            self._backend_depth -= 1
-
-    @contextlib.contextmanager
-    def unseen_bytes(self, nbytes: int) -> Iterator[None]:
-        """Inside: ``nbytes`` more are live, as ``other``, that no tensor op ever shows (a communication backend's
-        staging buffer, made and freed in its own threads; e.g. gloo's all-gather holds one of the output's size).
-        """
-        nbytes = self.round_bytes(nbytes) if nbytes > 0 else 0
-        self._count_held_sum()
-        self._current["other"] += nbytes
-        self._current_other["communication buffers"] += nbytes
-        self._total += nbytes
-        if not self._stopped:
-            self._update_peaks(next(self._seq))
-        try:
-            yield
-        finally:
-            self._current["other"] -= nbytes
-            self._current_other["communication buffers"] -= nbytes
-            self._total -= nbytes
 
     @property
     def current_bytes(self) -> int:
@@ -351,39 +312,6 @@ class StorageTracker(TorchDispatchMode):
         if self._phase == "forward":
             self._forward_keys.append(key)
         self._update_peaks(seq)
-
-    def _hold_sum(self, out: Any, first: torch.Tensor) -> bool:
-        """Hold back the allocation of autograd's sum ``out`` of ``first`` and another gradient (``_accumulation.py``)."""
-        if not isinstance(out, torch.Tensor) or not is_plain(out) or out.shape != first.shape:
-            return False
-        out_key, first_key = self._key(out), self._key(first)
-        if out_key is None or out_key in self._records or first_key not in self._records:
-            return False
-        nbytes = self._storage_bytes(out)
-        if nbytes != self._records[first_key].nbytes:
-            return False
-        self._held_sum = (out_key, first_key, nbytes)
-        return True
-
-    def _sum_in_place(self) -> None:
-        """The first gradient freed right after the sum: the sum lives in its bytes, as autograd adds without a mode."""
-        out_key, first_key, _ = self._held_sum  # type: ignore[misc]
-        self._held_sum = None
-        self._records[out_key] = self._records.pop(first_key)
-        self._refs.pop(first_key, None)
-
-    def _count_held_sum(self, in_callback: bool = False) -> None:
-        """Something else happened first: the held sum is a new allocation (its first gradient lives on), counted now."""
-        if self._held_sum is None:
-            return
-        out_key, _, nbytes = self._held_sum
-        self._held_sum = None
-        try:
-            self._allocate_bytes(out_key, nbytes)
-        except MemoryLimitExceeded:
-            if not in_callback:
-                raise
-            self._limit_passed = True  # a weakref callback cannot raise: the next op does
 
     def _see(self, tensor: torch.Tensor, category: str) -> None:
         """Register a storage that existed before tracking (or was made where we could not see)."""
