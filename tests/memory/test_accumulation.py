@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -102,6 +103,23 @@ def test_a_sum_in_python_backward_code_is_not_autograd_s_own():
     model = _Twice()
     peak = _above_parameters(lambda m: (_PythonSum.apply(m.weight) * 3).sum(), model)
     assert peak >= 3 * BUFFER
+
+
+@pytest.mark.parametrize(("kept", "raises"), [(False, False), (True, True)])
+def test_a_memory_limit_between_two_and_three_gradients_sees_the_sum_as_autograd_makes_it(kept, raises):
+    """``limit_bytes`` (the planner's early stop) judges the sum as booked: in place, no raise; out of place, it raises
+    (at the op, or at the next one when the sum is counted inside a weakref callback)."""
+    from lightning_lowmem.memory._tracker import MemoryLimitExceeded, StorageTracker
+
+    model = _Twice()
+    _Kept.kept.clear()
+    second = (lambda w: _Kept.apply(w).sum()) if kept else (lambda w: (w * 2).sum())
+    tracker = StorageTracker(device="cpu", modules=[model])
+    tracker.limit_bytes = int(model.weight.nbytes + 2.5 * BUFFER)
+    with pytest.raises(MemoryLimitExceeded) if raises else contextlib.nullcontext():
+        with tracker:
+            ((model.weight * 3).sum() + second(model.weight)).backward()
+    _Kept.kept.clear()
 
 
 _PEAK_SCRIPT = textwrap.dedent(
