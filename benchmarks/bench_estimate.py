@@ -190,8 +190,13 @@ def _measure(name: str, batch_size: int, config: TrainingConfig, device: str, si
             device=device,
         )
         return {"peak": report.peak_bytes}
-    # _train_step's autocast is CPU autocast (the estimator's stand-in): on CUDA autocast the CUDA ops
-    autocast = torch.autocast("cuda", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+    # _train_step's autocast is CPU autocast (the estimator's stand-in): on CUDA autocast the CUDA ops, without the
+    # weight cache as Lightning's MixedPrecision plugin runs it (the estimate's default)
+    autocast = (
+        torch.autocast("cuda", dtype=autocast_dtype, cache_enabled=False)
+        if autocast_dtype
+        else contextlib.nullcontext()
+    )
     with autocast:
         _train_step(model, batch, default_loss, optimizer, config, None, loop=LOOP)  # creates the optimizer state
     with CudaPeak() as peak, autocast:
@@ -325,9 +330,10 @@ def _moonshot(device: str) -> dict[str, Any]:
         model = CharLM(**shape)
     x = torch.randint(0, 256, (batch_size, shape["block_size"]), device="cuda")
     optimizer = build_optimizer(config.optimizer.name, model.parameters())
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)  # as Lightning's MixedPrecision
+    with autocast:
         _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None, loop=LOOP)
-    with CudaPeak() as peak, torch.autocast("cuda", dtype=torch.bfloat16):
+    with CudaPeak() as peak, autocast:
         _train_step(model, (x, x.roll(-1, 1)), default_loss, optimizer, config, None, loop=LOOP)
     result["measured"] = peak.peak
     del model, optimizer

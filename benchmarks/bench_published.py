@@ -121,6 +121,9 @@ def estimate_row(row: Row) -> tuple[Any, str]:
     kwargs: dict[str, Any] = dict(
         loss_fn=LOSSES[row.loss], precision=row.precision, gpu=card_of(row), optimizer=row.optimizer, loop="torch"
     )
+    # every source runs torch.autocast with its default weight cache (HF Trainer through accelerate, Fabric, torchao's
+    # benchmark script); Lightning's MixedPrecision plugin, the estimate's default, turns it off
+    kwargs["autocast_cache"] = True
     if row.lora:
         kwargs["lora"] = row.lora
     if row.checkpointing:

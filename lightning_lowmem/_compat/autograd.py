@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "current_autograd_node_name",
+    "dispatched_by_autograd_engine",
     "in_backward",
     "move_post_accumulate_grad_hook_first",
     "observing_saved_tensors",
@@ -38,6 +39,27 @@ def current_autograd_node_name() -> str:
     """
     node = torch._C._current_autograd_node()
     return type(node).__name__ if node is not None else ""
+
+
+_DISPATCH_WRAPPERS = ("torch._dynamo.eval_frame", "torch._compile", "torch.utils._python_dispatch")
+"""Modules whose frames sit between a ``__torch_dispatch__`` and the code that called the op (dynamo's guards)."""
+
+
+def dispatched_by_autograd_engine(frame: Any) -> bool:
+    """True when the op dispatched to a mode from ``frame`` (the frame calling ``__torch_dispatch__``) was called by
+    autograd's C++ engine itself, not by Python code the engine runs (an autograd Function's backward, a hook).
+
+    The first frame outside dispatch's own wrappers is then the one that started the backward pass, or none at all
+    (the engine's device threads run no Python). Why private: torch tells no one who called an op; the engine is
+    entered only through ``torch.autograd.graph._engine_run_backward`` (``backward()`` and ``autograd.grad`` both).
+    Any other caller, or a torch without that function, answers False.
+    """
+    while frame is not None and frame.f_globals.get("__name__") in _DISPATCH_WRAPPERS:
+        frame = frame.f_back
+    if frame is None:
+        return True
+    engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    return frame.f_code is getattr(engine, "__code__", None)
 
 
 def move_post_accumulate_grad_hook_first(param: torch.Tensor, handle: Any) -> None:

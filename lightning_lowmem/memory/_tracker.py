@@ -9,6 +9,9 @@ autograd assigns it to ``.grad``; optimizer state when ``step()`` returns). Rela
 corrects every snapshot taken while the storage was alive, so the breakdown at the peak is exact.
 The same holds for storages that existed before tracking began and are first seen later.
 
+Any dispatch mode makes autograd add two gradients of one tensor out of place, where a run without a mode adds
+in place; the tracker books such sums as the run without it makes them (``_accumulation.py``).
+
 ``other`` (neither model / optimizer state nor saved for backward) is split by where each storage was made, at
 the peak and at each phase's peak: ``_origins.py`` names the kinds (:data:`OTHER_KINDS`) and tells them apart.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -35,10 +39,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from lightning_lowmem._compat.autograd import in_backward, move_post_accumulate_grad_hook_first, observing_saved_tensors
 from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem._compat import TorchDispatchMode
+from lightning_lowmem.memory._accumulation import EngineSums, first_of_engine_sum
 from lightning_lowmem.memory._module_peaks import ModulePeaks
 from lightning_lowmem.memory._origins import OTHER_KINDS, Origins, nonzero_kinds
 from lightning_lowmem.memory._tensors import is_parameter, is_plain, iter_tensors, op_tensors, optimizer_state_tensors
 from lightning_lowmem.memory._tensors import plain_tensors
+from lightning_lowmem.memory._unseen import UnseenAllocations
 from lightning_lowmem.memory.report import CATEGORIES, PHASES, MemoryReport
 
 _ACTIVE: list["StorageTracker"] = []
@@ -69,7 +75,7 @@ class PhaseReached(RuntimeError):
     """Raised by a tracker with ``stop_before_phase`` when that phase's first op is about to run."""
 
 
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(EngineSums, UnseenAllocations, TorchDispatchMode):
     """Counts live storages on one device type, by category and phase. Use via ``track_memory``.
 
     Args:
@@ -117,6 +123,8 @@ class StorageTracker(TorchDispatchMode):
         self.stop_before_phase: str | None = None  # raise PhaseReached when this phase starts (e.g. "backward")
         self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
         self._backend_depth = 0  # > 0 inside a collective: storages first seen then were made by the backend
+        self._held_sum: tuple[int, int, int] | None = None  # autograd's sum not yet counted: its key, first's, bytes
+        self._callback_error: Exception | None = None  # raised in a weakref callback (the limit): the next op raises
         self.report: MemoryReport | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -157,6 +165,7 @@ class StorageTracker(TorchDispatchMode):
         """
         if self._stopped:
             return
+        self._count_held_sum()
         self._stopped = True
         try:
             super().__exit__(None, None, None)
@@ -182,6 +191,10 @@ class StorageTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self._count_held_sum()
+        if self._callback_error is not None:
+            error, self._callback_error = self._callback_error, None
+            raise error
         phase = self._phase_now()
         if phase != self._phase:
             self._enter_phase(phase)
@@ -198,7 +211,10 @@ class StorageTracker(TorchDispatchMode):
                 self._relabel(key, "parameters")
             if is_param:
                 self._hook_param(tensor)
+        first = first_of_engine_sum(func, args, kwargs, sys._getframe(1)) if phase == "backward" else None
         out = func(*args, **kwargs)
+        if first is not None and self._hold_sum(out, first):
+            return out
         if isinstance(out, torch.Tensor):
             self._allocate_all(plain_tensors(out) if not is_plain(out) else (out,))
         else:
@@ -212,6 +228,7 @@ class StorageTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ public helpers
     def mark(self, tensor: torch.Tensor, category: str) -> None:
         """Label the storage(s) behind ``tensor`` as ``category`` (see :func:`mark_memory`)."""
+        self._count_held_sum()
         for plain in plain_tensors(tensor):
             key = self._key(plain)
             if key is None:
@@ -221,50 +238,14 @@ class StorageTracker(TorchDispatchMode):
             else:
                 self._relabel(key, category)
 
-    def resized(self, tensor: torch.Tensor) -> None:
-        """Count a storage resized in place (no tensor op a dispatch mode sees), e.g. by FSDP2."""
-        self._allocate(tensor)
-
-    @contextlib.contextmanager
-    def backend_allocations(self) -> Iterator[None]:
-        """Inside: a storage first seen was allocated just now by a communication backend, not before tracking.
-
-        A collective's backend may allocate in its own thread, where this (thread-local) dispatch mode sees
-        nothing; gloo's reduce-scatter, for one, reduces a copy of its input and reads it back in the caller's
-        thread when the work is waited on. Seen there for the first time, such a storage would otherwise count
-        as alive since tracking began (the rule for storages made before tracking), once for every
-        collective of the step, all at the same snapshot.
-        """
-        self._backend_depth += 1
-        try:
-            yield
-        finally:
-            self._backend_depth -= 1
-
-    @contextlib.contextmanager
-    def unseen_bytes(self, nbytes: int) -> Iterator[None]:
-        """Inside: ``nbytes`` more are live, as ``other``, that no tensor op ever shows (a communication backend's
-        staging buffer, made and freed in its own threads; e.g. gloo's all-gather holds one of the output's size).
-        """
-        nbytes = self.round_bytes(nbytes) if nbytes > 0 else 0
-        self._current["other"] += nbytes
-        self._current_other["communication buffers"] += nbytes
-        self._total += nbytes
-        if not self._stopped:
-            self._update_peaks(next(self._seq))
-        try:
-            yield
-        finally:
-            self._current["other"] -= nbytes
-            self._current_other["communication buffers"] -= nbytes
-            self._total -= nbytes
-
     @property
     def current_bytes(self) -> int:
+        self._count_held_sum()
         return self._total
 
     @property
     def peak_bytes(self) -> int:
+        self._count_held_sum()
         return self._peak.total
 
     @property
@@ -287,6 +268,11 @@ class StorageTracker(TorchDispatchMode):
 
     def _freed_callback(self, key: int) -> Callable[[Any], None]:
         def freed(_: Any) -> None:
+            if self._held_sum is not None:
+                if self._held_sum[1] == key:  # autograd's last reference to the first gradient: it adds in place
+                    self._sum_in_place()
+                    return
+                self._count_held_sum(in_callback=True)
             record = self._records.pop(key, None)
             self._refs.pop(key, None)
             if record is not None:
@@ -302,10 +288,11 @@ class StorageTracker(TorchDispatchMode):
 
     def _allocate(self, tensor: torch.Tensor) -> None:
         key = self._key(tensor)
-        if key is None:
-            return
+        if key is not None:
+            self._allocate_bytes(key, self._storage_bytes(tensor))
+
+    def _allocate_bytes(self, key: int, nbytes: int) -> None:
         record = self._records.get(key)
-        nbytes = self._storage_bytes(tensor)
         if record is not None:
             if nbytes != record.nbytes:  # resize_ and friends
                 delta = nbytes - record.nbytes
@@ -414,6 +401,7 @@ class StorageTracker(TorchDispatchMode):
             )
 
     def _on_pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._count_held_sum()
         key = self._key(tensor)
         if key is not None and key in self._records and self._records[key].category == "other":
             self._relabel(key, "activations")
@@ -455,6 +443,7 @@ class StorageTracker(TorchDispatchMode):
         self._last_phase = "forward"
 
     def _on_module_pre(self, module: nn.Module, args: Any) -> None:
+        self._count_held_sum()
         if self._stopped or in_backward():  # checkpoint recomputation: not a new forward
             return
         self._last_phase = "forward"  # a module forward starts the forward phase

@@ -358,6 +358,7 @@ def train_step(
     fake: bool = False,
     loop: str = "torch",
     accumulate: int = 1,
+    cache: bool = False,
 ) -> None:
     """One optimizer step in the order ``loop`` (see the module docstring) over ``accumulate`` batches.
 
@@ -365,7 +366,8 @@ def train_step(
     forward and backward (its loss divided by ``accumulate``, as Lightning's closure divides it), the gradients
     of the first backward stay alive through the later forwards and backwards, and the optimizer steps once,
     after the last. Mixed precision runs CPU autocast (for a CUDA estimate with CUDA's op rules installed,
-    :mod:`lightning_lowmem.planning.cuda_autocast`).
+    :mod:`lightning_lowmem.planning.cuda_autocast`), its weight cache on with ``cache`` (``False``: as Lightning's
+    ``MixedPrecision`` plugin runs it).
     """
     # the same split as AutoMicrobatch / the strategies' planned micro-batches (functional.microbatch)
     micro_batches = split_batch(batch, config.micro_batch_size) if config.micro_batch_size else [batch]
@@ -386,7 +388,8 @@ def train_step(
     for first_batch, micro_batch in passes:
         with contextlib.ExitStack() as stack:
             stack.enter_context(step_context(config))  # activation compression, as training runs it
-            with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+            autocast = torch.autocast("cpu", dtype=autocast_dtype, cache_enabled=cache) if autocast_dtype else None
+            with autocast or contextlib.nullcontext():
                 loss = loss_fn(model, micro_batch)
             if lightning and count == 1:
                 # Lightning's closure: `loss / normalize` and a detached copy for logging, then zero_grad on the

@@ -8,7 +8,8 @@ the lower precision. While :func:`cuda_autocast_rules` is entered, CPU autocast 
 kernel for each op of CUDA's lists is registered on CPU autocast's dispatch key (``torch.library``), and
 removed on exit. Autocast's other behaviour stays CPU autocast's own, which is CUDA's too: the matmul /
 convolution / attention list in the lower precision, and the cache of the lower-precision copies of weights
-(leaf tensors that require grad), kept until the autocast region exits.
+(leaf tensors that require grad), kept until the autocast region exits -- when the runner turns it on:
+``estimate_memory(autocast_cache=...)``, off by default as Lightning's ``MixedPrecision`` plugin runs autocast.
 
 The lists are torch's, from ``aten/src/ATen/autocast_mode.cpp`` (``AT_FORALL_FP32``,
 ``AT_FORALL_FP32_SET_OPT_DTYPE``, ``AT_FORALL_PROMOTE``, and the CUDA-only entries of

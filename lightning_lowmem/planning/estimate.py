@@ -107,6 +107,7 @@ def estimate_memory(
     attention_kernel: str = "auto",
     accumulate_grad_batches: int = 1,
     gpu: str | None = None,
+    autocast_cache: bool = False,
 ) -> MemoryReport:
     """Predict the peak memory of one training step without allocating any tensor data.
 
@@ -168,6 +169,13 @@ def estimate_memory(
             allocator's reserved peak in ``report.device_stats["max_reserved"]``, and ``report.meta["gpu"]``:
             ``allocated_bytes``, ``reserved_bytes``, ``nvidia_smi_bytes`` (reserved + context + workspace),
             ``capacity_bytes`` and ``fits``. Default: ``None`` (500 MiB context, 32 MiB workspace, no reserved).
+        autocast_cache: mixed precision only: whether autocast keeps the lower-precision copy of each weight it casts
+            until the forward ends (``torch.autocast(cache_enabled=...)``). ``False`` as Lightning's
+            ``MixedPrecision`` plugin runs it (``cache_enabled=False``), so a Lightning fit (this package's
+            strategies too) holds each copy only while an op saves it for backward; ``True`` as torch's default,
+            which Hugging Face's ``Trainer`` (through accelerate), Fabric (LitGPT) and a plain ``torch.autocast``
+            loop keep: with activation checkpointing the cached copies of every weight live through the forward.
+            Default: ``False``.
 
     Returns:
         A :class:`MemoryReport` with ``source="estimated"``; ``report.meta["config"]`` is the config.
@@ -247,13 +255,17 @@ def estimate_memory(
                     if loop == "torch" or in_backward:
                         opt.zero_grad(set_to_none=True)
                 with batch_values:
-                    step = functools.partial(train_step, model, batch, loss_fn, opt, config, autocast_dtype, True, loop)
+                    step = functools.partial(
+                        train_step, model, batch, loss_fn, opt, config, autocast_dtype, True, loop, cache=autocast_cache
+                    )
                     for _ in range(steps - 2):
                         step(accumulate)
                     with tracker, card_simulation(card if world_size == 1 else None, model, opt, batch) as simulation:
                         step(accumulate)
 
     report = _labelled_report(tracker, device, config, steps, loop, accumulate, cuda_attention)
+    if autocast_dtype is not None:
+        report.meta["autocast_cache"] = autocast_cache
     return on_card(sharded.finish(report, opt), device, card, simulation)
 
 

@@ -2,8 +2,12 @@
 
 A :class:`GpuCard` holds what a GPU family adds to a training step's tensors, each with its source:
 
-* ``capacity_bytes``: the memory the card has (the vendor's figure: NVIDIA counts HBM / GDDR cards' "80 GB" in
-  GiB, and ``nvidia-smi`` shows that total, e.g. "81920MiB" on an A100 80GB).
+* ``capacity_bytes``: the memory the card has, as ``nvidia-smi`` reports its total (``Memory-Usage``'s right-hand
+  side, in MiB; ``torch.cuda.get_device_properties().total_memory`` reads the same), which is what users compare
+  with. It is not the marketing figure: an A10G or an L4 ("24 GB") shows 23028 / 23034 MiB, an H100 80GB 81559 MiB,
+  an H200 ("141 GB") 143771 MiB; only the A100s and the GeForce cards show their nominal GiB. Each figure is the
+  total printed by ``nvidia-smi`` on that card in public logs (cloud instances' and users' READMEs; the same
+  total across drivers), the table below names the card model they were read on.
 * ``cuda_context_bytes``: the driver's CUDA context with the kernels a training step loads, outside the
   caching allocator (``nvidia-smi`` shows it, ``torch.cuda.memory_reserved`` does not). With lazy module
   loading (CUDA >= 11.7, torch's default) the context alone is ~300 MB (PyTorch issue #107667, a maintainer's
@@ -79,28 +83,28 @@ class GpuCard:
         return cublas + lt
 
 
-def _card(name: str, gib: float, capability: tuple[int, int]) -> GpuCard:
-    return GpuCard(name, int(gib * GiB), capability)
+def _card(name: str, mib: int, capability: tuple[int, int]) -> GpuCard:
+    return GpuCard(name, mib * MiB, capability)
 
 
 GPUS: dict[str, GpuCard] = {
     card.name: card
-    for card in (
-        _card("T4", 15, (7, 5)),  # nvidia-smi: 15360MiB
-        _card("V100-16GB", 16, (7, 0)),
-        _card("V100-32GB", 32, (7, 0)),
-        _card("RTX3090", 24, (8, 6)),
-        _card("A10G", 24, (8, 6)),
-        _card("A100-40GB", 40, (8, 0)),
-        _card("A100-80GB", 80, (8, 0)),
-        _card("RTX4090", 24, (8, 9)),
-        _card("L4", 24, (8, 9)),
-        _card("L40S", 48, (8, 9)),
-        _card("H100-80GB", 80, (9, 0)),
-        _card("H200", 141, (9, 0)),
+    for card in (  # nvidia-smi's total in MiB, read on (module docstring):
+        _card("T4", 15360, (7, 5)),  # Tesla T4
+        _card("V100-16GB", 16160, (7, 0)),  # Tesla V100-SXM2-16GB, V100-PCIE-16GB
+        _card("V100-32GB", 32510, (7, 0)),  # Tesla V100-SXM2-32GB, V100-PCIE-32GB
+        _card("RTX3090", 24576, (8, 6)),  # NVIDIA GeForce RTX 3090
+        _card("A10G", 23028, (8, 6)),  # NVIDIA A10G (AWS g5), the A10 the same
+        _card("A100-40GB", 40960, (8, 0)),  # NVIDIA A100-SXM4-40GB, A100-PCIE-40GB
+        _card("A100-80GB", 81920, (8, 0)),  # NVIDIA A100-SXM4-80GB
+        _card("RTX4090", 24564, (8, 9)),  # NVIDIA GeForce RTX 4090
+        _card("L4", 23034, (8, 9)),  # NVIDIA L4
+        _card("L40S", 46068, (8, 9)),  # NVIDIA L40S
+        _card("H100-80GB", 81559, (9, 0)),  # NVIDIA H100 80GB HBM3, H100 PCIe
+        _card("H200", 143771, (9, 0)),  # NVIDIA H200, H200 NVL
     )
 }
-"""The known cards by name (capacities: the vendors' data sheets; compute capabilities: NVIDIA's CUDA GPU list)."""
+"""The known cards by name (capacities: ``nvidia-smi``'s totals; compute capabilities: NVIDIA's CUDA GPU list)."""
 
 
 def gpu_names() -> list[str]:

@@ -66,10 +66,10 @@ def test_cuda_autocast_runs_softmax_in_float32():
 
 
 def test_cuda_autocast_caches_one_half_copy_per_weight():
-    """A weight used twice is cast once (the autocast weight cache, alive to the end of the forward): two layers
-    hold one more fp16 weight + bias copy than one layer applied twice."""
-    shared = _estimate(_Twice(shared=True)).other_breakdown["forward temporaries"]
-    distinct = _estimate(_Twice(shared=False)).other_breakdown["forward temporaries"]
+    """With the weight cache on (torch's default; ``autocast_cache=True``), a weight used twice is cast once (the copy
+    alive to the end of the forward): two layers hold one more fp16 weight + bias copy than one layer applied twice."""
+    shared = _estimate(_Twice(shared=True), autocast_cache=True).other_breakdown["forward temporaries"]
+    distinct = _estimate(_Twice(shared=False), autocast_cache=True).other_breakdown["forward temporaries"]
     assert distinct - shared == K * K * 2 + 512  # the weight's fp16 copy + the bias's (128 bytes, one 512-byte block)
 
 
@@ -197,3 +197,13 @@ def test_lowmem_estimate_refuses_a_bad_card_or_accumulation_in_one_line(tmp_path
 
     assert main(["estimate", "--hf-config", str(tmp_path), *extra]) == 2
     assert capsys.readouterr().err.startswith(error)
+
+
+def test_card_capacities_are_nvidia_smi_s_totals_not_the_marketing_figures():
+    """A "24 GB" A10G shows 23028 MiB in nvidia-smi, an H100 80GB 81559 MiB: "fits" is judged against what users see."""
+    totals = {name: card.capacity_bytes // MiB for name, card in GPUS.items()}
+    assert totals["A10G"] == 23028 and totals["L4"] == 23034 and totals["T4"] == 15360
+    assert totals["H100-80GB"] == 81559 and totals["H200"] == 143771 and totals["A100-80GB"] == 81920
+    assert all(card.capacity_bytes % MiB == 0 for card in GPUS.values())
+    # cuBLASLt's persistent workspace of torch 2.9 / 2.10 on sm80-89: 4 MiB from 24 GiB of memory, else 1 MiB
+    assert GPUS["RTX3090"].workspace_bytes("2.10.0") - GPUS["A10G"].workspace_bytes("2.10.0") == 3 * MiB
