@@ -22,7 +22,7 @@ SHAPES = {
 
 def _estimate(model: nn.Module, batch, elide: bool, monkeypatch, **kwargs) -> tuple[dict, int]:
     """The report as a dict, and how many slabs ran (``_dense_slab`` / ``_nf4_dense`` parts)."""
-    monkeypatch.setattr(quantized_base, "ELIDE_REPEATED_SLABS", elide)
+    monkeypatch.setattr(quantized_base, "FAKE_SHORTCUTS", elide)
     calls = {"slabs": 0}
     dense_slab = quantized_base._dense_slab
 
@@ -67,7 +67,7 @@ def test_a_layer_decoded_whole_elides_its_parts_exactly(monkeypatch):
     batch = torch.randn(4, 96)
     figures = []
     for elide in (False, True):
-        monkeypatch.setattr(quantized_base, "ELIDE_REPEATED_SLABS", elide)
+        monkeypatch.setattr(quantized_base, "FAKE_SHORTCUTS", elide)
         report = estimate_memory(
             model,
             batch,
@@ -90,3 +90,27 @@ def test_real_tensors_run_every_slab():
     with quantized_base.elide_repeated_slabs(lambda: 0):  # a state that never changes
         got = quantized_base.frozen_linear(x, layer.weight, layer.bias)
     torch.testing.assert_close(got, want)  # 8 slabs of 128 rows: a skipped one would leave its rows unwritten
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((1024, 512), torch.bfloat16), ((64, 96), torch.float32), ((8000, 512), torch.float16)]
+)
+def test_the_fake_nf4_layout_is_to_nf4s(shape, dtype, monkeypatch):
+    """Shapes, strides, dtypes, storage sizes and the metadata of each inner tensor, as torchao's ``to_nf4`` makes
+    them on the same fake weight."""
+    from lightning_lowmem._compat.fake_mode import fake_tensor_mode
+
+    def layout(shortcut: bool) -> list:
+        monkeypatch.setattr(quantized_base, "FAKE_SHORTCUTS", shortcut)
+        with fake_tensor_mode():
+            nf4 = quantized_base.to_nf4_parameter(torch.empty(shape, dtype=dtype))
+            names, context = nf4.__tensor_flatten__()
+            inner = [getattr(nf4, name) for name in names]
+            storages = {id(t.untyped_storage()) for t in inner}
+            described = [
+                (t.shape, t.stride(), t.dtype, t.storage_offset(), t.untyped_storage().nbytes(), t.requires_grad)
+                for t in inner
+            ]
+            return [type(nf4), nf4.shape, nf4.dtype, nf4.requires_grad, names, context, len(storages), described]
+
+    assert layout(True) == layout(False)

@@ -31,8 +31,10 @@ NF4_DEQUANTIZE_CHUNK = 1 << 16  # weights decoded at a time (a multiple of NF4_B
 SLAB_ELEMENTS = 1 << 16  # weights a frozen quantized linear dequantizes at a time (256 KiB in float32)
 
 
-ELIDE_REPEATED_SLABS = True
-"""Whether :func:`elide_repeated_slabs` takes effect (``False``: every slab runs; the tests compare both)."""
+FAKE_SHORTCUTS = True
+"""Whether fake tensors (the estimator's) take two shortcuts that change no figure: NF4 weights laid out without the
+quantization math (:func:`to_nf4_parameter`) and the slabs :func:`elide_repeated_slabs` skips. ``False``: the
+estimate runs what a real step runs (the tests compare both)."""
 _MEMORY_STATES: list[Callable[[], Hashable]] = []  # the estimators' probes, innermost last
 
 
@@ -65,7 +67,7 @@ def _each_slab(slabs: list[slice], body: Callable[[slice], None], tensor: torch.
     """
     from lightning_lowmem._compat.fake_mode import is_fake
 
-    if not (ELIDE_REPEATED_SLABS and _MEMORY_STATES and is_fake(tensor)):
+    if not (FAKE_SHORTCUTS and _MEMORY_STATES and is_fake(tensor)):
         for slab in slabs:
             body(slab)
         return
@@ -312,7 +314,34 @@ def to_nf4_parameter(weight: torch.Tensor) -> nn.Parameter:
             f"`quantize_base`='nf4' needs weights whose size is a multiple of {NF4_BLOCK_SIZE} (its block size); "
             f"a weight has shape {tuple(weight.shape)}. Hint: target other layers, or use quantize_base='int8'."
         )
+    from lightning_lowmem._compat.fake_mode import is_fake
+
+    if FAKE_SHORTCUTS and is_fake(weight):  # the estimator's: no values to quantize, only the layout to count
+        return nn.Parameter(_nf4_layout(weight.detach(), *blocks), requires_grad=False)
     return nn.Parameter(to_nf4(weight.detach(), *blocks), requires_grad=False)
+
+
+def _nf4_layout(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
+    """The ``NF4Tensor`` ``to_nf4(weight, block_size, scaler_block_size)`` returns, with its inner tensors empty:
+    the same shapes, dtypes and storages (one each), without the quantization math (thousands of ops on a fake 8B
+    layer). ``tests/planning/test_estimate_qlora_elided.py`` checks it against ``to_nf4``."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+    blocks = weight.numel() // block_size
+    meta = SubclassTensorArgs(
+        weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device, weight.requires_grad
+    )
+    return NF4Tensor(
+        meta,
+        block_size,
+        blocks,
+        scaler_block_size,
+        weight.new_empty(blocks, dtype=torch.int8),  # quantized_scalers: one int8 scale per block
+        weight.new_empty(blocks // scaler_block_size),  # quantization_factor: one per block of scales
+        weight.new_empty(()),  # scaler_mean
+        weight.new_empty(weight.numel() // 2, dtype=torch.uint8),  # quantized_data: two 4-bit codes a byte
+        weight.new_empty(16),  # nf4: the 16 NormalFloat values
+    )
 
 
 def torchao_config(quantize_base: str, in_features: int) -> Any:
