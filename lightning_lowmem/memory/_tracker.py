@@ -272,10 +272,6 @@ class StorageTracker(TorchDispatchMode):
         """Bytes live right now, per category (labels learnt later are not applied to this copy)."""
         return dict(self._current)
 
-    def memory_state(self) -> tuple:
-        """What the figures still to come depend on: the live bytes, per category and per kind of "other"."""
-        return self._total, tuple(self._current.values()), tuple(self._current_other.values())
-
     # ------------------------------------------------------------------ internals
     def _key(self, tensor: torch.Tensor) -> int | None:
         if tensor.device.type != self.device:

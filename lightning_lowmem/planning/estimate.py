@@ -260,9 +260,11 @@ def estimate_memory(
 
 
 def _memory_state(tracker: StorageTracker, simulation: Any) -> tuple:
-    """What the tracked step's figures still depend on (:func:`elide_repeated_slabs`): the tracker's live bytes and
-    the card's caching allocator's bookkeeping."""
-    return tracker.memory_state(), None if simulation is None else simulation.allocator.state()
+    """What the tracked step's figures still depend on (:func:`elide_repeated_slabs`): the tracker's live bytes per
+    category and the card's caching allocator's bookkeeping. (The "other" bytes' kinds need no reading: a slab loop
+    allocates and frees storages of one kind, its module's in its phase.)"""
+    live = tracker.current_bytes, tuple(tracker.current_breakdown.values())
+    return live, None if simulation is None else simulation.allocator.state()
 
 
 def _check_arguments(module: nn.Module, device: str, steps: int, attention_kernel: str) -> None:
