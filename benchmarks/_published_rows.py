@@ -352,6 +352,27 @@ ROWS: list[Row] = [
     ),
 ]
 
+LEAN_QLORA = Row(
+    "this package (#33)",
+    "",
+    "Llama-3.1-8B",
+    "leanest NF4 QLoRA at torchtune's shape: LowRankAdapters(r=8 on q/k/v/o/gate/up/down_proj, quantize_base='nf4'), "
+    "ActivationCheckpointing, ChunkedCrossEntropy, ActivationCompression('int8'), bf16-true, AdamW, batch 2 x 2048; "
+    "the output head and the embedding stay bf16 (quantize_frozen would quantize the head too, which the chunked loss "
+    "needs as a float nn.Linear)",
+    None,
+    "allocated",
+    None,
+    2,
+    2048,
+    loss="hf",
+    checkpointing=True,
+    chunked_loss=True,
+    compression="int8",
+    lora=_lora(8, LLAMA_ALL, dropout=0.0, quantize_base="nf4"),
+)
+"""#33's 8B NF4 QLoRA <= 7.4 GiB (torchtune's figure for its QLoRA recipe at the same shape), listed beside it."""
+
 ITEM7_UNCOMPRESSED = Row(
     "this package (#33 item 7)",
     "",

@@ -137,6 +137,12 @@ class CachingAllocator:
                         neighbour.next.prev = block
         self._insert(block)
 
+    def state(self) -> tuple:
+        """The bookkeeping that decides every later block and peak: the bytes allocated and reserved, and each
+        pool's free blocks (the allocated ones are the rest of the segments)."""
+        free = tuple(tuple(key for key, _ in self._free[small]) for small in (True, False))
+        return self.allocated_bytes, self.reserved_bytes, self._segments, free
+
     def _insert(self, block: _Block) -> None:
         bisect.insort(self._free[block.small], (block.key(), block), key=lambda item: item[0])
 

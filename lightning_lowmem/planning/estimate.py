@@ -24,6 +24,7 @@ from torch import nn
 from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem._compat.fake_mode import data_dependent_errors, fake_tensor_mode
 from lightning_lowmem._versions import require
+from lightning_lowmem.functional.lora.quantized_base import elide_repeated_slabs
 from lightning_lowmem.functional.config import PRECISIONS, OptimizerConfig, ShardingConfig, TrainingConfig
 from lightning_lowmem.planning._batch_values import BatchValues
 from lightning_lowmem.planning._fake_step import (
@@ -261,12 +262,21 @@ def estimate_memory(
                     for _ in range(steps - 2):
                         step(accumulate)
                     with tracker, card_simulation(card if world_size == 1 else None, model, opt, batch) as simulation:
-                        step(accumulate)
+                        with elide_repeated_slabs(functools.partial(_memory_state, tracker, simulation)):
+                            step(accumulate)
 
     report = _labelled_report(tracker, device, config, steps, loop, accumulate, cuda_attention)
     if autocast_dtype is not None:
         report.meta["autocast_cache"] = autocast_cache
     return on_card(sharded.finish(report, opt), device, card, simulation)
+
+
+def _memory_state(tracker: StorageTracker, simulation: Any) -> tuple:
+    """What the tracked step's figures still depend on (:func:`elide_repeated_slabs`): the tracker's live bytes per
+    category and the card's caching allocator's bookkeeping. (The "other" bytes' kinds need no reading: a slab loop
+    allocates and frees storages of one kind, its module's in its phase.)"""
+    live = tracker.current_bytes, tuple(tracker.current_breakdown.values())
+    return live, None if simulation is None else simulation.allocator.state()
 
 
 def _check_arguments(module: nn.Module, device: str, steps: int, attention_kernel: str) -> None:

@@ -12,7 +12,8 @@ weight-only, one scale per row (CPU and CUDA); ``"int4"`` -- torchao's int4 tiny
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,70 @@ NF4_BLOCK_SIZE = 64  # QLoRA's (and torchao's to_nf4's) weights per absmax scale
 NF4_SCALER_BLOCK_SIZE = 256  # QLoRA's double quantization: scales per int8 block of scales (fewer: a smaller layer)
 NF4_DEQUANTIZE_CHUNK = 1 << 16  # weights decoded at a time (a multiple of NF4_BLOCK_SIZE)
 SLAB_ELEMENTS = 1 << 16  # weights a frozen quantized linear dequantizes at a time (256 KiB in float32)
+
+
+FAKE_SHORTCUTS = True
+"""Whether fake tensors (the estimator's) take two shortcuts that change no figure: NF4 weights laid out without the
+quantization math (:func:`to_nf4_parameter`) and the slabs :func:`elide_repeated_slabs` skips. ``False``: the
+estimate runs what a real step runs (the tests compare both)."""
+_MEMORY_STATES: list[Callable[[], Hashable]] = []  # the estimators' probes, innermost last
+
+
+@contextlib.contextmanager
+def elide_repeated_slabs(memory_state: Callable[[], Hashable]) -> Iterator[None]:
+    """Inside, on fake tensors: a slab loop (a frozen quantized linear dequantizing a slab at a time) skips the
+    slabs that would only repeat what earlier slabs of their size did from the same ``memory_state()``.
+
+    For the estimator, which runs a step on fake tensors to count its memory: a slab's ops allocate and free the
+    same storages whatever its offset, so a slab of a given size, starting from a memory state an earlier slab of
+    that size started from (``memory_state()``: whatever decides the figures, e.g. the live bytes per category and
+    the caching allocator's free blocks), allocates and frees exactly as that one did and goes on to the same state;
+    every peak it reaches was reached already. Skipping whole cycles of such slabs changes no figure (a fake tensor
+    holds no values to write) and saves their ops: thousands a layer at 7B sizes. Real tensors run every slab.
+
+    Example::
+
+        >>> with elide_repeated_slabs(lambda: 0):  # on real tensors: no effect
+        ...     pass
+    """
+    _MEMORY_STATES.append(memory_state)
+    try:
+        yield
+    finally:
+        _MEMORY_STATES.remove(memory_state)
+
+
+def _each_slab(slabs: list[slice], body: Callable[[slice], None], tensor: torch.Tensor) -> None:
+    """``body(slab)`` for each slab in turn, but those :func:`elide_repeated_slabs` skips (``tensor``: one of the
+    loop's inputs; fake or not decides).
+
+    The memory state is read before each slab; once it repeats within a run of slabs of one size (after one slab,
+    or after a cycle of them: the allocator may place a slab's storages in turn in two places), the rest of the run
+    would only go round that cycle again: whole cycles of it are skipped, the remainder runs.
+    """
+    from lightning_lowmem._compat.fake_mode import is_fake
+
+    if not (FAKE_SHORTCUTS and _MEMORY_STATES and is_fake(tensor)):
+        for slab in slabs:
+            body(slab)
+        return
+    memory_state, index, seen = _MEMORY_STATES[-1], 0, {}
+    while index < len(slabs):
+        size = slabs[index].stop - slabs[index].start
+        if index == 0 or size != slabs[index - 1].stop - slabs[index - 1].start:
+            seen = {}  # a new run of slabs of one size
+        state = memory_state()
+        if state in seen:
+            period, run = index - seen.pop(state), index
+            while run < len(slabs) and slabs[run].stop - slabs[run].start == size:
+                run += 1
+            index += (run - index) // period * period  # whole cycles skipped: the same state at the end
+            seen = {}
+            if index == run:
+                continue
+        seen[state] = index
+        body(slabs[index])
+        index += 1
 
 
 def is_nf4(weight: torch.Tensor) -> bool:
@@ -58,13 +123,18 @@ def _nf4_dense(weight: torch.Tensor, chunk: int = NF4_DEQUANTIZE_CHUNK) -> torch
     scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size)
     dense = torch.empty(numel, dtype=weight.dtype, device=weight.device)  # (out * in,)
     packed = weight.quantized_data  # (out * in / 2,) two codes a byte, the first in the high half
-    for start in range(0, numel, chunk):  # chunk is a multiple of the block size: whole blocks
-        pairs = packed[start // 2 : (start + chunk) // 2]
-        codes = torch.stack([pairs >> 4, pairs & 0b1111], dim=-1).flatten().long()  # (chunk,)
-        values = (
-            weight.nf4[codes].view(-1, block) * scalers[start // block : start // block + codes.numel() // block, None]
+
+    held: dict[str, torch.Tensor] = {}  # a part's codes and values, alive until the next part's replace them
+
+    def decode(part: slice) -> None:  # part: whole blocks (chunk is a multiple of the block size)
+        pairs = packed[part.start // 2 : part.stop // 2]
+        held["codes"] = torch.stack([pairs >> 4, pairs & 0b1111], dim=-1).flatten().long()  # (chunk,)
+        held["values"] = (
+            weight.nf4[held["codes"]].view(-1, block) * scalers[part.start // block : part.stop // block, None]
         )
-        dense[start : start + codes.numel()] = values.flatten()
+        dense[part] = held["values"].flatten()
+
+    _each_slab([slice(start, min(start + chunk, numel)) for start in range(0, numel, chunk)], decode, packed)
     return dense.view(weight.shape)
 
 
@@ -114,9 +184,14 @@ def _linear_in_slabs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``F.linear(x, dequantized(weight), bias)``, the output features a slab of dequantized rows at a time."""
     scalers, every_column = _scalers(weight), slice(0, weight.shape[1])
     out = x.new_empty((*x.shape[:-1], weight.shape[0]))  # (..., out)
-    for rows in _slabs(weight, 0):
-        slab = _dense_slab(weight, rows, every_column, x.dtype, scalers)  # (r, in)
-        out[..., rows] = F.linear(x, slab, None if bias is None else bias[rows])
+
+    held: dict[str, torch.Tensor] = {}  # a slab stays alive until the next one replaces it
+
+    def rows_out(rows: slice) -> None:
+        held["slab"] = _dense_slab(weight, rows, every_column, x.dtype, scalers)  # (r, in)
+        out[..., rows] = F.linear(x, held["slab"], None if bias is None else bias[rows])
+
+    _each_slab(_slabs(weight, 0), rows_out, x)
     return out
 
 
@@ -124,8 +199,11 @@ def _input_grad_in_slabs(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.
     """``grad_out @ dequantized(weight)``, the input features a slab of dequantized columns at a time."""
     scalers, every_row = _scalers(weight), slice(0, weight.shape[0])
     grad_x = grad_out.new_empty((*grad_out.shape[:-1], weight.shape[1]))  # (..., in)
-    for cols in _slabs(weight, 1):
+
+    def cols_in(cols: slice) -> None:
         grad_x[..., cols] = grad_out.matmul(_dense_slab(weight, every_row, cols, grad_out.dtype, scalers))
+
+    _each_slab(_slabs(weight, 1), cols_in, grad_out)
     return grad_x
 
 
@@ -241,7 +319,34 @@ def to_nf4_parameter(weight: torch.Tensor) -> nn.Parameter:
             f"`quantize_base`='nf4' needs weights whose size is a multiple of {NF4_BLOCK_SIZE} (its block size); "
             f"a weight has shape {tuple(weight.shape)}. Hint: target other layers, or use quantize_base='int8'."
         )
+    from lightning_lowmem._compat.fake_mode import is_fake
+
+    if FAKE_SHORTCUTS and is_fake(weight):  # the estimator's: no values to quantize, only the layout to count
+        return nn.Parameter(_nf4_layout(weight.detach(), *blocks), requires_grad=False)
     return nn.Parameter(to_nf4(weight.detach(), *blocks), requires_grad=False)
+
+
+def _nf4_layout(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
+    """The ``NF4Tensor`` ``to_nf4(weight, block_size, scaler_block_size)`` returns, with its inner tensors empty:
+    the same shapes, dtypes and storages (one each), without the quantization math (thousands of ops on a fake 8B
+    layer). ``tests/planning/test_estimate_qlora_elided.py`` checks it against ``to_nf4``."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+    blocks = weight.numel() // block_size
+    meta = SubclassTensorArgs(
+        weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device, weight.requires_grad
+    )
+    return NF4Tensor(
+        meta,
+        block_size,
+        blocks,
+        scaler_block_size,
+        weight.new_empty(blocks, dtype=torch.int8),  # quantized_scalers: one int8 scale per block
+        weight.new_empty(blocks // scaler_block_size),  # quantization_factor: one per block of scales
+        weight.new_empty(()),  # scaler_mean
+        weight.new_empty(weight.numel() // 2, dtype=torch.uint8),  # quantized_data: two 4-bit codes a byte
+        weight.new_empty(16),  # nf4: the 16 NormalFloat values
+    )
 
 
 def torchao_config(quantize_base: str, in_features: int) -> Any:
