@@ -1,30 +1,35 @@
 """A memory model of LitGPT's ``--quantize bnb.nf4`` QLoRA, for the LitGPT config-hub rows of ``bench_published``.
 
 Those figures were measured with bitsandbytes 0.42.0 and Lightning 2.3.0.dev20240328 (litgpt's ``pyproject.toml``
-at the commits that published them: ``41dece20`` added Llama-2-7B's 13.68 GB, ``43c44323`` re-ran the table). Four
+at the commits that published them: 41dece20 added Llama-2-7B's 13.68 GB, 43c44323 re-ran the table). Four
 behaviours of those libraries make LitGPT's 4-bit run hold more than the package's own NF4 QLoRA, which keeps only
 the quantized weight for backward; this module allocates and holds what they do, on the estimator's fake tensors:
 
-1. **bitsandbytes' ``MatMul4Bit`` keeps each 4-bit linear's input** for backward, ``ctx.tensors = (A, B)``
-   (``bitsandbytes/autograd/_functions.py`` at 0.42.0, 4870580f, lines 522-525), where a frozen linear needs
-   only its weight: per Llama block the attention input, the attention output, the MLP input and the
-   ``silu(gate) * up`` product (``3 * hidden + intermediate`` values a token), and the head's input.
+1. **bitsandbytes' ``MatMul4Bit`` keeps each 4-bit linear's input** for backward, ``ctx.tensors = (A, B)``, where
+   a frozen linear needs only its weight [BNB]_ (L522-525): per Llama block the attention input, the attention
+   output, the MLP input and the ``silu(gate) * up`` product (``3 * hidden + intermediate`` values a token), and the
+   head's input.
 2. **Held until the graph dies, not until backward**: ``ctx.tensors`` is a plain attribute, not
-   ``save_for_backward``, so autograd does not free it when the node's backward has run. LitGPT's loop
-   (``litgpt/finetune/lora.py`` ``fit``) keeps ``logits`` (a list of chunks) from one iteration to the next, and
-   with it the whole graph: the previous iteration's inputs are alive until the next ``logits = model(...)``
-   returns, at the end of the next forward. :func:`litgpt_loop_loss` runs that previous iteration first.
+   ``save_for_backward``, so autograd does not free it when the node's backward has run. LitGPT's loop keeps
+   ``logits`` (a list of chunks) from one iteration to the next [LITGPT]_ (L276, rebound only when the next forward
+   returns; the loss is rebound to a float at L292), and with it the whole graph: the previous iteration's inputs are
+   alive at the end of the next forward. ``_litgpt_loop_loss`` in ``bench_published`` runs that iteration first.
 3. **A float16 copy, then a bfloat16 copy, of each weight** in forward and backward:
-   ``F.dequantize_4bit(B, quant_state).to(A.dtype)`` (lines 516, 546) decodes into ``quant_state.dtype``, which
-   is float16 because Lightning's ``_Linear4bit.quantize`` casts the weight with ``.to(torch.half)`` before
-   ``quantize_4bit`` (``lightning/fabric/plugins/precision/bitsandbytes.py``, 75553845); training in bf16, ``.to``
-   copies it. The output head's pair (``2 x vocab x hidden x 2`` bytes) is alive at the end of the forward.
-4. **What is stored**: Fabric's ``module_init_context`` swaps ``torch.nn.Linear`` for ``_NF4Linear`` (nf4,
-   ``compress_statistics=False``): every linear, the head too, keeps 4-bit codes and a float32 absmax per 64
-   weights (no double quantization); ``nn.Embedding`` stays bf16. LitGPT picks ``bnb.optim.PagedAdamW``
-   (``fit``'s caller ``main``), whose state tensors of 1e5+ elements are CUDA managed memory
-   (``optim/optimizer.py`` ``get_state_buffer``: ``F.get_paged``), which ``torch.cuda.max_memory_allocated`` does
-   not count: every LoRA matrix of these rows has more.
+   ``F.dequantize_4bit(B, quant_state).to(A.dtype)`` [BNB]_ (L516, L546) decodes into ``quant_state.dtype``
+   [BNB_F]_ (L1026), the dtype of the tensor quantized (L969), which is float16: Lightning's ``_Linear4bit.quantize``
+   casts the weight with ``.to(dtype=torch.half)`` first [PL]_ (L334). Training in bf16, ``.to`` copies it. The output
+   head's pair (``2 x vocab x hidden x 2`` bytes) is alive at the end of the forward, where the peak is.
+4. **What is stored**: Fabric's ``module_init_context`` swaps ``torch.nn.Linear`` for ``_NF4Linear`` [PL]_ (L129-140;
+   nf4, ``compress_statistics=False``): every linear, the head too, keeps 4-bit codes and a float32 absmax per 64
+   weights; ``nn.Embedding`` stays bf16. LitGPT steps ``bnb.optim.PagedAdamW`` [LITGPT]_ (L183), whose state tensors
+   of 1e5+ elements are CUDA managed memory [BNB_O]_ (L304-312, ``F.get_paged``) that
+   ``torch.cuda.max_memory_allocated`` (LitGPT's figure, L212) does not count: every LoRA matrix of these rows is larger.
+
+.. [BNB] https://github.com/bitsandbytes-foundation/bitsandbytes/blob/4870580f17767a4165ec05d954dff2b5c25b694d/bitsandbytes/autograd/_functions.py
+.. [BNB_F] https://github.com/bitsandbytes-foundation/bitsandbytes/blob/4870580f17767a4165ec05d954dff2b5c25b694d/bitsandbytes/functional.py
+.. [BNB_O] https://github.com/bitsandbytes-foundation/bitsandbytes/blob/4870580f17767a4165ec05d954dff2b5c25b694d/bitsandbytes/optim/optimizer.py
+.. [PL] https://github.com/Lightning-AI/pytorch-lightning/blob/75553845c6bbcc305fbae38a46ef4e532e4ac85a/src/lightning/fabric/plugins/precision/bitsandbytes.py
+.. [LITGPT] https://github.com/Lightning-AI/litgpt/blob/43c44323b9b7fb6e3b567c800e6668c3a9b1ecee/litgpt/finetune/lora.py
 
 Values are not computed: a 4-bit linear's dequantized weight is zeros (the estimator needs shapes and lifetimes).
 LoRA wraps the named targets as LitGPT's ``LoRALinear`` does: ``base(x) + (dropout(x) @ A^T @ B^T) * alpha / r``.
