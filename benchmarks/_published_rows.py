@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning.gpus import CUDA_CONTEXT_BYTES, GpuCard
 
 GB, GiB, MiB = 1e9, 2**30, 2**20
@@ -56,7 +57,7 @@ class Row:
     batch: int
     seq: int
     precision: str = "bf16-true"
-    optimizer: str = "adamw"
+    optimizer: Any = "adamw"  # a name or an OptimizerConfig
     loss: str = "litgpt"  # key of LOSSES
     lora: dict[str, Any] | None = None
     checkpointing: bool = False
@@ -67,6 +68,7 @@ class Row:
     shown: str = ""  # the figure as the source prints it
     context: int = CUDA_CONTEXT_BYTES  # the CUDA context an nvidia-smi figure includes: the source's own reading
     config: dict[str, Any] = field(default_factory=dict)  # config.json values the source's implementation differs in
+    base: str = "lowmem"  # the quantized base: the package's LoRA (lora=), or "bitsandbytes" (benchmarks/_bnb_qlora.py)
 
 
 def _lora(r: int, target: list[str], dropout: float = 0.05, **extra: Any) -> dict[str, Any]:
@@ -76,11 +78,9 @@ def _lora(r: int, target: list[str], dropout: float = 0.05, **extra: Any) -> dic
 def _litgpt(
     model: str, recipe_file: str, peak_gb: float | None, batch: int, lora: dict[str, Any] | None, **kw: Any
 ) -> Row:
-    what = "full fine-tune, AdamW" if lora is None else f"LoRA r={lora['r']} on {'/'.join(lora['target'])}"
-    if lora and lora.get("quantize_base"):
-        what = f"QLoRA ({lora['quantize_base']}) r={lora['r']} on {'/'.join(lora['target'])}"
-        if lora.get("quantize_frozen"):
-            what += ", every other linear (lm_head too) and the embedding NF4"
+    what = kw.pop(
+        "what", "full fine-tune, AdamW" if lora is None else f"LoRA r={lora['r']} on {'/'.join(lora['target'])}"
+    )
     recipe = f"litgpt {recipe_file}: {what}, bf16-true, micro-batch {batch} x 512, no checkpointing"
     accumulate = kw.pop("accumulate", 1)
     if accumulate > 1:
@@ -100,6 +100,23 @@ def _litgpt(
         accumulate=accumulate,
         shown="" if peak_gb is None else f"{peak_gb:.2f} GB",
         **kw,
+    )
+
+
+def _litgpt_qlora(model: str, recipe_file: str, peak_gb: float, batch: int, target: list[str]) -> Row:
+    """LitGPT's ``--quantize bnb.nf4`` QLoRA: Fabric's ``BitsandbytesPrecision("nf4", bf16)`` makes every
+    ``nn.Linear`` (lm_head too) bitsandbytes' 4-bit one, the embedding stays bf16, and ``bnb.optim.PagedAdamW`` keeps
+    its state in CUDA managed memory, which ``max_memory_allocated`` does not count (a stateless SGD here)."""
+    what = (
+        f"QLoRA r=32 on {'/'.join(target)}, --quantize bnb.nf4 (bitsandbytes 0.42 Linear4bit on every linear, "
+        "lm_head too; embedding bf16), PagedAdamW"
+    )
+    lora = _lora(32, target)
+    return replace(
+        _litgpt(model, recipe_file, peak_gb, batch, lora, what=what),
+        base="bitsandbytes",
+        loss="litgpt_loop",
+        optimizer=OptimizerConfig("sgd", momentum=0.0),
     )
 
 
@@ -123,37 +140,11 @@ ROWS: list[Row] = [
     _litgpt("TinyLlama-1.1B", "tiny-llama/lora.yaml", 13.50, 8, _lora(32, [*LLAMA_ALL, "lm_head"])),
     _litgpt("gemma-7b", "gemma-7b/lora.yaml", None, 1, _lora(16, [*LLAMA_ALL, "lm_head"])),
     _litgpt("TinyLlama-1.1B", "tiny-llama/full.yaml", 14.10, 4, None, accumulate=8),
-    # --quantize bnb.nf4: Fabric's BitsandbytesPrecision(mode="nf4") builds the model under its module_init_context,
-    # which swaps torch.nn.Linear for bitsandbytes' Linear4bit (no ignore_modules): every linear -- the LoRA layers'
-    # base, the other projections, lm_head -- is NF4; the embedding stays bf16 (quantize_frozen quantizes it too)
-    _litgpt(
-        "Llama-2-7b-hf",
-        "llama-2-7b/qlora.yaml",
-        13.68,
-        2,
-        _lora(32, ["q_proj", "v_proj"], quantize_base="nf4", quantize_frozen=True),
-    ),
-    _litgpt(
-        "Mistral-7B-v0.1",
-        "mistral-7b/qlora.yaml",
-        14.29,
-        2,
-        _lora(32, ["q_proj", "v_proj"], quantize_base="nf4", quantize_frozen=True),
-    ),
-    _litgpt(
-        "Meta-Llama-3-8B",
-        "llama-3-8b/qlora.yaml",
-        17.41,
-        2,
-        _lora(32, ["q_proj", "v_proj"], quantize_base="nf4", quantize_frozen=True),
-    ),
-    _litgpt(
-        "stablelm-base-alpha-3b",
-        "stablelm-base-alpha-3b/qlora.yaml",
-        5.24,
-        1,
-        _lora(32, ["query_key_value"], quantize_base="nf4", quantize_frozen=True),
-    ),
+    # --quantize bnb.nf4: bitsandbytes' own layers as LitGPT ran them (benchmarks/_bnb_qlora.py: what they keep, and why)
+    _litgpt_qlora("Llama-2-7b-hf", "llama-2-7b/qlora.yaml", 13.68, 2, ["q_proj", "v_proj"]),
+    _litgpt_qlora("Mistral-7B-v0.1", "mistral-7b/qlora.yaml", 14.29, 2, ["q_proj", "v_proj"]),
+    _litgpt_qlora("Meta-Llama-3-8B", "llama-3-8b/qlora.yaml", 17.41, 2, ["q_proj", "v_proj"]),
+    _litgpt_qlora("stablelm-base-alpha-3b", "stablelm-base-alpha-3b/qlora.yaml", 5.24, 1, ["query_key_value"]),
     # torchtune README: Llama 3.1 8B, batch 2 x 2048 (packed), torch.compile on, bf16, activation checkpointing; the
     # figures were published in 30b8519e8 (2024-09-24): the recipes are that commit's configs (later commits moved
     # the LoRA one to q/v/output_proj + MLP and took k_proj out of the QLoRA one)

@@ -28,13 +28,16 @@ torchao's ViT-H is timm's ``vit_huge_patch14_224`` (one fused q/k/v linear, SDPA
 ``ViTForImageClassification`` run here (separate q/k/v, SDPA; 630.8M parameters, timm says 630M), with ``torch.compile``
 (not modelled) and CUDA BF16 autocast (estimated with the autocast rules the package has for ``bf16-mixed``).
 
-LitGPT's ``--quantize bnb.nf4`` (Fabric's ``BitsandbytesPrecision``, no ``ignore_modules``) builds the model with every
-``nn.Linear`` swapped for bitsandbytes' ``Linear4bit``: its NF4 rows quantize every linear (``quantize_frozen=True``;
-that also quantizes the embedding, which LitGPT keeps bf16). Two differences stay, each the source's: bitsandbytes'
-``MatMul4Bit`` keeps each 4-bit linear's input for backward (``ctx.tensors = (A, B)``) where the package's frozen NF4
-linear keeps only the quantized weight, and its ``nf4`` (not ``nf4-dq``) stores an fp32 scale per 64 weights where
-torchao's NF4 double-quantizes them. torchtune's rows run the configs of the commit that published the figures
-(30b8519e8): QLoRA on q/k/v/output_proj + MLP (every layer linear NF4, the output and the embedding bf16), LoRA on
+LitGPT's ``--quantize bnb.nf4`` rows run bitsandbytes' own layers as LitGPT ran them (bitsandbytes 0.42.0,
+Lightning 2.3.0.dev20240328; ``benchmarks/_bnb_qlora.py``, each behaviour with its source line), not the package's
+NF4: every ``nn.Linear`` (the head too) 4-bit with a float32 absmax per 64 weights, the embedding bf16; each 4-bit
+linear keeps its input (``MatMul4Bit``'s ``ctx.tensors``, a plain attribute that backward does not free) and decodes
+its weight to float16, then copies it to bf16, in forward and backward; LitGPT's loop keeps the previous iteration's
+``logits``, and with them its graph and those inputs, until the next forward returns, where the peak is; its
+``PagedAdamW`` state is CUDA managed memory, outside ``max_memory_allocated``. At Llama-2-7B, 2 x 512: the inputs
+1.42 GiB per iteration (two iterations' alive), the head's float16 + bf16 copies 0.49 GiB.
+
+torchtune's rows run the configs of the commit that published the figures (30b8519e8): QLoRA on q/k/v/output_proj + MLP (every layer linear NF4, the output and the embedding bf16), LoRA on
 q/v_proj.
 """
 
@@ -50,6 +53,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks._bnb_qlora import bnb_qlora_
 from benchmarks._published_rows import ITEM7, ITEM7_UNCOMPRESSED, LEAN_QLORA, ROWS, GiB, MiB, Row, card_of
 from benchmarks.common import smoke
 from lightning_lowmem.cli.hf_config import hf_config_batch, hf_config_model
@@ -58,14 +62,18 @@ from lightning_lowmem.planning.estimate import estimate_memory
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "hf_configs"
 
 
-def _litgpt_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """LitGPT's fine-tuning step: the head on 128-token chunks (``lm_head_chunk_size=128``), the last position
-    dropped, cross entropy per chunk (``chunked_cross_entropy``) in the logits' dtype."""
-    ids = batch["input_ids"]
+def _litgpt_logits(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """LitGPT's fine-tuning forward: the head on 128-token chunks (``lm_head_chunk_size=128``), the last position
+    dropped."""
     hidden = getattr(model, model.base_model_prefix)(input_ids=ids).last_hidden_state
     head = model.get_output_embeddings()
     logits = [head(chunk) for chunk in hidden.split(128, dim=1)]
     logits[-1] = logits[-1][..., :-1, :]
+    return logits
+
+
+def _litgpt_cross_entropy(logits: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """LitGPT's ``chunked_cross_entropy``: cross entropy per chunk, in the logits' dtype."""
     targets = ids[..., 1:]
     losses = [
         F.cross_entropy(chunk.reshape(-1, chunk.size(-1)), target.reshape(-1), reduction="none")
@@ -74,11 +82,32 @@ def _litgpt_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torc
     return torch.cat(losses).sum() / targets.numel()
 
 
+def _litgpt_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """LitGPT's fine-tuning step: :func:`_litgpt_logits`, :func:`_litgpt_cross_entropy`."""
+    return _litgpt_cross_entropy(_litgpt_logits(model, batch["input_ids"]), batch["input_ids"])
+
+
+def _litgpt_loop_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """LitGPT's loop from its second iteration on: the previous iteration (forward, loss, backward; the LoRA
+    gradients accumulate, as in 3 of its 4 micro-batches) and its ``logits``, a loop variable that keeps that
+    iteration's graph alive until this forward returns (``logits = model(...)`` rebinds it)."""
+    ids = batch["input_ids"]
+    previous = _litgpt_logits(model, ids)
+    _litgpt_cross_entropy(previous, ids).backward()
+    logits = _litgpt_logits(model, ids)
+    del previous
+    return _litgpt_cross_entropy(logits, ids)
+
+
 def _hf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).loss
 
 
-LOSSES: dict[str, Callable[[torch.nn.Module, Any], torch.Tensor]] = {"litgpt": _litgpt_loss, "hf": _hf_loss}
+LOSSES: dict[str, Callable[[torch.nn.Module, Any], torch.Tensor]] = {
+    "litgpt": _litgpt_loss,
+    "litgpt_loop": _litgpt_loop_loss,
+    "hf": _hf_loss,
+}
 
 
 NEEDS = {  # a feature's argument -> what the row waits for when this estimate_memory refuses it
@@ -108,7 +137,7 @@ def _batch(row: Row, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         ids = torch.zeros(row.batch, row.seq, dtype=torch.long, device="meta")
         return {"input_ids": ids, "labels": torch.zeros(row.batch, dtype=torch.long, device="meta")}
     batch = hf_config_batch(row.batch, row.seq)
-    if row.loss == "litgpt":
+    if row.loss.startswith("litgpt"):
         return {"input_ids": batch["input_ids"]}
     return batch
 
@@ -124,7 +153,9 @@ def estimate_row(row: Row) -> tuple[Any, str]:
     # every source runs torch.autocast with its default weight cache (HF Trainer through accelerate, Fabric, torchao's
     # benchmark script); Lightning's MixedPrecision plugin, the estimate's default, turns it off
     kwargs["autocast_cache"] = True
-    if row.lora:
+    if row.lora and row.base == "bitsandbytes":  # LitGPT's --quantize bnb.nf4: bitsandbytes' layers, as it ran them
+        bnb_qlora_(model, **row.lora)
+    elif row.lora:
         kwargs["lora"] = row.lora
     if row.checkpointing:
         kwargs["activation_checkpointing"] = "auto"
