@@ -79,12 +79,16 @@ class CandidateEvaluator:
         self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
         self._forward_peaks: dict[tuple, int] = {}  # model-side key -> its forward's peak, from a forward-only run
         self._parameter_count: tuple[int, int] | None = None  # floating parameters' elements, other bytes
+        self._depth_bounds: dict[tuple, tuple[int, dict[str, int]] | None] = {}  # model-side key -> its secant bound
+        self._stack: Any = False  # the model's DepthStack (None: none), found when first asked
         self.reserve_optimizers: list[str] = []
         """Optimizers whose state a limited model-side run reserves, once each was profiled: the run stops
         once the model side plus the smallest state among them passes the limit (no candidate fits then)."""
         self.full_estimates = 0
         self.probes = 0
         self.profiles = 0
+        self.depth_bounds = 0
+        """Runs of a shallow copy of the model, for the secant bound of ``planning/_depth.py``."""
 
     def predict(self, config: TrainingConfig, limit_bytes: int | None = None) -> MemoryReport:
         """The per-axis prediction of ``config`` (a full estimate for an optimizer-in-backward, or if one
@@ -132,6 +136,11 @@ class CandidateEvaluator:
             return True  # already proven above this limit
         if key in self._forward_peaks:
             return self._forward_peaks[key] > limit  # its whole forward already ran
+        weights = self._weight_bytes(config)
+        if weights is not None and weights > limit:
+            return True  # its weights alone pass the limit
+        if self._depth_free(config):  # two shallow copies' forwards: over the limit, or not proven (no full-depth run)
+            return self._depth_over(config, limit, backward=False) is not None
         probe, _ = self._probe(config, limit_bytes, forward_only=True)
         if probe.forward_only:
             self._forward_peaks[key] = probe.peak_bytes
@@ -183,6 +192,9 @@ class CandidateEvaluator:
             breakdown = dict.fromkeys(CATEGORIES, 0)
             breakdown["parameters"] = weights
             return ModelProbe(weights, breakdown, 0, dict.fromkeys(CATEGORIES, 0), (), limit), limit
+        bound = self._depth_over(config, limit, backward=True) if limit is not None else None
+        if bound is not None:  # the secant of two shallow copies passes it: no full-depth run
+            return ModelProbe(bound[0], bound[1], 0, dict.fromkeys(CATEGORIES, 0), (), limit), limit
         self.probes += 1
         try:
             with data_dependent_errors_explained(self.module, config, steps=2):
@@ -207,6 +219,57 @@ class CandidateEvaluator:
         self._probes[key] = probe
         self._trainable[(config.precision, config.lora)] = probe.trainable
         return probe, limit
+
+    def _depth_free(self, config: TrainingConfig) -> bool:
+        """Whether the secant bound of ``planning/_depth.py`` holds for ``config`` on this model."""
+        from lightning_lowmem.planning._depth import depth_free, depth_stack
+
+        if self._stack is False:
+            self._stack = depth_stack(self.module)
+        return self._stack is not None and depth_free(config)
+
+    def _depth_over(self, config: TrainingConfig, limit: int, backward: bool) -> tuple[int, dict[str, int]] | None:
+        """A lower bound of ``config``'s model-side peak that passes ``limit`` (with its breakdown), from two shallow
+        copies of the model: their forwards first (cheap: no backward), then, with ``backward``, their whole steps;
+        ``None`` when neither passes it, or the bound does not hold here."""
+        if not self._depth_free(config):
+            return None
+        for whole_step in (False, True) if backward else (False,):
+            bound = self._depth_bound(config, whole_step)
+            if bound is None:
+                return None
+            if bound[0] > limit:
+                return bound
+        return None
+
+    def _depth_bound(self, config: TrainingConfig, whole_step: bool) -> tuple[int, dict[str, int]] | None:
+        """The secant bound of ``config``'s model-side peak (``whole_step``) or of its forward's peak (a lower one),
+        with its breakdown, cached by model side; ``None`` if a shallow copy failed (the full-depth run then says
+        why)."""
+        from lightning_lowmem.planning._depth import DEPTHS, secant_bound
+
+        key = (model_side_key(config), whole_step)
+        if key not in self._depth_bounds:
+            peaks = []
+            try:
+                for depth in DEPTHS:
+                    probe = probe_model(
+                        self._stack.shallow(self.module, depth),
+                        self.batch,
+                        config,
+                        loss_fn=self.loss_fn,
+                        device=self.device,
+                        loop=self.loop,
+                        attention_kernel=self.attention_kernel,
+                        forward_only=not whole_step,
+                        accumulate=self.accumulate,
+                    )
+                    peaks.append((probe.peak_bytes, probe.peak_breakdown))
+            except Exception:  # noqa: BLE001 - no bound; the full-depth run raises what the search expects
+                peaks = []
+            self.depth_bounds += len(peaks)
+            self._depth_bounds[key] = secant_bound(peaks[0], peaks[1], self._stack.depth) if peaks else None
+        return self._depth_bounds[key]
 
     def _weight_bytes(self, config: TrainingConfig) -> int | None:
         """A lower bound of ``config``'s model side: its weights in the precision's dtype (adapters left out), or

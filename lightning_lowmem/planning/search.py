@@ -436,6 +436,11 @@ class PlanSearch:
             f"{len(self.evaluated)} candidates predicted from {evaluator.probes} model-side runs and {evaluator.profiles} "
             f"optimizer profiles; {evaluator.full_estimates} full estimate(s)."
             + (f" {dominated} ruled out by a leaner twin (the chunked loss never adds memory)." if dominated else "")
+            + (
+                f" {evaluator.depth_bounds} runs of shallow copies (2 and 3 blocks) bounded model sides from below."
+                if evaluator.depth_bounds
+                else ""
+            )
         )
         if chosen.per_axis_peak_bytes is not None:
             plan.notes.append(
