@@ -34,6 +34,12 @@ _WEIGHTS_KEPT = ("precision", "checkpointing", "compression", "optimizer", "micr
 """Techniques that keep every weight in the precision's dtype: a model side with only these holds at least them."""
 
 
+WHOLE_STEP_FROM = 0.8
+"""The shallow copies' whole steps are run only for a forward whose bound is at least this share of the limit: a
+backward rarely adds a fifth to the model side's peak, and where the bound cannot reject, the full-depth run
+follows anyway (speed only: every candidate not rejected is run at full depth)."""
+
+
 class CandidateEvaluator:
     """Predicts the peak of a :class:`TrainingConfig` on one model and batch, reusing what it measured.
 
@@ -230,15 +236,16 @@ class CandidateEvaluator:
 
     def _depth_over(self, config: TrainingConfig, limit: int, backward: bool) -> tuple[int, dict[str, int]] | None:
         """A lower bound of ``config``'s model-side peak that passes ``limit`` (with its breakdown), from two shallow
-        copies of the model: their forwards first (cheap: no backward), then, with ``backward``, their whole steps;
-        ``None`` when neither passes it, or the bound does not hold here."""
+        copies of the model: their forwards first (cheap: no backward), then, with ``backward``, their whole steps
+        (see :data:`WHOLE_STEP_FROM`); ``None`` when neither passes it, or the bound does not hold here."""
         if not self._depth_free(config):
             return None
-        for whole_step in (False, True) if backward else (False,):
-            bound = self._depth_bound(config, whole_step)
-            if bound is None:
-                return None
-            if bound[0] > limit:
+        bound = self._depth_bound(config, whole_step=False)
+        if bound is None or bound[0] > limit:
+            return bound
+        if backward and bound[0] >= WHOLE_STEP_FROM * limit:  # else the full-depth run it would save follows anyway
+            bound = self._depth_bound(config, whole_step=True)
+            if bound is not None and bound[0] > limit:
                 return bound
         return None
 
