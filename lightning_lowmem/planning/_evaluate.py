@@ -6,7 +6,9 @@ model-side configuration (precision, checkpointing, compression, micro-batch, Lo
 :class:`~lightning_lowmem.planning._components.OptimizerProfile` per optimizer and trainable-parameter
 set, and one full estimate per configuration asked for. Candidates that differ only in the optimizer
 share a probe; candidates that differ only on the model side (with the same trainable parameters, e.g.
-``32-true`` and ``bf16-mixed``) share a profile.
+``32-true`` and ``bf16-mixed``) share a profile. On a model of alike blocks, a model side is first bounded from
+below by two shallow copies of the model (``planning/_depth.py``): one whose bound passes the limit is ruled out
+without a full-depth run.
 """
 
 from __future__ import annotations
@@ -127,7 +129,9 @@ class CandidateEvaluator:
     def model_side_over(self, config: TrainingConfig, limit_bytes: int) -> bool:
         """Whether ``config`` provably cannot fit ``limit_bytes``: its model side (plus the smallest optimizer state
         of :attr:`reserve_optimizers`) passes the limit before backward starts. Runs at most the forward (a run
-        already made answers at once); ``False`` means only "not proven": it may still pass the limit later.
+        already made answers at once); ``False`` means only "not proven": it may still pass the limit later. On a
+        model of alike blocks (``planning/_depth.py``) the forwards run are those of two shallow copies, whose
+        secant bounds the full depth's forward from below: no full-depth run at all.
         """
         if config.optimizer.in_backward:
             return self.predict(config, limit_bytes).peak_bytes > limit_bytes
