@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -41,12 +42,15 @@ def _question(seq_len: str, budget: str) -> list[str]:
 
 def _ask(command: list[str]) -> dict[str, Any]:
     load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True)
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     first = done.stdout.splitlines()[0] if done.stdout else ""
     peak = re.search(r"peak ([\d.]+ \w+)", first)
-    return {"seconds": seconds, "load": load, "answer": first, "peak": peak.group(1) if peak else "?"}
+    return {"seconds": seconds, "cpu": cpu, "load": load, "answer": first, "peak": peak.group(1) if peak else "?"}
 
 
 def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
@@ -59,6 +63,7 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
             "question": f"Llama-3.1-8B, LoRA fine-tune, 1 x {seq_len} tokens, {budget} (cuda)",
             "run": index + 1,
             "seconds": round(r["seconds"], 1),
+            "CPU seconds (user + sys)": round(r["cpu"], 1),
             "load average before": round(r["load"], 2),
             "answer": r["answer"],
         }
@@ -70,12 +75,12 @@ def run(device: str = "cpu", quick: bool = False) -> dict[str, Any]:
         "targets": [
             {
                 "target": f"the 8B question answered in <= {TARGET_SECONDS:.0f} s on 2 cores",
-                "measured": f"{best['seconds']:.1f} s (fastest of {repeats}; load average {best['load']:.1f} before it); "
-                f"peak {best['peak']}",
+                "measured": f"{best['seconds']:.1f} s (fastest of {repeats}; load average {best['load']:.1f} before it; "
+                f"{best['cpu']:.1f} s of CPU); peak {best['peak']}",
                 "met": best["seconds"] <= TARGET_SECONDS,
             }
         ],
         "notes": "Each run is a fresh process (python -m lightning_lowmem.cli estimate ...): imports, the config's "
         "model on the meta device, the plan and the printed answer. The machine's load average is in each row: on a "
-        "shared machine the time grows with it.",
+        "shared machine the wall time grows with it; the CPU seconds (user + sys of the process) much less.",
     }

@@ -26,7 +26,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 
 from lightning_lowmem._compat import TorchDispatchMode, tree_flatten, tree_leaves, tree_unflatten
-from lightning_lowmem._compat.fake_mode import is_fake, no_dispatch_modes, op_mutates
+from lightning_lowmem._compat.fake_mode import no_dispatch_modes, op_mutates
 
 # outputs with more elements than this are left unknown (a (B, 1, T, T) mask of a long sequence, activations)
 KNOWN_NUMEL_LIMIT = 1 << 22
@@ -73,6 +73,14 @@ class BatchValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        unknown = self._first_unknown(args, kwargs)
+        if unknown is not None:  # the common case (an activation, a parameter): nothing to learn, one lookup
+            out = func(*args, **kwargs)
+            if _mutates(func):  # written with values we do not know: forget them rather than be stale
+                for tensor in tree_leaves((args, kwargs)):
+                    if isinstance(tensor, torch.Tensor):
+                        self.known.pop(tensor, None)
+            return out
         flat, spec = tree_flatten((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         known = all(t in self.known or _literal(t) for t in tensors)
@@ -82,7 +90,7 @@ class BatchValues(TorchDispatchMode):
                 return answer
         out = func(*args, **kwargs)
         if not known:
-            if op_mutates(func):  # written with values we do not know: forget them rather than be stale
+            if _mutates(func):  # written with values we do not know: forget them rather than be stale
                 for tensor in tensors:
                     self.known.pop(tensor, None)
             return out
@@ -96,9 +104,22 @@ class BatchValues(TorchDispatchMode):
                 for fake, real in zip(outs, real_outs, strict=True):
                     self.known[fake] = real
                 return out
-        for tensor in outs + (tensors if op_mutates(func) else []):  # too large, or failed for real
+        for tensor in outs + (tensors if _mutates(func) else []):  # too large, or failed for real
             self.known.pop(tensor, None)
         return out
+
+    def _first_unknown(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """A tensor argument whose value is not known (none: every tensor argument is known, or a literal); looked
+        for without pytree's overhead in the flat tensors and lists of them an op takes (anything else: pytree)."""
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(value, torch.Tensor):
+                if value not in self.known and not _literal(value):
+                    return value
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, torch.Tensor) and item not in self.known and not _literal(item):
+                        return item
+        return None
 
     def _real(self, func: Any, flat: list[Any], spec: Any) -> Any:
         """``func`` on the real values, outside every mode (not counted, not fake); ``None`` if it fails
@@ -112,9 +133,20 @@ class BatchValues(TorchDispatchMode):
                 return None
 
 
+_MUTATES: dict[Any, bool] = {}
+
+
+def _mutates(func: Any) -> bool:
+    """:func:`op_mutates`, asked once per op overload."""
+    answer = _MUTATES.get(func)
+    if answer is None:
+        answer = _MUTATES[func] = op_mutates(func)
+    return answer
+
+
 def _literal(tensor: torch.Tensor) -> bool:
     """A real CPU tensor inside the fake step: a literal the model wrote (``torch.tensor([-1, 0])``), its value known."""
-    return tensor.device.type == "cpu" and not is_fake(tensor) and type(tensor) is torch.Tensor
+    return type(tensor) is torch.Tensor and tensor.device.type == "cpu"  # exactly a Tensor: not fake, no subclass
 
 
 def _masks(batch: Any, under_mask: bool = False) -> set[int]:

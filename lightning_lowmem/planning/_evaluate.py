@@ -6,7 +6,9 @@ model-side configuration (precision, checkpointing, compression, micro-batch, Lo
 :class:`~lightning_lowmem.planning._components.OptimizerProfile` per optimizer and trainable-parameter
 set, and one full estimate per configuration asked for. Candidates that differ only in the optimizer
 share a probe; candidates that differ only on the model side (with the same trainable parameters, e.g.
-``32-true`` and ``bf16-mixed``) share a profile.
+``32-true`` and ``bf16-mixed``) share a profile. On a model of alike blocks, a model side is first bounded from
+below by two shallow copies of the model (``planning/_depth.py``): one whose bound passes the limit is ruled out
+without a full-depth run.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ from lightning_lowmem.planning.gpus import on_card
 
 _WEIGHTS_KEPT = ("precision", "checkpointing", "compression", "optimizer", "microbatch", "lora", "cross_entropy")
 """Techniques that keep every weight in the precision's dtype: a model side with only these holds at least them."""
+
+
+WHOLE_STEP_FROM = 0.8
+"""The shallow copies' whole steps are run only for a forward whose bound is at least this share of the limit: a
+backward rarely adds a fifth to the model side's peak, and where the bound cannot reject, the full-depth run
+follows anyway (speed only: every candidate not rejected is run at full depth)."""
 
 
 class CandidateEvaluator:
@@ -79,12 +87,16 @@ class CandidateEvaluator:
         self._trainable: dict[tuple, Any] = {}  # (precision, lora) -> trainable signature, from a probe
         self._forward_peaks: dict[tuple, int] = {}  # model-side key -> its forward's peak, from a forward-only run
         self._parameter_count: tuple[int, int] | None = None  # floating parameters' elements, other bytes
+        self._depth_bounds: dict[tuple, tuple[int, dict[str, int]] | None] = {}  # model-side key -> its secant bound
+        self._stack: Any = False  # the model's DepthStack (None: none), found when first asked
         self.reserve_optimizers: list[str] = []
         """Optimizers whose state a limited model-side run reserves, once each was profiled: the run stops
         once the model side plus the smallest state among them passes the limit (no candidate fits then)."""
         self.full_estimates = 0
         self.probes = 0
         self.profiles = 0
+        self.depth_bounds = 0
+        """Runs of a shallow copy of the model, for the secant bound of ``planning/_depth.py``."""
 
     def predict(self, config: TrainingConfig, limit_bytes: int | None = None) -> MemoryReport:
         """The per-axis prediction of ``config`` (a full estimate for an optimizer-in-backward, or if one
@@ -117,7 +129,9 @@ class CandidateEvaluator:
     def model_side_over(self, config: TrainingConfig, limit_bytes: int) -> bool:
         """Whether ``config`` provably cannot fit ``limit_bytes``: its model side (plus the smallest optimizer state
         of :attr:`reserve_optimizers`) passes the limit before backward starts. Runs at most the forward (a run
-        already made answers at once); ``False`` means only "not proven": it may still pass the limit later.
+        already made answers at once); ``False`` means only "not proven": it may still pass the limit later. On a
+        model of alike blocks (``planning/_depth.py``) the forwards run are those of two shallow copies, whose
+        secant bounds the full depth's forward from below: no full-depth run at all.
         """
         if config.optimizer.in_backward:
             return self.predict(config, limit_bytes).peak_bytes > limit_bytes
@@ -132,6 +146,11 @@ class CandidateEvaluator:
             return True  # already proven above this limit
         if key in self._forward_peaks:
             return self._forward_peaks[key] > limit  # its whole forward already ran
+        weights = self._weight_bytes(config)
+        if weights is not None and weights > limit:
+            return True  # its weights alone pass the limit
+        if self._depth_free(config):  # two shallow copies' forwards: over the limit, or not proven (no full-depth run)
+            return self._depth_over(config, limit, backward=False) is not None
         probe, _ = self._probe(config, limit_bytes, forward_only=True)
         if probe.forward_only:
             self._forward_peaks[key] = probe.peak_bytes
@@ -183,6 +202,9 @@ class CandidateEvaluator:
             breakdown = dict.fromkeys(CATEGORIES, 0)
             breakdown["parameters"] = weights
             return ModelProbe(weights, breakdown, 0, dict.fromkeys(CATEGORIES, 0), (), limit), limit
+        bound = self._depth_over(config, limit, backward=True) if limit is not None else None
+        if bound is not None:  # the secant of two shallow copies passes it: no full-depth run
+            return ModelProbe(bound[0], bound[1], 0, dict.fromkeys(CATEGORIES, 0), (), limit), limit
         self.probes += 1
         try:
             with data_dependent_errors_explained(self.module, config, steps=2):
@@ -207,6 +229,58 @@ class CandidateEvaluator:
         self._probes[key] = probe
         self._trainable[(config.precision, config.lora)] = probe.trainable
         return probe, limit
+
+    def _depth_free(self, config: TrainingConfig) -> bool:
+        """Whether the secant bound of ``planning/_depth.py`` holds for ``config`` on this model."""
+        from lightning_lowmem.planning._depth import depth_free, depth_stack
+
+        if self._stack is False:
+            self._stack = depth_stack(self.module)
+        return self._stack is not None and depth_free(config)
+
+    def _depth_over(self, config: TrainingConfig, limit: int, backward: bool) -> tuple[int, dict[str, int]] | None:
+        """A lower bound of ``config``'s model-side peak that passes ``limit`` (with its breakdown), from two shallow
+        copies of the model: their forwards first (cheap: no backward), then, with ``backward``, their whole steps
+        (see :data:`WHOLE_STEP_FROM`); ``None`` when neither passes it, or the bound does not hold here."""
+        if not self._depth_free(config):
+            return None
+        bound = self._depth_bound(config, whole_step=False)
+        if bound is None or bound[0] > limit:
+            return bound
+        if backward and bound[0] >= WHOLE_STEP_FROM * limit:  # else the full-depth run it would save follows anyway
+            bound = self._depth_bound(config, whole_step=True)
+            if bound is not None and bound[0] > limit:
+                return bound
+        return None
+
+    def _depth_bound(self, config: TrainingConfig, whole_step: bool) -> tuple[int, dict[str, int]] | None:
+        """The secant bound of ``config``'s model-side peak (``whole_step``) or of its forward's peak (a lower one),
+        with its breakdown, cached by model side; ``None`` if a shallow copy failed (the full-depth run then says
+        why)."""
+        from lightning_lowmem.planning._depth import DEPTHS, secant_bound
+
+        key = (model_side_key(config), whole_step)
+        if key not in self._depth_bounds:
+            peaks = []
+            try:
+                for depth in DEPTHS:
+                    probe = probe_model(
+                        self._stack.shallow(self.module, depth),
+                        self.batch,
+                        config,
+                        loss_fn=self.loss_fn,
+                        device=self.device,
+                        loop=self.loop,
+                        attention_kernel=self.attention_kernel,
+                        forward_only=not whole_step,
+                        accumulate=self.accumulate,
+                    )
+                    peaks.append((probe.peak_bytes, probe.peak_breakdown))
+            except Exception:  # noqa: BLE001 - no bound; the full-depth run raises what the search expects
+                peaks = []
+            self.depth_bounds += len(peaks)
+            self._depth_bounds[key] = secant_bound(peaks[0], peaks[1], self._stack.depth) if peaks else None
+        return self._depth_bounds[key]
 
     def _weight_bytes(self, config: TrainingConfig) -> int | None:
         """A lower bound of ``config``'s model side: its weights in the precision's dtype (adapters left out), or

@@ -6,7 +6,8 @@ runs).
 2. :meth:`PlanSearch.ranked`: a stage in order of expected slowdown (:func:`expected_slowdown`);
 3. :meth:`PlanSearch.predict`: a candidate's peak from per-axis measurements (one model-side run per model-side
    setting, one optimizer profile per optimizer; ``planning/_components.py``), the model-side run stopped once it
-   passes the budget; :meth:`PlanSearch.predict_in_order` adds the dominance shortcut (a candidate without the
+   passes the budget, or not run at full depth when two shallow copies' secant already passes it
+   (``planning/_depth.py``); :meth:`PlanSearch.predict_in_order` adds the dominance shortcut (a candidate without the
    chunked loss is predicted only if the same candidate with it fits);
 4. :meth:`PlanSearch.confirm`: the first fitting prediction re-estimated in full (:func:`estimate_memory`);
 5. :meth:`PlanSearch.skip` / :attr:`PlanSearch.evaluated`: candidates that cannot be built on the model, listed in
@@ -436,6 +437,11 @@ class PlanSearch:
             f"{len(self.evaluated)} candidates predicted from {evaluator.probes} model-side runs and {evaluator.profiles} "
             f"optimizer profiles; {evaluator.full_estimates} full estimate(s)."
             + (f" {dominated} ruled out by a leaner twin (the chunked loss never adds memory)." if dominated else "")
+            + (
+                f" {evaluator.depth_bounds} runs of shallow copies (2 and 3 blocks) bounded model sides from below."
+                if evaluator.depth_bounds
+                else ""
+            )
         )
         if chosen.per_axis_peak_bytes is not None:
             plan.notes.append(

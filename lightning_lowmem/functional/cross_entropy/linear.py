@@ -181,7 +181,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         logit_sum = hidden.new_zeros(num_tokens, dtype=accumulate) if smoothing else None
         columns = _columns(rows, num_tokens, vocab_size)
         token_index = torch.arange(num_tokens, device=hidden.device)
-        for start in range(0, vocab_size, columns):
+        for start in _slice_starts(vocab_size, columns, hidden):
             stop = min(start + columns, vocab_size)
             bias_slice = bias[start:stop] if bias is not None else None
             logits = F.linear(hidden, weight[start:stop], bias_slice).to(
@@ -245,7 +245,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight and not defer else None
         grad_hidden = torch.zeros(hidden.shape, dtype=accumulate, device=hidden.device) if need_hidden else None
         grad_bias = torch.empty_like(bias) if need_bias else None
-        for start in range(0, vocab_size, ctx.columns) if need_hidden or need_bias or grad_weight is not None else ():
+        needed = need_hidden or need_bias or grad_weight is not None
+        for start in _slice_starts(vocab_size, ctx.columns, hidden) if needed else ():
             stop = min(start + ctx.columns, vocab_size)
             grad_logits = logits_of(start, stop)  # (N, columns) in fp32
             if grad_bias is not None:
@@ -304,10 +305,19 @@ def _write_weight_slice(
 def _weight_gradient(logits_of: Any, weight: torch.Tensor, hidden: torch.Tensor, columns: int) -> torch.Tensor:
     """The whole weight gradient, a vocabulary slice at a time (the tied embedding's backward calls it)."""
     grad_weight = torch.empty_like(weight)
-    for start in range(0, weight.shape[0], columns):
+    for start in _slice_starts(weight.shape[0], columns, hidden):
         stop = min(start + columns, weight.shape[0])
         _write_weight_slice(grad_weight, logits_of(start, stop).to(hidden.dtype), hidden, start, stop)
     return grad_weight
+
+
+def _slice_starts(vocab_size: int, columns: int, tensor: torch.Tensor) -> list[int]:
+    """Where each vocabulary slice starts. On fake tensors (``estimate_memory``) every slice from the second on
+    starts from the same state (the previous slice's small leftovers alive) and, but for the last, allocates and
+    frees what the second does, writing into storage that already exists: the first two and the last show the
+    loop's peak, so only they run (an 8B Llama's 128k vocabulary at 4096 tokens: 3 slices of 64)."""
+    starts = list(range(0, vocab_size, columns))
+    return starts[:2] + starts[-1:] if len(starts) > 3 and is_fake(tensor) else starts
 
 
 def _columns(rows: int, num_tokens: int, vocab_size: int) -> int:

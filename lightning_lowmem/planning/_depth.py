@@ -1,0 +1,185 @@
+"""A deep model's step, bounded from below by two shallow copies of it: the planner's cheap "cannot fit".
+
+Most candidates the planner meets cannot fit; it only has to prove that. For a model built of ``L`` alike blocks (a
+transformer's layers), the bytes alive at any moment of a step are a sum of terms each affine in the depth: every
+block's parameters and gradients, what the blocks already run saved for backward, the running block's temporaries
+(the same in every block), what the embeddings, the head and the loss hold. A step's peak, the largest such sum, is
+then the maximum of affine functions of ``L``: convex and piecewise affine for ``L >= 2`` (from 2 blocks on, every
+kind of moment a deeper model has exists: a block after a block, a block before the head). A convex function lies
+above each of its secants outside the two points, so with the peaks ``f(2)`` and ``f(3)`` of copies holding the
+first 2 and 3 blocks::
+
+    f(L) >= f(3) + (L - 3) * (f(3) - f(2))
+
+with equality where the peak is affine (the usual case: the peak where backward starts, or in the forward's last
+block). Two copies of 2 and 3 blocks cost a fraction of the full model's run (5 of an 8B Llama's 32 blocks).
+
+The bound only rejects: a candidate whose bound passes the budget cannot fit; every other one is run at full depth,
+so each figure the planner reports for a fitting candidate is a full-depth run's. (The exact peak is not
+extrapolated: where another phase overtakes at depth, the secant is below it, a bound still but not the figure.)
+
+The argument holds for blocks that behave alike under techniques that treat every block alike. :func:`depth_stack`
+finds none (``None``) in a model with fewer than :data:`MIN_BLOCKS` blocks, blocks of different classes, shapes
+or settings (alternating sliding-window layers), or hooks on a block; :func:`depth_free` refuses a configuration
+with a technique outside :data:`DEPTH_FREE_FIELDS` (pruning, freezing the first K blocks, quantization, sharding
+...), checkpointing of every k-th block, or LoRA targets that name layers.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lowmem.memory.report import CATEGORIES
+
+__all__ = ["DEPTHS", "DEPTH_FREE_FIELDS", "MIN_BLOCKS", "DepthStack", "depth_free", "depth_stack", "secant_bound"]
+
+DEPTHS = (2, 3)
+"""The shallow copies' depths: two consecutive depths from 2 on (see the module docstring)."""
+
+MIN_BLOCKS = 5
+"""Fewer blocks than this: the full model is about as cheap to run as the two shallow copies."""
+
+DEPTH_FREE_FIELDS = frozenset(
+    {"precision", "lora", "checkpointing", "compression", "cross_entropy", "optimizer", "microbatch"}
+)
+"""Techniques that treat every block alike (with the conditions of :func:`depth_free`)."""
+
+_INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "block_idx", "idx", "index")
+"""Block attributes that number the blocks (the KV cache's slot): the only setting blocks may differ in."""
+
+
+@dataclass(frozen=True)
+class DepthStack:
+    """A model's stack of alike blocks: the ``nn.ModuleList`` at ``path`` holding ``depth`` of them."""
+
+    path: str
+    depth: int
+
+    def shallow(self, module: nn.Module, depth: int) -> nn.Module:
+        """``module`` with only the first ``depth`` blocks: the modules on the way to the stack are shallow copies,
+        everything else is shared with ``module`` (which is not changed)."""
+        parts = self.path.split(".")
+        root = _copy_node(module)
+        parent = root
+        for part in parts[:-1]:
+            child = _copy_node(parent._modules[part])
+            parent._modules[part] = child
+            parent = child
+        blocks = parent._modules[parts[-1]]
+        parent._modules[parts[-1]] = nn.ModuleList(list(blocks)[:depth])
+        return root
+
+
+def depth_stack(module: nn.Module) -> DepthStack | None:
+    """The one stack of alike blocks holding most of ``module``'s parameters, or ``None`` (module docstring).
+
+    Example::
+
+        >>> from lightning_lowmem.demo import CharLM
+        >>> depth_stack(CharLM(n_layer=6, n_embd=32, block_size=16))
+        DepthStack(path='model.h', depth=6)
+        >>> depth_stack(CharLM(n_layer=2, n_embd=32, block_size=16)) is None  # too shallow to gain from it
+        True
+    """
+    stacks = [
+        (name, sub)
+        for name, sub in module.named_modules()
+        if isinstance(sub, nn.ModuleList) and len(sub) >= 2 and name and len({type(block) for block in sub}) == 1
+    ]
+    if not stacks:
+        return None
+    total = sum(p.numel() for p in module.parameters())
+    name, blocks = max(stacks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    if len(blocks) < MIN_BLOCKS or 2 * sum(p.numel() for p in blocks.parameters()) < total:
+        return None  # a small part of the model repeats: its other parts may not be depth-free
+    if not all(_alike(blocks[0], block) for block in blocks):
+        return None
+    return DepthStack(name, len(blocks))
+
+
+def depth_free(config: Any) -> bool:
+    """Whether ``config``'s techniques treat every block alike (module docstring), so the secant bound holds."""
+    from lightning_lowmem.functional.lora.targets import BROAD_TARGETS
+
+    for field, value in config.configs().items():
+        if value is None:
+            continue
+        if field not in DEPTH_FREE_FIELDS:
+            return False
+        if field == "checkpointing" and (value.policy != "auto" or value.nested):
+            return False  # a class name may match a part of some blocks only; every k-th block repeats by k
+        if field == "lora" and not (
+            isinstance(value.target, str) and value.target in BROAD_TARGETS and value.train_modules == "auto"
+        ):
+            return False
+    return True
+
+
+def secant_bound(
+    low: tuple[int, dict[str, int]], high: tuple[int, dict[str, int]], depth: int
+) -> tuple[int, dict[str, int]]:
+    """The secant through the peaks of the copies of :data:`DEPTHS` blocks (``low``, ``high``: peak bytes and
+    breakdown), extended to ``depth`` blocks: a lower bound of that depth's peak. The breakdown is extended alike
+    (it sums to the bound; a category that would fall below zero is left at the shallow copy's and the difference
+    goes to ``other``)."""
+    steps = depth - DEPTHS[1]
+    bound = high[0] + steps * (high[0] - low[0])
+    breakdown = {c: high[1][c] + steps * (high[1][c] - low[1][c]) for c in CATEGORIES}
+    if any(value < 0 for value in breakdown.values()):
+        breakdown = dict(high[1])
+    breakdown["other"] += bound - sum(breakdown.values())
+    return bound, breakdown
+
+
+# ----------------------------------------------------------------------------- helpers
+def _copy_node(module: nn.Module) -> nn.Module:
+    node = copy.copy(module)
+    node._modules = dict(module._modules)  # its own child table: replacing a child leaves ``module``'s
+    return node
+
+
+def _alike(first: nn.Module, other: nn.Module) -> bool:
+    """Same classes, parameter and buffer shapes / dtypes / trainability, settings (all but the block's number) and
+    no hooks, module by module."""
+    mine, theirs = list(first.named_modules()), list(other.named_modules())
+    if len(mine) != len(theirs):
+        return False
+    for (name, a), (other_name, b) in zip(mine, theirs, strict=True):
+        if name != other_name or type(a) is not type(b) or _hooked(a) or _hooked(b):
+            return False
+        if _tensors(a) != _tensors(b) or _settings(a) != _settings(b):
+            return False
+    return True
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(
+        getattr(module, name, None)
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    )
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype, bool]]:
+    found = [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters(recurse=False)]
+    found += [(n, tuple(b.shape), b.dtype, False) for n, b in module.named_buffers(recurse=False)]
+    return found
+
+
+def _settings(module: nn.Module) -> dict[str, Any]:
+    """A module's own plain settings (numbers, strings, flags, tuples of them), less the block's number."""
+    settings = {}
+    for name, value in vars(module).items():
+        if name.startswith("_") or name in _INDEX_NAMES:
+            continue
+        if value is None or isinstance(value, (bool, int, float, str)):
+            settings[name] = value
+        elif isinstance(value, (tuple, list)) and all(
+            isinstance(v, (bool, int, float, str, type(None))) for v in value
+        ):
+            settings[name] = tuple(value)
+    return settings

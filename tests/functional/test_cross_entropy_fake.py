@@ -1,0 +1,49 @@
+"""linear_cross_entropy on fake tensors (estimate_memory) runs its first two and last vocabulary slices only: the same
+peak, breakdown and phases as every slice run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lowmem.functional.cross_entropy import linear
+from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_two_slices_on_fake_tensors_estimate_what_all_slices_do(monkeypatch, precision):
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=3001
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 3001, (2, 256))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    mix = TrainingConfig(precision=precision, cross_entropy={"mode": "chunked", "chunk_size": 48}, lora={"r": 4})
+    runs: list[int] = []
+    real = linear._slice_starts
+
+    def counted(vocab_size, columns, tensor):
+        starts = real(vocab_size, columns, tensor)
+        runs.append(len(starts))
+        return starts
+
+    monkeypatch.setattr(linear, "_slice_starts", counted)
+    fast = estimate_memory(model, batch, device="cuda", config=mix)
+    assert (
+        runs and max(runs) == 3
+    )  # the first two and the last only (of 11 slices: 3001 classes, 48 of 512 tokens a slice)
+    runs.clear()
+    monkeypatch.setattr(
+        linear, "_slice_starts", lambda vocab_size, columns, tensor: list(range(0, vocab_size, columns))
+    )
+    every = estimate_memory(model, batch, device="cuda", config=mix)
+    assert fast.peak_bytes == every.peak_bytes
+    assert fast.breakdown == every.breakdown
+    assert {k: v["peak_bytes"] for k, v in fast.phases.items()} == {k: v["peak_bytes"] for k, v in every.phases.items()}
+
+
+def test_real_tensors_run_every_slice():
+    assert linear._slice_starts(13, 3, torch.zeros(1)) == [0, 3, 6, 9, 12]
