@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from lightning_lowmem._compat.fake_mode import is_fake
-from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads
+from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads, fused_loss_and_hidden_grad
 from lightning_lowmem.functional.cross_entropy.tied import TiedGradient, claim
 
 __all__ = ["REDUCTIONS", "default_chunk_size", "linear_cross_entropy"]
@@ -148,10 +148,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # valid indices everywhere
         _check_targets(safe_targets, vocab_size, ignore_index)
         accumulate = _accumulation_dtype(hidden)
-        ctx.tied, ctx.fused_grads, ctx.fused = tied, None, False
+        ctx.tied, ctx.fused_grads, ctx.fused, ctx.hidden_grad, ctx.hybrid = tied, None, False, None, False
         ctx.autocast = _autocast_state(hidden.device.type)
+        needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
         if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype == accumulate:
-            needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
             ctx.fused = True
             loss, ctx.fused_grads = fused_loss_and_grads(
                 hidden,
@@ -164,6 +164,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 rows,
                 needs,  # type: ignore[arg-type]
             )
+            return loss
+        if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype:
+            # bf16 / fp16: the hidden gradient in forward, the weight's in backward (autocast keeps the two-pass
+            # path: it casts the weight a slice at a time, never whole)
+            loss, lse, ctx.hidden_grad = fused_loss_and_hidden_grad(
+                hidden,
+                weight,
+                bias,
+                safe_targets,
+                counted,
+                smoothing,
+                reduction,
+                rows,
+                hidden.dtype if needs[0] else None,
+            )
+            ctx.hybrid = True
+            ctx.save_for_backward(hidden, weight, bias, safe_targets, counted, lse, counted.sum())
+            ctx.smoothing, ctx.reduction = smoothing, reduction
+            ctx.columns = _columns(rows, num_tokens, vocab_size)
             return loss
         running_max = hidden.new_full((num_tokens,), float("-inf"), dtype=accumulate)
         running_sum = hidden.new_zeros(num_tokens, dtype=accumulate)  # sum of exp(logit - running_max)
@@ -217,6 +236,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return (*grads, None, None, None, None, None, None, None)
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        forward_grad_hidden, ctx.hidden_grad = ctx.hidden_grad, None
+        if ctx.hybrid and need_hidden and forward_grad_hidden is None:
+            raise RuntimeError(
+                "linear_cross_entropy's backward ran twice (retain_graph=True): the one-pass path computes the "
+                "hidden-state gradient once, in forward. Call it again for a second backward"
+            )
+        need_hidden = need_hidden and forward_grad_hidden is None
         num_tokens, vocab_size, smoothing = hidden.shape[0], weight.shape[0], ctx.smoothing
         # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored: it
         # scales the rows of each slice's logits' gradient (in fp32, before the matmuls round anything)
@@ -247,6 +273,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del grad_logits
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
+        if forward_grad_hidden is not None:  # computed in forward for grad_output = 1 (exact when it is 1)
+            grad_hidden = forward_grad_hidden.mul_(grad_output)
         if defer:
             ctx.tied.deliver_later(functools.partial(_weight_gradient, logits_of, weight, hidden_c, ctx.columns))
         else:
