@@ -109,24 +109,33 @@ def fused_loss_and_hidden_grad(
     counted: torch.Tensor,  # (N,) bool
     smoothing: float,
     reduction: str,
-    rows: int,
+    rows: tuple[int, int],
     grad_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(loss, each token's log-sum-exp (N,), grad of hidden for grad_output = 1 in grad_dtype or None)`` for
-    bf16 / fp16 matmuls: logits and their gradient in fp32, scaled per token before each chunk's one rounding."""
+    bf16 / fp16 matmuls: ``rows = (matmul_rows, softmax_rows)``, the tokens of one matmul's logits (in the matmul
+    dtype; their gradient is written over them) and of one fp32 softmax. The logits' gradient is scaled per token
+    in fp32 before its one rounding, and each chunk's hidden gradient is one matmul over the whole vocabulary."""
     num_tokens = hidden.shape[0]
+    matmul_rows, softmax_rows = rows
     accumulate = torch.float32
     scale, count = _scale(counted, accumulate, reduction)
     grad_hidden = hidden.new_empty(hidden.shape, dtype=grad_dtype) if grad_dtype is not None else None
     losses = hidden.new_empty(num_tokens, dtype=accumulate)
     lse = hidden.new_empty(num_tokens, dtype=accumulate)
-    for start in range(0, num_tokens, rows):
-        stop = min(start + rows, num_tokens)
-        logits = F.linear(hidden[start:stop], weight, bias).to(accumulate)  # (r, V) in fp32
-        probs, losses[start:stop], lse[start:stop] = _chunk_softmax(logits, targets[start:stop, None], smoothing)
+    for start in range(0, num_tokens, matmul_rows):
+        stop = min(start + matmul_rows, num_tokens)
+        logits = F.linear(hidden[start:stop], weight, bias)  # (r, V) in the matmul dtype
+        for low in range(start, stop, softmax_rows):
+            high = min(low + softmax_rows, stop)
+            part = logits[low - start : high - start]
+            probs, losses[low:high], lse[low:high] = _chunk_softmax(
+                part.to(accumulate), targets[low:high, None], smoothing
+            )
+            if grad_hidden is not None:  # the scaled gradient over the logits, rounded once
+                part.copy_(probs.mul_(scale[low:high, None]))
+            del probs
         if grad_hidden is not None:  # one matmul over the whole vocabulary: rounded once
-            grad_logits = probs.mul_(scale[start:stop, None]).to(hidden.dtype)
-            del logits, probs
-            grad_hidden[start:stop] = grad_logits @ weight
-            del grad_logits
+            torch.mm(logits, weight, out=grad_hidden[start:stop])
+        del logits
     return _total(losses, counted, count, reduction), lse, grad_hidden

@@ -43,6 +43,7 @@ _MiB = 1 << 20
 _MAX_CHUNK_BYTES = 32 * _MiB  # a chunk's fp32 logits stay under this ...
 _CHUNK_FRACTION = 8  # ... and under 1/8 of the whole logits
 _ONE_CHUNK_BYTES = 8 * _MiB  # whole logits up to this size are computed in one chunk
+_MATMUL_ROWS = 256  # bf16 / fp16 matmuls over the whole vocabulary: from ~256 rows on, as fast per row as any
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
@@ -114,11 +115,24 @@ def linear_cross_entropy(
     _check(hidden, weight, targets, bias, reduction, label_smoothing, chunk_size)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when contiguous
     flat_targets = targets.reshape(-1)
-    rows = chunk_size if chunk_size is not None else default_chunk_size(flat_hidden.shape[0], weight.shape[0])
+    num_tokens = flat_hidden.shape[0]
+    rows = chunk_size if chunk_size is not None else default_chunk_size(num_tokens, weight.shape[0])
+    # bf16 / fp16: a matmul's chunk of tokens at least _MATMUL_ROWS (its fp32 softmax still `rows` at a time)
+    matmul_rows = rows if chunk_size is not None else max(rows, min(_MATMUL_ROWS, num_tokens // _CHUNK_FRACTION))
     in_graph = torch.is_grad_enabled()
     tied = claim(weight, flat_hidden) if in_graph and weight.requires_grad else None
     loss = _LinearCrossEntropy.apply(
-        flat_hidden, weight, bias, flat_targets, ignore_index, float(label_smoothing), reduction, rows, tied, in_graph
+        flat_hidden,
+        weight,
+        bias,
+        flat_targets,
+        ignore_index,
+        float(label_smoothing),
+        reduction,
+        rows,
+        tied,
+        in_graph,
+        matmul_rows,
     )
     return loss.view(targets.shape) if reduction == "none" else loss
 
@@ -142,6 +156,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows: int,
         tied: TiedGradient | None,
         in_graph: bool,
+        matmul_rows: int,
     ) -> torch.Tensor:
         num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
         counted = targets != ignore_index  # (N,)
@@ -176,7 +191,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 counted,
                 smoothing,
                 reduction,
-                rows,
+                (matmul_rows, rows),
                 hidden.dtype if needs[0] else None,
             )
             ctx.hybrid = True
@@ -233,7 +248,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads, ctx.fused_grads = ctx.fused_grads, None
             grads = [grad.mul_(grad_output) if grad is not None else None for grad in grads]
             grads[1] = _deliver(ctx.tied, grads[1])
-            return (*grads, None, None, None, None, None, None, None)
+            return (*grads, None, None, None, None, None, None, None, None)
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         forward_grad_hidden, ctx.hidden_grad = ctx.hidden_grad, None
@@ -279,7 +294,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.tied.deliver_later(functools.partial(_weight_gradient, logits_of, weight, hidden_c, ctx.columns))
         else:
             grad_weight = _deliver(ctx.tied, grad_weight)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _slice_grad_logits(
