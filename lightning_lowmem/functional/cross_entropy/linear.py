@@ -2,22 +2,27 @@
 
 A language model's training peak is usually its output head: ``B·T·V`` logits (128,256 classes for a
 Llama-3 vocabulary), an fp32 upcast of them and the log-softmax saved for backward, all alive at the start of
-the loss backward. Two paths, both holding at most one chunk of logits:
+the loss backward. Three paths, all holding at most one chunk of logits:
 
 * **One pass** (fp32 / fp64 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.fused`): chunks of tokens,
   each chunk's whole logits give its log-sum-exp and the gradient with respect to them at once, so the forward
   computes all gradients (three matmuls, as the unchunked loss) and the backward scales them by ``grad_output``.
-* **Two passes** (bf16 / fp16 weights, autocast, ``"none"``): the forward walks the vocabulary in slices and keeps,
-  per token, only the log-sum-exp (an online log-sum-exp over the slices); the backward recomputes the logits one
-  slice at a time and writes each slice's weight gradient once (one matmul over all tokens, not accumulated over
-  chunks in bf16), the hidden-state gradient accumulated in fp32 (each slice's matmul in fp32, so it is rounded
-  once). The price is one more head matmul: 4 instead of 3.
+* **One pass for the hidden states** (bf16 / fp16 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.fused`):
+  the same chunks give the hidden-state gradient in forward (one matmul over the whole vocabulary per chunk,
+  rounded once) and each token's log-sum-exp; the backward recomputes the logits a vocabulary slice at a time for
+  the weight gradient, each slice of it written once (not accumulated over chunks in bf16). Four matmuls.
+* **Two passes** (autocast, ``"none"``): the forward walks the vocabulary in slices and keeps, per token, only the
+  log-sum-exp (an online log-sum-exp over the slices); the backward recomputes the logits one slice at a time and
+  writes each slice's weight gradient once, the hidden-state gradient accumulated in fp32 (each slice's matmul in
+  fp32, so it is rounded once). Four matmuls, one in fp32.
+
+On CUDA with Liger-Kernel installed, ``backend="auto"`` runs Liger's fused kernel instead (:mod:`.liger`).
 
 A weight tied to an input embedding (under :func:`chunk_cross_entropy_`) gets one gradient buffer: the loss hands
 its weight gradient to the embedding's backward, which adds its rows into it (:mod:`.tied`).
 
-The two-pass path follows Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward), the one-pass
-path Liger-Kernel's fused linear cross-entropy (gradients in forward), both with plain torch ops, so they run on
+The recomputing paths follow Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward), the one-pass
+paths Liger-Kernel's fused linear cross-entropy (gradients in forward), both with plain torch ops, so they run on
 CPU and CUDA, under autocast, and on fake tensors (the estimator traces them). torchtune's
 ``CEWithChunkedOutputLoss`` chunks the logits but still materialises all of them.
 """
