@@ -123,15 +123,22 @@ def fused_loss_and_hidden_grad(
     grad_hidden = hidden.new_empty(hidden.shape, dtype=grad_dtype) if grad_dtype is not None else None
     losses = hidden.new_empty(num_tokens, dtype=accumulate)
     lse = hidden.new_empty(num_tokens, dtype=accumulate)
+    vocab_size = weight.shape[0]
+    # buffers reused by every chunk (on CPU a fresh one per chunk pays its page faults again)
+    logits_buffer = hidden.new_empty(min(matmul_rows, num_tokens) * vocab_size)
+    work_buffer = hidden.new_empty(min(softmax_rows, matmul_rows, num_tokens) * vocab_size, dtype=accumulate)
     for start in range(0, num_tokens, matmul_rows):
         stop = min(start + matmul_rows, num_tokens)
-        logits = F.linear(hidden[start:stop], weight, bias)  # (r, V) in the matmul dtype
+        logits = logits_buffer[: (stop - start) * vocab_size].view(stop - start, vocab_size)  # matmul dtype
+        if bias is None:  # F.linear's matmul, into the buffer
+            torch.mm(hidden[start:stop], weight.T, out=logits)
+        else:
+            torch.addmm(bias, hidden[start:stop], weight.T, out=logits)
         for low in range(start, stop, softmax_rows):
             high = min(low + softmax_rows, stop)
             part = logits[low - start : high - start]
-            probs, losses[low:high], lse[low:high] = _chunk_softmax(
-                part.to(accumulate), targets[low:high, None], smoothing
-            )
+            work = work_buffer[: (high - low) * vocab_size].view(high - low, vocab_size).copy_(part)
+            probs, losses[low:high], lse[low:high] = _chunk_softmax(work, targets[low:high, None], smoothing)
             if grad_hidden is not None:  # the scaled gradient over the logits, rounded once
                 part.copy_(probs.mul_(scale[low:high, None]))
             del probs
