@@ -228,6 +228,17 @@ def _timing_rows(label: str, family: str, overrides: dict[str, Any], batch: int,
     ]
 
 
+def _loss_setups(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    """The unchunked losses (bf16: on the bf16 logits and on their fp32 upcast, as Hugging Face) and ours."""
+    setups = {"F.cross_entropy(hidden @ weight.T)": lambda: F.cross_entropy(hidden @ weight.T, targets)}
+    if hidden.dtype == torch.bfloat16:
+        setups["F.cross_entropy((hidden @ weight.T).float())"] = lambda: F.cross_entropy(
+            (hidden @ weight.T).float(), targets
+        )
+    setups["linear_cross_entropy (default chunks)"] = lambda: linear_cross_entropy(hidden, weight, targets)
+    return setups
+
+
 def _function_rows() -> list[dict[str, Any]]:
     """linear_cross_entropy vs F.cross_entropy on materialised logits, 2048 tokens x 32,000 classes, H = 1024, in
     fp32 and bf16 (bf16: the unchunked loss on bf16 logits, and on their fp32 upcast as Hugging Face computes it).
@@ -240,12 +251,7 @@ def _function_rows() -> list[dict[str, Any]]:
         weight = (torch.randn(vocab, hidden_size) * hidden_size**-0.5).to(dtype).requires_grad_()
         targets = torch.randint(vocab, (tokens,))
         inputs_and_grads = 2 * (hidden.numel() + weight.numel()) * dtype.itemsize
-        setups = {"F.cross_entropy(hidden @ weight.T)": lambda: F.cross_entropy(hidden @ weight.T, targets)}
-        if dtype == torch.bfloat16:
-            setups["F.cross_entropy((hidden @ weight.T).float())"] = lambda: F.cross_entropy(
-                (hidden @ weight.T).float(), targets
-            )
-        setups["linear_cross_entropy (default chunks)"] = lambda: linear_cross_entropy(hidden, weight, targets)
+        setups = _loss_setups(hidden, weight, targets)
         seconds: dict[str, list[float]] = {name: [] for name in setups}
         for round_index in range(4):
             order = list(setups.items())

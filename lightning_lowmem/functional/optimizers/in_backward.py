@@ -118,8 +118,9 @@ def _column_norm(grad: torch.Tensor) -> torch.Tensor:
     if grad.dtype != torch.bfloat16 or grad.device.type != "cpu" or grad.shape[0] < _LOOP_ROWS:
         return torch.norm(grad, dim=-2, keepdim=True)
     total = grad.new_zeros((1, grad.shape[1]), dtype=torch.float32)
-    for row in grad:  # squares of bf16 values are exact in fp32: one rounding per addition, as torch's loop
-        total.addcmul_(row, row)
+    for index in range(grad.shape[0]):  # one row view at a time (`for row in grad` unbinds all rows at once:
+        row = grad[index]  # 128k tensor objects, ~64 MiB of host memory no tensor count sees)
+        total.addcmul_(row, row)  # squares of bf16 values are exact in fp32: one rounding per addition, as torch's
     return total.sqrt_().to(grad.dtype)
 
 
