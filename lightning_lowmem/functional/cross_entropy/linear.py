@@ -16,8 +16,6 @@ the loss backward. Three paths, all holding at most one chunk of logits:
   writes each slice's weight gradient once, the hidden-state gradient accumulated in fp32 (each slice's matmul in
   fp32, so it is rounded once). Four matmuls, one in fp32.
 
-On CUDA with Liger-Kernel installed, ``backend="auto"`` runs Liger's fused kernel instead (:mod:`.liger`).
-
 A weight tied to an input embedding (under :func:`chunk_cross_entropy_`) gets one gradient buffer: the loss hands
 its weight gradient to the embedding's backward, which adds its rows into it (:mod:`.tied`).
 
@@ -39,7 +37,6 @@ from torch.nn import functional as F
 
 from lightning_lowmem._compat.fake_mode import is_fake
 from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads, fused_loss_and_hidden_grad
-from lightning_lowmem.functional.cross_entropy.liger import BACKENDS, liger_loss, use_liger
 from lightning_lowmem.functional.cross_entropy.tied import TiedGradient, claim
 
 __all__ = ["REDUCTIONS", "default_chunk_size", "linear_cross_entropy"]
@@ -80,7 +77,6 @@ def linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     chunk_size: int | None = None,
-    backend: str = "auto",
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, targets, ...)`` computed in chunks of tokens: the
     ``(tokens, classes)`` logits never exist whole, in forward or backward.
@@ -102,9 +98,6 @@ def linear_cross_entropy(
         chunk_size: the size of the logits held at once, in tokens' worth of whole rows: both passes walk the
             vocabulary in slices of ``chunk_size * V / N`` classes for all ``N`` tokens. Default: ``None`` =
             :func:`default_chunk_size` (a slice's logits at most 1/8 of the whole, 32 MiB).
-        backend: ``"auto"`` (Liger-Kernel's fused kernel for CUDA tensors when ``liger_kernel`` is installed, the
-            ``"mean"`` / ``"sum"`` loss of an untied weight; these torch paths otherwise), ``"torch"`` (always these
-            paths) or ``"liger"`` (always Liger's; ``chunk_size`` is then Liger's to choose). Default: ``"auto"``.
 
     Returns:
         A float32 scalar (``"mean"`` / ``"sum"``; ``nan`` for a mean over no counted target, as
@@ -112,9 +105,7 @@ def linear_cross_entropy(
 
     Raises:
         ValueError / TypeError: shapes that do not fit together, non-integer targets, an unknown
-            ``reduction``, ``label_smoothing`` outside ``[0, 1]``, ``chunk_size`` not a positive int, an unknown
-            ``backend``.
-        ImportError: ``backend="liger"`` without Liger-Kernel installed.
+            ``reduction``, ``label_smoothing`` outside ``[0, 1]``, ``chunk_size`` not a positive int.
 
     Example::
 
@@ -125,10 +116,6 @@ def linear_cross_entropy(
         True
     """
     _check(hidden, weight, targets, bias, reduction, label_smoothing, chunk_size)
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"`backend`={backend!r} is not one of {list(BACKENDS)} ('auto': Liger-Kernel on CUDA when installed)"
-        )
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when contiguous
     flat_targets = targets.reshape(-1)
     num_tokens = flat_hidden.shape[0]
@@ -137,12 +124,6 @@ def linear_cross_entropy(
     matmul_rows = rows if chunk_size is not None else max(rows, min(_MATMUL_ROWS, num_tokens // _CHUNK_FRACTION))
     in_graph = torch.is_grad_enabled()
     tied = claim(weight, flat_hidden) if in_graph and weight.requires_grad else None
-    liger = use_liger(backend, flat_hidden, reduction, tied is not None)
-    if liger is not None:
-        _check_targets(flat_targets[flat_targets != ignore_index], weight.shape[0], ignore_index)
-        return liger_loss(
-            liger, flat_hidden, weight, flat_targets, bias, ignore_index, reduction, float(label_smoothing)
-        )
     loss = _LinearCrossEntropy.apply(
         flat_hidden,
         weight,
