@@ -224,3 +224,36 @@ def test_lora_wrapped_head_is_refused():
     with pytest.raises(ValueError, match=r"`lm_head` is a LoraLinear.*plain nn.Linear head"):
         chunk_cross_entropy_(model)
     assert "forward" not in model.lm_head.__dict__
+
+
+def test_bf16_matmul_chunk_larger_than_its_fp32_softmax_chunk_changes_nothing():
+    """bf16: a matmul over 12 tokens' logits, their fp32 softmax 5 tokens at a time: the same loss, log-sum-exp and
+    hidden gradient, bit for bit, as the softmax over all 12 at once."""
+    from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_hidden_grad
+
+    h, w, _, targets = _inputs(dtype=torch.bfloat16, tokens=(30,), hidden=16, vocab=300)
+    counted = targets != -100
+    safe = torch.where(counted, targets, 0)
+    split, whole = (
+        fused_loss_and_hidden_grad(h.detach(), w.detach(), None, safe, counted, 0.1, "mean", rows, torch.bfloat16)
+        for rows in ((12, 5), (12, 12))
+    )
+    for ours, theirs in zip(split, whole, strict=True):
+        assert torch.equal(ours, theirs)
+    reference = F.cross_entropy((h.detach().float() @ w.detach().float().T), targets, label_smoothing=0.1)
+    torch.testing.assert_close(split[0], reference, rtol=2e-2, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_bf16_one_pass_with_bias_smoothing_and_a_grad_output_matches_the_upcast_loss(reduction):
+    """bf16 weights (the hidden gradient in forward, the weight's and the bias' recomputed in backward): loss and all
+    three gradients as the unchunked loss on fp32-upcast logits, within bf16 rounding."""
+    h, w, b, targets = _inputs(dtype=torch.bfloat16, bias=True, tokens=(40,), hidden=16, vocab=300)
+    loss = linear_cross_entropy(h, w, targets, bias=b, reduction=reduction, label_smoothing=0.1, chunk_size=7)
+    reference = F.cross_entropy(F.linear(h, w, b).float(), targets, reduction=reduction, label_smoothing=0.1)
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-5)
+    grad_output = torch.tensor(2.0)
+    ours_all, theirs_all = _grads(loss, (h, w, b), grad_output), _grads(reference, (h, w, b), grad_output)
+    for ours, theirs in zip(ours_all, theirs_all, strict=True):
+        assert ours.dtype == torch.bfloat16
+        assert ((ours.float() - theirs.float()).norm() / theirs.float().norm()) < 5e-3

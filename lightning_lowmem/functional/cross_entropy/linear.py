@@ -2,22 +2,25 @@
 
 A language model's training peak is usually its output head: ``B·T·V`` logits (128,256 classes for a
 Llama-3 vocabulary), an fp32 upcast of them and the log-softmax saved for backward, all alive at the start of
-the loss backward. Two paths, both holding at most one chunk of logits:
+the loss backward. Three paths, all holding at most one chunk of logits:
 
 * **One pass** (fp32 / fp64 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.fused`): chunks of tokens,
   each chunk's whole logits give its log-sum-exp and the gradient with respect to them at once, so the forward
   computes all gradients (three matmuls, as the unchunked loss) and the backward scales them by ``grad_output``.
-* **Two passes** (bf16 / fp16 weights, autocast, ``"none"``): the forward walks the vocabulary in slices and keeps,
-  per token, only the log-sum-exp (an online log-sum-exp over the slices); the backward recomputes the logits one
-  slice at a time and writes each slice's weight gradient once (one matmul over all tokens, not accumulated over
-  chunks in bf16), the hidden-state gradient accumulated in fp32 (each slice's matmul in fp32, so it is rounded
-  once). The price is one more head matmul: 4 instead of 3.
+* **One pass for the hidden states** (bf16 / fp16 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.fused`):
+  the same chunks give the hidden-state gradient in forward (one matmul over the whole vocabulary per chunk,
+  rounded once) and each token's log-sum-exp; the backward recomputes the logits a vocabulary slice at a time for
+  the weight gradient, each slice of it written once (not accumulated over chunks in bf16). Four matmuls.
+* **Two passes** (autocast, ``"none"``): the forward walks the vocabulary in slices and keeps, per token, only the
+  log-sum-exp (an online log-sum-exp over the slices); the backward recomputes the logits one slice at a time and
+  writes each slice's weight gradient once, the hidden-state gradient accumulated in fp32 (each slice's matmul in
+  fp32, so it is rounded once). Four matmuls, one in fp32.
 
 A weight tied to an input embedding (under :func:`chunk_cross_entropy_`) gets one gradient buffer: the loss hands
 its weight gradient to the embedding's backward, which adds its rows into it (:mod:`.tied`).
 
-The two-pass path follows Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward), the one-pass
-path Liger-Kernel's fused linear cross-entropy (gradients in forward), both with plain torch ops, so they run on
+The recomputing paths follow Apple's Cut Cross-Entropy (log-sum-exp in forward, recompute in backward), the one-pass
+paths Liger-Kernel's fused linear cross-entropy (gradients in forward), both with plain torch ops, so they run on
 CPU and CUDA, under autocast, and on fake tensors (the estimator traces them). torchtune's
 ``CEWithChunkedOutputLoss`` chunks the logits but still materialises all of them.
 """
@@ -33,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from lightning_lowmem._compat.fake_mode import is_fake
-from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads
+from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads, fused_loss_and_hidden_grad
 from lightning_lowmem.functional.cross_entropy.kernels import kernel_loss
 from lightning_lowmem.functional.cross_entropy.tied import TiedGradient, claim
 
@@ -44,6 +47,7 @@ _MiB = 1 << 20
 _MAX_CHUNK_BYTES = 32 * _MiB  # a chunk's fp32 logits stay under this ...
 _CHUNK_FRACTION = 8  # ... and under 1/8 of the whole logits
 _ONE_CHUNK_BYTES = 8 * _MiB  # whole logits up to this size are computed in one chunk
+_MATMUL_ROWS = 256  # bf16 / fp16 matmuls over the whole vocabulary: from ~256 rows on, as fast per row as any
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
@@ -124,11 +128,24 @@ def linear_cross_entropy(
     fused = kernel_loss(kernel, flat_hidden, weight, flat_targets, bias, ignore_index, reduction, label_smoothing)
     if fused is not None:  # a fused CUDA kernel computed it (.kernels)
         return fused.view(targets.shape) if reduction == "none" else fused
-    rows = chunk_size if chunk_size is not None else default_chunk_size(flat_hidden.shape[0], weight.shape[0])
+    num_tokens = flat_hidden.shape[0]
+    rows = chunk_size if chunk_size is not None else default_chunk_size(num_tokens, weight.shape[0])
+    # bf16 / fp16: a matmul's chunk of tokens at least _MATMUL_ROWS (its fp32 softmax still `rows` at a time)
+    matmul_rows = rows if chunk_size is not None else max(rows, min(_MATMUL_ROWS, num_tokens // _CHUNK_FRACTION))
     in_graph = torch.is_grad_enabled()
     tied = claim(weight, flat_hidden) if in_graph and weight.requires_grad else None
     loss = _LinearCrossEntropy.apply(
-        flat_hidden, weight, bias, flat_targets, ignore_index, float(label_smoothing), reduction, rows, tied, in_graph
+        flat_hidden,
+        weight,
+        bias,
+        flat_targets,
+        ignore_index,
+        float(label_smoothing),
+        reduction,
+        rows,
+        tied,
+        in_graph,
+        matmul_rows,
     )
     return loss.view(targets.shape) if reduction == "none" else loss
 
@@ -152,16 +169,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows: int,
         tied: TiedGradient | None,
         in_graph: bool,
+        matmul_rows: int,
     ) -> torch.Tensor:
         num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
         counted = targets != ignore_index  # (N,)
         safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # valid indices everywhere
         _check_targets(safe_targets, vocab_size, ignore_index)
         accumulate = _accumulation_dtype(hidden)
-        ctx.tied, ctx.fused_grads, ctx.fused = tied, None, False
+        ctx.tied, ctx.fused_grads, ctx.fused, ctx.hidden_grad, ctx.hybrid = tied, None, False, None, False
         ctx.autocast = _autocast_state(hidden.device.type)
+        needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
         if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype == accumulate:
-            needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
             ctx.fused = True
             loss, ctx.fused_grads = fused_loss_and_grads(
                 hidden,
@@ -174,6 +192,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 rows,
                 needs,  # type: ignore[arg-type]
             )
+            return loss
+        if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype:
+            # bf16 / fp16: the hidden gradient in forward, the weight's in backward (autocast keeps the two-pass
+            # path: it casts the weight a slice at a time, never whole)
+            loss, lse, ctx.hidden_grad = fused_loss_and_hidden_grad(
+                hidden,
+                weight,
+                bias,
+                safe_targets,
+                counted,
+                smoothing,
+                reduction,
+                (matmul_rows, rows),
+                hidden.dtype if needs[0] else None,
+            )
+            ctx.hybrid = True
+            ctx.save_for_backward(hidden, weight, bias, safe_targets, counted, lse, counted.sum())
+            ctx.smoothing, ctx.reduction = smoothing, reduction
+            ctx.columns = _columns(rows, num_tokens, vocab_size)
             return loss
         running_max = hidden.new_full((num_tokens,), float("-inf"), dtype=accumulate)
         running_sum = hidden.new_zeros(num_tokens, dtype=accumulate)  # sum of exp(logit - running_max)
@@ -224,9 +261,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads, ctx.fused_grads = ctx.fused_grads, None
             grads = [grad.mul_(grad_output) if grad is not None else None for grad in grads]
             grads[1] = _deliver(ctx.tied, grads[1])
-            return (*grads, None, None, None, None, None, None, None)
+            return (*grads, None, None, None, None, None, None, None, None)
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        forward_grad_hidden, ctx.hidden_grad = ctx.hidden_grad, None
+        if ctx.hybrid and need_hidden and forward_grad_hidden is None:
+            raise RuntimeError(
+                "linear_cross_entropy's backward ran twice (retain_graph=True): the one-pass path computes the "
+                "hidden-state gradient once, in forward. Call it again for a second backward"
+            )
+        need_hidden = need_hidden and forward_grad_hidden is None
         num_tokens, vocab_size, smoothing = hidden.shape[0], weight.shape[0], ctx.smoothing
         # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored: it
         # scales the rows of each slice's logits' gradient (in fp32, before the matmuls round anything)
@@ -245,24 +289,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if need_weight and not defer else None
         grad_hidden = torch.zeros(hidden.shape, dtype=accumulate, device=hidden.device) if need_hidden else None
         grad_bias = torch.empty_like(bias) if need_bias else None
-        needed = need_hidden or need_bias or grad_weight is not None
-        for start in _slice_starts(vocab_size, ctx.columns, hidden) if needed else ():
+        loop = need_hidden or need_bias or grad_weight is not None
+        workspace = _Workspace.make(hidden_c, ctx.columns, accumulate) if loop else None
+        for start in _slice_starts(vocab_size, ctx.columns, hidden) if loop else ():
             stop = min(start + ctx.columns, vocab_size)
-            grad_logits = logits_of(start, stop)  # (N, columns) in fp32
+            grad_logits = logits_of(start, stop, workspace)  # (N, columns) in fp32
             if grad_bias is not None:
                 grad_bias[start:stop] = grad_logits.sum(dim=0)
             if grad_weight is not None:
-                _write_weight_slice(grad_weight, grad_logits.to(dtype), hidden_c, start, stop)
+                _write_weight_slice(grad_weight, _rounded(grad_logits, dtype, workspace), hidden_c, start, stop)
             if grad_hidden is not None:  # (N, H), the matmul in fp32 too: one rounding, at the end
                 grad_hidden.addmm_(grad_logits, weight[start:stop].to(dtype).to(accumulate))
             del grad_logits
+        del workspace
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
+        if forward_grad_hidden is not None:  # computed in forward for grad_output = 1 (exact when it is 1)
+            grad_hidden = forward_grad_hidden.mul_(grad_output)
         if defer:
             ctx.tied.deliver_later(functools.partial(_weight_gradient, logits_of, weight, hidden_c, ctx.columns))
         else:
             grad_weight = _deliver(ctx.tied, grad_weight)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _slice_grad_logits(
@@ -276,12 +324,23 @@ def _slice_grad_logits(
     smoothing: float,
     start: int,
     stop: int,
+    workspace: _Workspace | None = None,
 ) -> torch.Tensor:
     """The gradient of the loss with respect to the logits of classes ``start:stop``: ``(N, columns)`` in fp32,
-    the slice's softmax minus the (smoothed) one-hot target, scaled per token (before any rounding)."""
+    the slice's softmax minus the (smoothed) one-hot target, scaled per token (before any rounding); in
+    ``workspace``'s buffers when given."""
     dtype, accumulate, vocab_size = hidden.dtype, lse.dtype, weight.shape[0]
     bias_slice = bias[start:stop].to(dtype) if bias is not None else None
-    grad_logits = F.linear(hidden, weight[start:stop].to(dtype), bias_slice).to(accumulate)
+    if workspace is None:
+        grad_logits = F.linear(hidden, weight[start:stop].to(dtype), bias_slice).to(accumulate)
+    else:  # the same matmul (addmm / mm, as F.linear) into reused buffers
+        logits, grad_logits = workspace.views(hidden.shape[0], stop - start)
+        weight_t = weight[start:stop].to(dtype).T
+        if bias_slice is None:
+            torch.mm(hidden, weight_t, out=logits)
+        else:
+            torch.addmm(bias_slice, hidden, weight_t, out=logits)
+        grad_logits.copy_(logits)
     grad_logits.sub_(lse[:, None]).exp_()
     if smoothing:
         grad_logits.sub_(smoothing / vocab_size)
@@ -305,9 +364,11 @@ def _write_weight_slice(
 def _weight_gradient(logits_of: Any, weight: torch.Tensor, hidden: torch.Tensor, columns: int) -> torch.Tensor:
     """The whole weight gradient, a vocabulary slice at a time (the tied embedding's backward calls it)."""
     grad_weight = torch.empty_like(weight)
+    workspace = _Workspace.make(hidden, columns, torch.float32)
     for start in _slice_starts(weight.shape[0], columns, hidden):
         stop = min(start + columns, weight.shape[0])
-        _write_weight_slice(grad_weight, logits_of(start, stop).to(hidden.dtype), hidden, start, stop)
+        grad_logits = logits_of(start, stop, workspace)
+        _write_weight_slice(grad_weight, _rounded(grad_logits, hidden.dtype, workspace), hidden, start, stop)
     return grad_weight
 
 
@@ -318,6 +379,35 @@ def _slice_starts(vocab_size: int, columns: int, tensor: torch.Tensor) -> list[i
     loop's peak, so only they run (an 8B Llama's 128k vocabulary at 4096 tokens: 3 slices of 64)."""
     starts = list(range(0, vocab_size, columns))
     return starts[:2] + starts[-1:] if len(starts) > 3 and is_fake(tensor) else starts
+
+
+class _Workspace:
+    """The two buffers a vocabulary loop reuses for every slice: its logits in the matmul dtype and in fp32 (on CPU
+    a fresh buffer per slice pays its page faults again: ~30 ms per 32 MiB, a tenth of the loss's time)."""
+
+    __slots__ = ("high", "low")
+
+    def __init__(self, hidden: torch.Tensor, columns: int, accumulate: torch.dtype) -> None:
+        numel = hidden.shape[0] * columns
+        self.low = hidden.new_empty(numel)  # the matmul dtype
+        self.high = hidden.new_empty(numel, dtype=accumulate)
+
+    @classmethod
+    def make(cls, hidden: torch.Tensor, columns: int, accumulate: torch.dtype) -> _Workspace | None:
+        """A workspace for bf16 / fp16 matmuls (``None`` for fp32 / fp64 ones, whose logits need no cast)."""
+        return cls(hidden, columns, accumulate) if hidden.dtype != accumulate else None
+
+    def views(self, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, columns)`` contiguous views of both buffers."""
+        numel = rows * columns
+        return self.low[:numel].view(rows, columns), self.high[:numel].view(rows, columns)
+
+
+def _rounded(grad_logits: torch.Tensor, dtype: torch.dtype, workspace: _Workspace | None) -> torch.Tensor:
+    """``grad_logits`` cast to the matmul dtype (into the workspace's low buffer when there is one)."""
+    if workspace is None:
+        return grad_logits.to(dtype)
+    return workspace.views(*grad_logits.shape)[0].copy_(grad_logits)
 
 
 def _columns(rows: int, num_tokens: int, vocab_size: int) -> int:

@@ -7,9 +7,10 @@ lookup's (``embedding_dense_backward``), summed into one before the weight's ``.
 :class:`TiedGradient` made by the embedding's forward and claimed by the loss's), which adds its rows into that
 buffer in place (``index_add_``) and returns it as the weight's only gradient. Autograd then sets ``.grad`` to
 it without a copy, and a post-accumulate-grad hook (an optimizer in backward) runs once, on the whole gradient.
-The two-pass (bf16) loss defers its weight gradient to the embedding's backward (:meth:`TiedGradient.deliver_later`):
-the buffer is made after the body's backward, so it is never alive beside a layer's backward temporaries; the
-price is the logits computed once more (one more head matmul), the gradient bit-identical.
+The bf16 / fp16 (and autocast) loss defers its weight gradient to the embedding's backward
+(:meth:`TiedGradient.deliver_later`): the buffer is made after the body's backward, so it is never alive beside a
+layer's backward temporaries; the logits are recomputed there a slice at a time (as they would be in the loss's
+backward), the gradient bit-identical.
 
 The loss claims the buffer only when the embedding's backward is sure to run after its own: the embedding's
 autograd node is reachable from the hidden states' (checked once per forward by walking the graph). Otherwise

@@ -91,7 +91,7 @@ class InPlaceAdafactor(torch.optim.Adafactor):
         if group["weight_decay"] != 0:
             param.mul_(1 - lr * group["weight_decay"])
         row_var.lerp_(torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), one_minus_beta2_t)
-        col_var.lerp_(torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), one_minus_beta2_t)
+        col_var.lerp_(_column_norm(grad).square_().div_(grad.size(-2)), one_minus_beta2_t)
         row_var_mean = row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)
         # slices of a multiple of 64 elements: a CPU kernel's vectorized loop then splits each slice as it splits
         # the whole matrix (its scalar remainder loop rounds bf16 rsqrt differently)
@@ -104,6 +104,24 @@ class InPlaceAdafactor(torch.optim.Adafactor):
             del var_estimate
         denom = max(1.0, grad.norm(2).item() / ((grad.numel() ** 0.5) * group["d"]))
         param.add_(grad, alpha=-alpha / denom)
+
+
+_LOOP_ROWS = 1024  # bf16 matrices with at least this many rows take the row loop (torch's kernel: 4-7x slower)
+
+
+def _column_norm(grad: torch.Tensor) -> torch.Tensor:
+    """``torch.norm(grad, dim=-2, keepdim=True)``, bit for bit, faster for a tall bf16 matrix.
+
+    On CPU, torch's bf16 reduction over the rows adds each column's squares one row after another in fp32, with a
+    scalar loop (2.8 s for a 128,256 x 2048 head: a tenth of a 1B-dims step). The same additions in the same order,
+    one ``addcmul_`` of a whole row at a time into an fp32 accumulator, give the same bits in 0.64 s."""
+    if grad.dtype != torch.bfloat16 or grad.device.type != "cpu" or grad.shape[0] < _LOOP_ROWS:
+        return torch.norm(grad, dim=-2, keepdim=True)
+    total = grad.new_zeros((1, grad.shape[1]), dtype=torch.float32)
+    for index in range(grad.shape[0]):  # one row view at a time (`for row in grad` unbinds all rows at once:
+        row = grad[index]  # 128k tensor objects, ~64 MiB of host memory no tensor count sees)
+        total.addcmul_(row, row)  # squares of bf16 values are exact in fp32: one rounding per addition, as torch's
+    return total.sqrt_().to(grad.dtype)
 
 
 def _in_place_adafactor(params: Any, **kw: Any) -> torch.optim.Optimizer:

@@ -246,3 +246,14 @@ def test_leanest_recipe_with_int8_compression_estimate_equals_the_real_step(monk
     assert plain_measured - measured >= 2 * (
         32 * 1024 - 256
     )  # at least the two boundaries' halves (measured: 126.6 KiB)
+
+
+@pytest.mark.parametrize("shape", [(1024, 13), (1500, 64), (4096, 8)])
+def test_column_norm_of_a_tall_bf16_matrix_is_torch_norm_bit_for_bit(shape):
+    """The row loop (taken from 1024 rows) adds each column's squares in torch's order: the same bf16 bits."""
+    from lightning_lowmem.functional.optimizers.in_backward import _column_norm
+
+    torch.manual_seed(0)
+    for scale in (1e-4, 1.0, 300.0):
+        grad = (torch.randn(*shape) * scale).bfloat16()
+        assert torch.equal(_column_norm(grad), torch.norm(grad, dim=-2, keepdim=True))
