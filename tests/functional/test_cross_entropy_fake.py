@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_lowmem.functional.cross_entropy import linear
+from lightning_lowmem.functional.cross_entropy import fused, linear
 from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
 
 transformers = pytest.importorskip("transformers")
@@ -49,3 +49,32 @@ def test_two_slices_on_fake_tensors_estimate_what_all_slices_do(monkeypatch, pre
 
 def test_real_tensors_run_every_slice():
     assert linear._slice_starts(13, 3, torch.zeros(1)) == [0, 3, 6, 9, 12]
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_first_two_and_last_token_chunks_on_fake_tensors_estimate_what_all_chunks_do(monkeypatch, precision):
+    # a frozen head (LoRA): the one-pass paths walk the tokens in chunks (bf16: matmul chunks of fp32 softmax chunks)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=3001
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 3001, (2, 256))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    mix = TrainingConfig(precision=precision, cross_entropy={"mode": "chunked", "chunk_size": 16}, lora={"r": 4})
+    runs: list[int] = []
+    real = fused.chunk_starts
+
+    def counted(total, step, tensor):
+        starts = real(total, step, tensor)
+        runs.append(len(starts))
+        return starts
+
+    monkeypatch.setattr(fused, "chunk_starts", counted)
+    fast = estimate_memory(model, batch, device="cuda", config=mix)
+    assert runs and max(runs) == 3  # 512 tokens, 16 at a time: 3 of 32 chunks
+    monkeypatch.setattr(fused, "chunk_starts", lambda total, step, tensor: list(range(0, total, step)))
+    every = estimate_memory(model, batch, device="cuda", config=mix)
+    assert fast.peak_bytes == every.peak_bytes
+    assert fast.breakdown == every.breakdown
+    assert {k: v["peak_bytes"] for k, v in fast.phases.items()} == {k: v["peak_bytes"] for k, v in every.phases.items()}

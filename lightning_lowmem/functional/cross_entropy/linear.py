@@ -36,7 +36,11 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from lightning_lowmem._compat.fake_mode import is_fake
-from lightning_lowmem.functional.cross_entropy.fused import fused_loss_and_grads, fused_loss_and_hidden_grad
+from lightning_lowmem.functional.cross_entropy.fused import (
+    chunk_starts,
+    fused_loss_and_grads,
+    fused_loss_and_hidden_grad,
+)
 from lightning_lowmem.functional.cross_entropy.kernels import kernel_loss
 from lightning_lowmem.functional.cross_entropy.tied import TiedGradient, claim
 
@@ -377,8 +381,7 @@ def _slice_starts(vocab_size: int, columns: int, tensor: torch.Tensor) -> list[i
     starts from the same state (the previous slice's small leftovers alive) and, but for the last, allocates and
     frees what the second does, writing into storage that already exists: the first two and the last show the
     loop's peak, so only they run (an 8B Llama's 128k vocabulary at 4096 tokens: 3 slices of 64)."""
-    starts = list(range(0, vocab_size, columns))
-    return starts[:2] + starts[-1:] if len(starts) > 3 and is_fake(tensor) else starts
+    return chunk_starts(vocab_size, columns, tensor)
 
 
 class _Workspace:
