@@ -12,15 +12,28 @@ from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-def test_two_slices_on_fake_tensors_estimate_what_all_slices_do(monkeypatch, precision):
+def _llama_and_batch():
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=3001
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 3001, (2, 256))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def _assert_same_figures(fast, every):
+    assert fast.peak_bytes == every.peak_bytes
+    assert {k: v["peak_bytes"] for k, v in fast.phases.items()} == {k: v["peak_bytes"] for k, v in every.phases.items()}
+    # the peak's split by category: the same total, but inside the full suite (not alone) a full bf16-mixed fine-tune
+    # once put 4 KiB under "other" that every slice run puts under "activations" (not yet understood)
+    assert sum(fast.breakdown.values()) == sum(every.breakdown.values())
+    assert all(abs(fast.breakdown[k] - every.breakdown[k]) <= 4096 for k in every.breakdown)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_two_slices_on_fake_tensors_estimate_what_all_slices_do(monkeypatch, precision):
+    model, batch = _llama_and_batch()
     # a full fine-tune: the head's weight gradient is made a vocabulary slice at a time in every precision (with a
     # frozen head, bf16's one-pass forward leaves backward no vocabulary loop)
     mix = TrainingConfig(precision=precision, cross_entropy={"mode": "chunked", "chunk_size": 48})
@@ -42,12 +55,7 @@ def test_two_slices_on_fake_tensors_estimate_what_all_slices_do(monkeypatch, pre
         linear, "_slice_starts", lambda vocab_size, columns, tensor: list(range(0, vocab_size, columns))
     )
     every = estimate_memory(model, batch, device="cuda", config=mix)
-    assert fast.peak_bytes == every.peak_bytes
-    assert {k: v["peak_bytes"] for k, v in fast.phases.items()} == {k: v["peak_bytes"] for k, v in every.phases.items()}
-    # the peak's split by category: the same total, but inside the full suite (not alone) a full bf16-mixed fine-tune
-    # once put 4 KiB under "other" that every slice run puts under "activations" (not yet understood)
-    assert sum(fast.breakdown.values()) == sum(every.breakdown.values())
-    assert all(abs(fast.breakdown[k] - every.breakdown[k]) <= 4096 for k in every.breakdown)
+    _assert_same_figures(fast, every)
 
 
 def test_real_tensors_run_every_slice():
@@ -57,13 +65,7 @@ def test_real_tensors_run_every_slice():
 @pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
 def test_first_two_and_last_token_chunks_on_fake_tensors_estimate_what_all_chunks_do(monkeypatch, precision):
     # a frozen head (LoRA): the one-pass paths walk the tokens in chunks (bf16: matmul chunks of fp32 softmax chunks)
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=3001
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    ids = torch.randint(0, 3001, (2, 256))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    model, batch = _llama_and_batch()
     mix = TrainingConfig(precision=precision, cross_entropy={"mode": "chunked", "chunk_size": 16}, lora={"r": 4})
     runs: list[int] = []
     real = fused.chunk_starts
@@ -78,7 +80,4 @@ def test_first_two_and_last_token_chunks_on_fake_tensors_estimate_what_all_chunk
     assert runs and max(runs) == 3  # 512 tokens, 16 at a time: 3 of 32 chunks
     monkeypatch.setattr(fused, "chunk_starts", lambda total, step, tensor: list(range(0, total, step)))
     every = estimate_memory(model, batch, device="cuda", config=mix)
-    assert fast.peak_bytes == every.peak_bytes
-    assert {k: v["peak_bytes"] for k, v in fast.phases.items()} == {k: v["peak_bytes"] for k, v in every.phases.items()}
-    assert sum(fast.breakdown.values()) == sum(every.breakdown.values())  # the split: see the test above
-    assert all(abs(fast.breakdown[k] - every.breakdown[k]) <= 4096 for k in every.breakdown)
+    _assert_same_figures(fast, every)
