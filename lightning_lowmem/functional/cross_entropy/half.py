@@ -20,6 +20,7 @@ in torch 2.13), which is what accumulating over token chunks exactly would need.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from lightning_lowmem.functional.cross_entropy.fused import chunk_starts
 
 __all__ = ["GradCache", "fused_loss_and_hidden_grad", "hybrid_backward", "weight_and_bias_grads", "work_rows"]
 
+_LOG2_E = 1.0 / math.log(2.0)
 WORK_BYTES = 2 << 20  # an fp32 block of the pointwise work (per-core cache sized: ~1.3x faster than 32 MiB ones)
 
 
@@ -71,6 +73,13 @@ class GradCache:
         return part
 
 
+def _exp_shifted_(logits: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``exp(logits - shift)`` per row, in place, as ``exp2((logits - shift) * log2(e))``: torch's CPU ``exp2`` is
+    ~4x faster than its ``exp`` (AVX512, torch 2.13), its relative error 1e-7 for arguments in [-1, 0], 1e-6 down
+    to -20, 4e-6 down to -87 (``exp``: 6e-8), far below the 2^-9 of the bf16 rounding each entry then takes."""
+    return logits.sub_(shift[:, None]).mul_(_LOG2_E).exp2_()
+
+
 def _softmax_stats_(
     logits: torch.Tensor, targets: torch.Tensor, smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,7 +88,7 @@ def _softmax_stats_(
     picked = logits.gather(1, targets[:, None]).squeeze(1)
     mean_logit = logits.mean(dim=-1) if smoothing else None
     row_max = logits.amax(dim=-1)
-    total = logits.sub_(row_max[:, None]).exp_().sum(dim=-1)
+    total = _exp_shifted_(logits, row_max).sum(dim=-1)
     # (1 - eps) * (lse - z_y) + eps * (lse - mean_v z_v): F.cross_entropy's label smoothing
     loss = row_max + total.log() - (1.0 - smoothing) * picked
     if mean_logit is not None:
@@ -218,7 +227,7 @@ def weight_and_bias_grads(
             high = min(low + sub_rows, first)
             tokens = slice(low, high)
             work = work_buffer[: (high - low) * (stop - start)].view(high - low, stop - start)
-            work.copy_(grad_logits[tokens]).sub_(row_max[tokens, None]).exp_()
+            _exp_shifted_(work.copy_(grad_logits[tokens]), row_max[tokens])
             _grad_from_exp_(
                 work, scale[tokens], total[tokens], hits[tokens], target_weight[tokens], smoothing, vocab_size
             )
