@@ -146,7 +146,7 @@ def test_the_plan_is_the_same_with_the_bound_and_fewer_full_depth_runs(monkeypat
 
 
 def _figures(probe):
-    return probe.peak_bytes, probe.step_bytes, probe.trainable
+    return probe.peak_bytes, probe.peak_breakdown, probe.step_bytes, probe.step_breakdown, probe.trainable
 
 
 @pytest.mark.parametrize("loop", ["torch", "lightning"])
@@ -178,9 +178,9 @@ STEP_MIXES = [
 
 @pytest.mark.parametrize("layers, tokens", [(6, 96), (8, 128), (12, 32)])
 def test_a_deep_step_is_read_off_the_three_block_one(layers, tokens):
-    """``deeper_step``: the full depth's model-side figures (peak, bytes at ``step()``, trained parameters) from
-    the 3-block copy's whole step cut at its blocks' forward and backward starts, to the byte, wherever the
-    4-block copy agrees with it (the planner's check; it agrees on each of these)."""
+    """``deeper_step``: the full depth's model-side figures (peak, bytes at ``step()``, their breakdowns, trained
+    parameters) from the 3-block copy's whole step cut at its blocks' forward and backward starts, to the byte,
+    wherever the 4-block copy agrees with it (the planner's check; it agrees on each of these)."""
     model, batch = _llama(layers), _batch(tokens)
     stack = depth_stack(model)
     for mix in STEP_MIXES:
