@@ -139,3 +139,24 @@ def test_the_command_ends_at_once_after_estimate_with_its_output_and_exit_code(t
     wrong = subprocess.run([*command, "--budget", "24"], capture_output=True, text=True, cwd=root)
     assert wrong.returncode == 2
     assert wrong.stderr.splitlines()[-2].startswith("error: --budget='24' has no unit")
+
+
+def test_the_objects_alive_before_the_plan_are_out_of_the_collectors_sight_during_it_only(
+    tmp_path, capsys, monkeypatch
+):
+    import gc
+
+    from lightning_lowmem.planning import plan as plan_module
+
+    seen = []
+    original = plan_module.plan_memory
+
+    def plan_memory(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "plan_memory", plan_memory)
+    args = ["--hf-config", _folder(tmp_path), "--seq-len", "64", "--budget", "1GiB"]
+    assert main(["estimate", *args]) == 0, capsys.readouterr().err
+    assert len(seen) == 1 and seen[0] > 10_000  # the libraries and the model, frozen while it plans
+    assert gc.get_freeze_count() == 0  # and back in sight after
