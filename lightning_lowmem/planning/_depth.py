@@ -1,4 +1,4 @@
-"""A deep model's step, bounded from below by two shallow copies of it: the planner's cheap "cannot fit".
+"""A deep model's step from shallow copies of it: the planner's cheap "cannot fit", and its full-depth figures.
 
 Most candidates the planner meets cannot fit; it only has to prove that. For a model built of ``L`` alike blocks (a
 transformer's layers), the bytes alive at any moment of a step are a sum of terms each affine in the depth: every
@@ -14,9 +14,14 @@ first 2 and 3 blocks::
 with equality where the peak is affine (the usual case: the peak where backward starts, or in the forward's last
 block). Two copies of 2 and 3 blocks cost a fraction of the full model's run (5 of an 8B Llama's 32 blocks).
 
-The bound only rejects: a candidate whose bound passes the budget cannot fit; every other one is run at full depth,
-so each figure the planner reports for a fitting candidate is a full-depth run's. (The exact peak is not
-extrapolated: where another phase overtakes at depth, the secant is below it, a bound still but not the figure.)
+The bound only rejects: a candidate whose bound passes the budget cannot fit. (The secant is not the figure: where
+another phase overtakes at depth, it is below the peak, a bound still.) The forward's ``f(2)`` is not run but read
+off the 3-block copy's forward cut where its second and last blocks start (:func:`one_block_fewer`).
+
+A candidate the bound does not reject gets its exact full-depth figures from the segments of the 3-block copy's
+whole step (:func:`deeper_step`): cut at its blocks' forward and backward starts, it shows every kind of moment of
+the deep step, each shifted in the deep one by what the extra middle blocks hold then. The figures are taken only
+where the 4-block copy's step is what the same arithmetic says (the planner's check), else the full depth runs.
 
 The argument holds for blocks that behave alike under techniques that treat every block alike. :func:`depth_stack`
 finds none (``None``) in a model with fewer than :data:`MIN_BLOCKS` blocks, blocks of different classes, shapes

@@ -8,7 +8,8 @@ set, and one full estimate per configuration asked for. Candidates that differ o
 share a probe; candidates that differ only on the model side (with the same trainable parameters, e.g.
 ``32-true`` and ``bf16-mixed``) share a profile. On a model of alike blocks, a model side is first bounded from
 below by two shallow copies of the model (``planning/_depth.py``): one whose bound passes the limit is ruled out
-without a full-depth run.
+without a full-depth run; one that it does not rule out gets its full-depth figures from a 3-block copy's step,
+where a 4-block copy's agrees (else the full depth runs).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ _WEIGHTS_KEPT = ("precision", "checkpointing", "compression", "optimizer", "micr
 WHOLE_STEP_FROM = 0.8
 """The shallow copies' whole steps are run only for a forward whose bound is at least this share of the limit: a
 backward rarely adds a fifth to the model side's peak, and where the bound cannot reject, the full-depth run
-follows anyway (speed only: every candidate not rejected is run at full depth)."""
+follows anyway (speed only: every candidate not rejected gets its full-depth figures)."""
 
 
 class CandidateEvaluator:
