@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_lowmem.functional.cross_entropy import fused, linear
+from lightning_lowmem.functional.cross_entropy import fused, half, linear
 from lightning_lowmem.planning.estimate import TrainingConfig, estimate_memory
 
 transformers = pytest.importorskip("transformers")
@@ -46,6 +46,7 @@ def test_two_slices_on_fake_tensors_estimate_what_all_slices_do(monkeypatch, pre
         return starts
 
     monkeypatch.setattr(linear, "_slice_starts", counted)
+    monkeypatch.setattr(half, "chunk_starts", counted)  # bf16-true: the token chunks, work blocks and slices
     fast = estimate_memory(model, batch, device="cuda", config=mix)
     assert (
         runs and max(runs) == 3
@@ -54,6 +55,7 @@ def test_two_slices_on_fake_tensors_estimate_what_all_slices_do(monkeypatch, pre
     monkeypatch.setattr(
         linear, "_slice_starts", lambda vocab_size, columns, tensor: list(range(0, vocab_size, columns))
     )
+    monkeypatch.setattr(half, "chunk_starts", lambda total, step, tensor: list(range(0, total, step)))
     every = estimate_memory(model, batch, device="cuda", config=mix)
     _assert_same_figures(fast, every)
 
@@ -76,8 +78,10 @@ def test_first_two_and_last_token_chunks_on_fake_tensors_estimate_what_all_chunk
         return starts
 
     monkeypatch.setattr(fused, "chunk_starts", counted)
+    monkeypatch.setattr(half, "chunk_starts", counted)
     fast = estimate_memory(model, batch, device="cuda", config=mix)
     assert runs and max(runs) == 3  # 512 tokens, 16 at a time: 3 of 32 chunks
     monkeypatch.setattr(fused, "chunk_starts", lambda total, step, tensor: list(range(0, total, step)))
+    monkeypatch.setattr(half, "chunk_starts", lambda total, step, tensor: list(range(0, total, step)))
     every = estimate_memory(model, batch, device="cuda", config=mix)
     _assert_same_figures(fast, every)

@@ -1,20 +1,11 @@
-"""The one-pass paths of :func:`~lightning_lowmem.functional.cross_entropy.linear_cross_entropy`: the loss and the
-hidden-state gradient (and, in fp32 / fp64, the weight gradient) together, chunk of tokens by chunk of tokens.
+"""The fp32 / fp64 one-pass path of :func:`~lightning_lowmem.functional.cross_entropy.linear_cross_entropy`
+(:func:`fused_loss_and_grads`): the loss and all three gradients together, chunk of tokens by chunk of tokens.
 
 Once a chunk's whole logits ``(rows, V)`` are known, so are its log-sum-exp and the gradient of the loss with
 respect to them (softmax minus the one-hot target), so the forward computes the gradients for a scalar loss at
-once and the backward only scales them by ``grad_output``, as Liger-Kernel's fused linear cross-entropy does.
-
-* **fp32 / fp64** (:func:`fused_loss_and_grads`): all three gradients in forward, three matmuls in all, as the
-  unchunked loss. The weight gradient is accumulated over the chunks in place, in the weight's dtype.
-* **bf16 / fp16 and autocast** (:func:`fused_loss_and_hidden_grad`): only the hidden-state gradient in forward
-  (each chunk's is one matmul over the whole vocabulary, rounded once, as the unchunked loss's); the forward keeps
-  each token's log-sum-exp and the backward recomputes the logits a vocabulary slice at a time for the weight
-  gradient, each slice of it written once. Four matmuls. Accumulating a bf16 weight gradient over ``k`` token
-  chunks instead (three matmuls) rounds it ``k`` times: its error against float64 grows from 1.00x the unchunked
-  bf16 loss's at ``k = 1`` to 1.19x at ``k = 2``, 1.46x at ``k = 4`` and 2.2x at ``k = 32``; summing the chunks'
-  bf16 products in an fp32 buffer rounds each product first (1.2-1.4x), and CPU matmuls have no bf16 -> fp32
-  output, so the exact alternative would be an fp32 matmul (4x slower than bf16 on AVX512-BF16).
+once and the backward only scales them by ``grad_output``, as Liger-Kernel's fused linear cross-entropy does:
+three matmuls in all, as the unchunked loss. The weight gradient is accumulated over the chunks in place, in the
+weight's dtype. The bf16 / fp16 path, which cannot accumulate that way, is :mod:`.half`.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from torch.nn import functional as F
 
 from lightning_lowmem._compat.fake_mode import is_fake
 
-__all__ = ["fused_loss_and_grads", "fused_loss_and_hidden_grad"]
+__all__ = ["chunk_starts", "fused_loss_and_grads"]
 
 
 def _scale(counted: torch.Tensor, dtype: torch.dtype, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,50 +101,3 @@ def fused_loss_and_grads(
             torch.mm(probs, weight, out=grad_hidden[start:stop]).mul_(chunk_scale)
         del logits, probs
     return _total(losses, counted, count, reduction), [grad_hidden, grad_weight, grad_bias]
-
-
-def fused_loss_and_hidden_grad(
-    hidden: torch.Tensor,  # (N, H) in the matmul dtype
-    weight: torch.Tensor,  # (V, H) in the matmul dtype
-    bias: torch.Tensor | None,  # (V,) in the matmul dtype
-    targets: torch.Tensor,  # (N,) valid class indices everywhere
-    counted: torch.Tensor,  # (N,) bool
-    smoothing: float,
-    reduction: str,
-    rows: tuple[int, int],
-    grad_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(loss, each token's log-sum-exp (N,), grad of hidden for grad_output = 1 in grad_dtype or None)`` for
-    bf16 / fp16 matmuls: ``rows = (matmul_rows, softmax_rows)``, the tokens of one matmul's logits (in the matmul
-    dtype; their gradient is written over them) and of one fp32 softmax. The logits' gradient is scaled per token
-    in fp32 before its one rounding, and each chunk's hidden gradient is one matmul over the whole vocabulary."""
-    num_tokens = hidden.shape[0]
-    matmul_rows, softmax_rows = rows
-    accumulate = torch.float32
-    scale, count = _scale(counted, accumulate, reduction)
-    grad_hidden = hidden.new_empty(hidden.shape, dtype=grad_dtype) if grad_dtype is not None else None
-    losses = hidden.new_empty(num_tokens, dtype=accumulate)
-    lse = hidden.new_empty(num_tokens, dtype=accumulate)
-    vocab_size = weight.shape[0]
-    # buffers reused by every chunk (on CPU a fresh one per chunk pays its page faults again)
-    logits_buffer = hidden.new_empty(min(matmul_rows, num_tokens) * vocab_size)
-    work_buffer = hidden.new_empty(min(softmax_rows, matmul_rows, num_tokens) * vocab_size, dtype=accumulate)
-    for start in chunk_starts(num_tokens, matmul_rows, hidden):
-        stop = min(start + matmul_rows, num_tokens)
-        logits = logits_buffer[: (stop - start) * vocab_size].view(stop - start, vocab_size)  # matmul dtype
-        if bias is None:  # F.linear's matmul, into the buffer
-            torch.mm(hidden[start:stop], weight.T, out=logits)
-        else:
-            torch.addmm(bias, hidden[start:stop], weight.T, out=logits)
-        for low in (start + offset for offset in chunk_starts(stop - start, softmax_rows, hidden)):
-            high = min(low + softmax_rows, stop)
-            part = logits[low - start : high - start]
-            work = work_buffer[: (high - low) * vocab_size].view(high - low, vocab_size).copy_(part)
-            probs, losses[low:high], lse[low:high] = _chunk_softmax(work, targets[low:high, None], smoothing)
-            if grad_hidden is not None:  # the scaled gradient over the logits, rounded once
-                part.copy_(probs.mul_(scale[low:high, None]))
-            del probs
-        if grad_hidden is not None:  # one matmul over the whole vocabulary: rounded once
-            torch.mm(logits, weight, out=grad_hidden[start:stop])
-        del logits
-    return _total(losses, counted, count, reduction), lse, grad_hidden

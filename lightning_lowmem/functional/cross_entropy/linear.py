@@ -7,10 +7,12 @@ the loss backward. Three paths, all holding at most one chunk of logits:
 * **One pass** (fp32 / fp64 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.fused`): chunks of tokens,
   each chunk's whole logits give its log-sum-exp and the gradient with respect to them at once, so the forward
   computes all gradients (three matmuls, as the unchunked loss) and the backward scales them by ``grad_output``.
-* **One pass for the hidden states** (bf16 / fp16 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.fused`):
+* **One pass for the hidden states** (bf16 / fp16 weights outside autocast, ``"mean"`` / ``"sum"``; :mod:`.half`):
   the same chunks give the hidden-state gradient in forward (one matmul over the whole vocabulary per chunk,
-  rounded once) and each token's log-sum-exp; the backward recomputes the logits a vocabulary slice at a time for
-  the weight gradient, each slice of it written once (not accumulated over chunks in bf16). Four matmuls.
+  rounded once) and each token's softmax statistics; the backward recomputes the logits a vocabulary slice at a
+  time for the weight gradient, each slice of it written once (not accumulated over chunks in bf16). Four matmuls,
+  less the recomputation of the last tokens' logits, whose gradient the forward keeps (in the bytes an fp32
+  softmax chunk took).
 * **Two passes** (autocast, ``"none"``): the forward walks the vocabulary in slices and keeps, per token, only the
   log-sum-exp (an online log-sum-exp over the slices); the backward recomputes the logits one slice at a time and
   writes each slice's weight gradient once, the hidden-state gradient accumulated in fp32 (each slice's matmul in
@@ -36,11 +38,8 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from lightning_lowmem._compat.fake_mode import is_fake
-from lightning_lowmem.functional.cross_entropy.fused import (
-    chunk_starts,
-    fused_loss_and_grads,
-    fused_loss_and_hidden_grad,
-)
+from lightning_lowmem.functional.cross_entropy.fused import chunk_starts, fused_loss_and_grads
+from lightning_lowmem.functional.cross_entropy.half import fused_loss_and_hidden_grad, hybrid_backward
 from lightning_lowmem.functional.cross_entropy.kernels import kernel_loss
 from lightning_lowmem.functional.cross_entropy.tied import TiedGradient, claim
 
@@ -180,7 +179,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe_targets = torch.where(counted, targets, torch.zeros_like(targets))  # valid indices everywhere
         _check_targets(safe_targets, vocab_size, ignore_index)
         accumulate = _accumulation_dtype(hidden)
-        ctx.tied, ctx.fused_grads, ctx.fused, ctx.hidden_grad, ctx.hybrid = tied, None, False, None, False
+        ctx.tied, ctx.fused_grads, ctx.fused, ctx.hidden_grad, ctx.hybrid, ctx.cache = (
+            tied,
+            None,
+            False,
+            None,
+            False,
+            None,
+        )
         ctx.autocast = _autocast_state(hidden.device.type)
         needs = tuple(ctx.needs_input_grad[:3]) if in_graph else (False,) * 3  # no_grad: the loss only
         if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype == accumulate:
@@ -200,7 +206,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if reduction != "none" and ctx.autocast is None and hidden.dtype == weight.dtype:
             # bf16 / fp16: the hidden gradient in forward, the weight's in backward (autocast keeps the two-pass
             # path: it casts the weight a slice at a time, never whole)
-            loss, lse, ctx.hidden_grad = fused_loss_and_hidden_grad(
+            ctx.columns = _columns(rows, num_tokens, vocab_size)
+            # the last tokens' logits' gradient kept for the weight's (not for a tied weight, whose gradient the
+            # embedding's backward computes later, nor for a bias', summed in fp32)
+            keep = needs[1] and tied is None and not needs[2]
+            loss, row_max, total, ctx.hidden_grad, ctx.cache = fused_loss_and_hidden_grad(
                 hidden,
                 weight,
                 bias,
@@ -210,11 +220,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 reduction,
                 (matmul_rows, rows),
                 hidden.dtype if needs[0] else None,
+                ctx.columns if keep else None,
             )
             ctx.hybrid = True
-            ctx.save_for_backward(hidden, weight, bias, safe_targets, counted, lse, counted.sum())
+            ctx.save_for_backward(hidden, weight, bias, safe_targets, counted, row_max, total)
             ctx.smoothing, ctx.reduction = smoothing, reduction
-            ctx.columns = _columns(rows, num_tokens, vocab_size)
             return loss
         running_max = hidden.new_full((num_tokens,), float("-inf"), dtype=accumulate)
         running_sum = hidden.new_zeros(num_tokens, dtype=accumulate)  # sum of exp(logit - running_max)
@@ -266,15 +276,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads = [grad.mul_(grad_output) if grad is not None else None for grad in grads]
             grads[1] = _deliver(ctx.tied, grads[1])
             return (*grads, None, None, None, None, None, None, None, None)
+        if ctx.hybrid:
+            return (*hybrid_backward(ctx, grad_output), None, None, None, None, None, None, None, None)
         hidden, weight, bias, targets, counted, lse, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        forward_grad_hidden, ctx.hidden_grad = ctx.hidden_grad, None
-        if ctx.hybrid and need_hidden and forward_grad_hidden is None:
-            raise RuntimeError(
-                "linear_cross_entropy's backward ran twice (retain_graph=True): the one-pass path computes the "
-                "hidden-state gradient once, in forward. Call it again for a second backward"
-            )
-        need_hidden = need_hidden and forward_grad_hidden is None
         num_tokens, vocab_size, smoothing = hidden.shape[0], weight.shape[0], ctx.smoothing
         # d loss / d loss_i for each token: grad_output, / count for a mean, 0 where the target is ignored: it
         # scales the rows of each slice's logits' gradient (in fp32, before the matmuls round anything)
@@ -308,8 +313,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         del workspace
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        if forward_grad_hidden is not None:  # computed in forward for grad_output = 1 (exact when it is 1)
-            grad_hidden = forward_grad_hidden.mul_(grad_output)
         if defer:
             ctx.tied.deliver_later(functools.partial(_weight_gradient, logits_of, weight, hidden_c, ctx.columns))
         else:
