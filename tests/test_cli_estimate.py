@@ -123,3 +123,40 @@ def test_plan_settings_build_our_callbacks():
     ]
     assert dict(callbacks)["LowRankAdapters"] == {"r": 4, "quantize_base": "int8"}
     assert dict(callbacks)["ActivationCheckpointing"] == {"policy": 2}
+
+
+def test_the_command_ends_at_once_after_estimate_with_its_output_and_exit_code(tmp_path):
+    """``python -m lightning_lowmem.cli estimate`` (and the ``lowmem`` script, ``console``) skips the interpreter's
+    teardown: the whole JSON answer still arrives, and a mistake still exits 2 with its one line."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]  # this checkout's package, not an installed one
+    command = [sys.executable, "-m", "lightning_lowmem.cli", "estimate", "--hf-config", _folder(tmp_path)]
+    done = subprocess.run([*command, "--seq-len", "64", "--json"], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["peak_bytes"] > 0
+    wrong = subprocess.run([*command, "--budget", "24"], capture_output=True, text=True, cwd=root)
+    assert wrong.returncode == 2
+    assert wrong.stderr.splitlines()[-2].startswith("error: --budget='24' has no unit")
+
+
+def test_the_objects_alive_before_the_plan_are_out_of_the_collectors_sight_during_it_only(
+    tmp_path, capsys, monkeypatch
+):
+    import gc
+
+    from lightning_lowmem.planning import plan as plan_module
+
+    seen = []
+    original = plan_module.plan_memory
+
+    def plan_memory(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "plan_memory", plan_memory)
+    args = ["--hf-config", _folder(tmp_path), "--seq-len", "64", "--budget", "1GiB"]
+    assert main(["estimate", *args]) == 0, capsys.readouterr().err
+    assert len(seen) == 1 and seen[0] > 10_000  # the libraries and the model, frozen while it plans
+    assert gc.get_freeze_count() == 0  # and back in sight after

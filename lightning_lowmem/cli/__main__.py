@@ -1,5 +1,5 @@
 """``python -m lightning_lowmem.cli``: the ``lowmem`` command (for ``torchrun``, SLURM scripts and subprocesses)."""
 
-from lightning_lowmem.cli import main
+from lightning_lowmem.cli import console
 
-raise SystemExit(main())
+console()

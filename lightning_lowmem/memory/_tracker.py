@@ -42,6 +42,7 @@ from lightning_lowmem._compat import TorchDispatchMode
 from lightning_lowmem.memory._accumulation import EngineSums, first_of_engine_sum
 from lightning_lowmem.memory._module_peaks import ModulePeaks
 from lightning_lowmem.memory._origins import OTHER_KINDS, Origins, nonzero_kinds
+from lightning_lowmem.memory._segments import SegmentPeaks
 from lightning_lowmem.memory._tensors import is_parameter, is_plain, iter_tensors, op_tensors, optimizer_state_tensors
 from lightning_lowmem.memory._tensors import plain_tensors
 from lightning_lowmem.memory._unseen import UnseenAllocations
@@ -113,12 +114,13 @@ class StorageTracker(EngineSums, UnseenAllocations, TorchDispatchMode):
         self._phase_peaks: dict[str, _Snapshot] = {}
         self._phase = "forward"
         self._last_phase = "forward"
-        self._forward_keys: list[int] = []
+        self._forward_keys: list[tuple[int, int]] = []  # (key, seq) of what forward allocated
         self._hooked_params: dict[int, Any] = {}
         self._handles: list[Any] = []
         self._module_names: dict[int, str] = {}
         self.origins = Origins(self._module_names)  # the kind of each "other" allocation
         self._module_peaks = ModulePeaks(self._module_names)  # by_module
+        self.segments = SegmentPeaks(self)  # figures per segment of the run, once cut (``cut_at``)
         self.limit_bytes: int | None = None  # raise MemoryLimitExceeded once live bytes pass it
         self.stop_before_phase: str | None = None  # raise PhaseReached when this phase starts (e.g. "backward")
         self._stopped = True  # not observing (yet): set False when __enter__ has set everything up
@@ -310,7 +312,7 @@ class StorageTracker(EngineSums, UnseenAllocations, TorchDispatchMode):
         self._current_other[kind] += nbytes
         self._total += nbytes
         if self._phase == "forward":
-            self._forward_keys.append(key)
+            self._forward_keys.append((key, seq))
         self._update_peaks(seq)
 
     def _see(self, tensor: torch.Tensor, category: str) -> None:
@@ -362,6 +364,11 @@ class StorageTracker(EngineSums, UnseenAllocations, TorchDispatchMode):
     def _snapshots(self) -> Iterator[_Snapshot]:
         yield self._peak
         yield from self._phase_peaks.values()
+        yield from self.segments.snapshots()
+
+    def _snapshot_now(self, seq: int | None) -> _Snapshot:
+        seq = self._last_seq if seq is None else seq
+        return _Snapshot(self._total, seq, dict(self._current), dict(self._current_other))
 
     def _update_peaks(self, seq: int) -> None:
         self._last_seq = seq
@@ -373,6 +380,7 @@ class StorageTracker(EngineSums, UnseenAllocations, TorchDispatchMode):
         if phase_peak is None or self._total > phase_peak.total:
             self._phase_peaks[self._phase] = _Snapshot(self._total, seq, dict(self._current), dict(self._current_other))
         self._module_peaks.peak(self._total)
+        self.segments.peak(self._total, seq)
 
     def _phase_now(self) -> str:
         if in_backward():
@@ -386,9 +394,9 @@ class StorageTracker(EngineSums, UnseenAllocations, TorchDispatchMode):
             raise PhaseReached(f"stopped before {phase}, with {self._total} bytes live")
         if self._phase == "forward" and phase == "backward":
             # what forward allocated and still holds is what backward needs: activations
-            for key in self._forward_keys:
-                record = self._records.get(key)
-                if record is not None and record.category == "other":
+            for key, seq in self._forward_keys:
+                record = self._records.get(key)  # the same storage, not a later one at a freed one's address
+                if record is not None and record.seq == seq and record.category == "other":
                     self._relabel(key, "activations")
             self._forward_keys.clear()
         elif phase == "forward":
@@ -448,6 +456,8 @@ class StorageTracker(EngineSums, UnseenAllocations, TorchDispatchMode):
             return
         self._last_phase = "forward"  # a module forward starts the forward phase
         self.origins.enter(module)
+        if self.segments.marks:
+            self.segments.enter(self._module_names.get(id(module)))
         if self.track_modules:
             self._module_peaks.enter(module, self._total)
 

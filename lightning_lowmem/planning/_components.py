@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_lowmem._compat.autograd import in_backward
 from lightning_lowmem._compat.compiler import force_eager
 from lightning_lowmem._compat.fake_mode import fake_tensor_mode
 from lightning_lowmem.planning._batch_values import BatchValues
@@ -69,6 +70,31 @@ class ModelProbe:
     trainable: Signature
     stopped_at: int | None = None
     forward_only: bool = False
+    segments: Segments | None = None
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where ``probe_model`` cuts its run (module names in the probed module): at the first forward of each of
+    ``forward``, then as the gradient of each of ``backward``'s outputs is complete (its backward starts), in that
+    order; ``held``: the module whose parameters, buffers and gradients are read at the first cut."""
+
+    forward: tuple[str, ...]
+    held: str
+    backward: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A run cut at modules' first forwards (``probe_model``'s ``cut_at``): each segment's peak (before the first
+    cut, then from each cut on) and the live state at each cut, as ``(bytes, breakdown)``; ``held``: the bytes by
+    category of the tensors named to be read at the first cut."""
+
+    peaks: list[tuple[int, dict[str, int]]]
+    starts: list[tuple[int, dict[str, int]]]
+    held: dict[str, int]
+    held_trainable: tuple[int, int] = (0, 0)
+    """Where ``held``'s trained parameters are in ``ModelProbe.trainable``: (first index, count)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,7 @@ def probe_model(
     attention_kernel: str = "auto",
     forward_only: bool = False,
     accumulate: int = 1,
+    cut_at: Cuts | None = None,
 ) -> ModelProbe:
     """Run ``config``'s model side once on fake tensors (the optimizer is left out; see module docstring).
 
@@ -117,7 +144,8 @@ def probe_model(
     alive: a candidate that cannot fit is known without running the rest of its step. ``forward_only``: the
     run also stops when backward starts (about a third of a step's ops): below the limit by then, the
     probe says only that (``ModelProbe.forward_only``). ``accumulate``: the step runs that many batches (see
-    :func:`~lightning_lowmem.planning._fake_step.train_step`).
+    :func:`~lightning_lowmem.planning._fake_step.train_step`). ``cut_at``: the run is cut there (:class:`Cuts`), each
+    segment's peak kept (``ModelProbe.segments``; ``None`` if a cut was not reached).
     """
     true_dtype = config.precision.true_dtype
     autocast_dtype = config.precision.autocast_dtype
@@ -136,6 +164,7 @@ def probe_model(
         if loop == "lightning":
             fake_gradients(params)  # left by the previous step until Lightning's zero_grad
         tracker.modules = [model]
+        handles = _cut(model, tracker, cut_at) if cut_at is not None else []
         tracker.limit_bytes = limit_bytes
         tracker.stop_before_phase = "backward" if forward_only else None
         stopped = forward_done = False
@@ -146,15 +175,64 @@ def probe_model(
             stopped = True
         except PhaseReached:
             forward_done = True
+        for handle in handles:
+            handle.remove()
     report = tracker.report
     assert report is not None
     trainable = tuple((tuple(p.shape), tuple(p.stride()), p.dtype) for p in params)
+    segments = _segments(tracker, model, params, cut_at) if cut_at is not None else None
     if stopped or forward_done:
         nothing = dict.fromkeys(CATEGORIES, 0)
         return ModelProbe(
-            report.peak_bytes, report.breakdown, 0, nothing, trainable, limit_bytes if stopped else None, forward_done
+            report.peak_bytes,
+            report.breakdown,
+            0,
+            nothing,
+            trainable,
+            limit_bytes if stopped else None,
+            forward_done,
+            segments,
         )
-    return ModelProbe(report.peak_bytes, report.breakdown, optimizer.step_bytes, optimizer.step_breakdown, trainable)
+    return ModelProbe(
+        report.peak_bytes,
+        report.breakdown,
+        optimizer.step_bytes,
+        optimizer.step_breakdown,
+        trainable,
+        segments=segments,
+    )
+
+
+def _cut(model: nn.Module, tracker: StorageTracker, cuts: Cuts) -> list[Any]:
+    """Set ``tracker`` to cut its run at ``cuts``; the hooks that cut at backward starts (to remove after the run)."""
+    block = model.get_submodule(cuts.held)
+    grads = [p.grad for p in block.parameters() if p.grad is not None]
+    marks = (*cuts.forward, *(f"{name} backward" for name in cuts.backward))
+    tracker.segments.cut_at(marks, [*block.parameters(), *block.buffers(), *grads])
+
+    def on_output(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            first = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(first, torch.Tensor) and first.requires_grad and not in_backward():  # not a recomputation
+                first.register_hook(lambda grad: tracker.segments.cut(f"{name} backward"))
+
+        return hook
+
+    return [model.get_submodule(name).register_forward_hook(on_output(name)) for name in cuts.backward]
+
+
+def _segments(tracker: StorageTracker, model: nn.Module, params: list[torch.Tensor], cuts: Cuts) -> Segments | None:
+    cut = tracker.segments
+    if len(cut.starts) < len(cut.marks):
+        return None  # a cut never came (a technique renamed a module, an output needs no gradient, a stopped run)
+    held = {id(p) for p in model.get_submodule(cuts.held).parameters()}
+    where = [index for index, param in enumerate(params) if id(param) in held]
+    return Segments(
+        [(snap.total, dict(snap.breakdown)) for snap in cut.peaks],
+        [(snap.total, dict(snap.breakdown)) for snap in cut.starts],
+        dict(cut.held),
+        (where[0], len(where)) if where else (0, 0),
+    )
 
 
 def profile_optimizer(name: str, trainable: Signature, *, device: str, kwargs: dict[str, Any]) -> OptimizerProfile:

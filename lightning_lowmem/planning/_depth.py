@@ -1,4 +1,4 @@
-"""A deep model's step, bounded from below by two shallow copies of it: the planner's cheap "cannot fit".
+"""A deep model's step from shallow copies of it: the planner's cheap "cannot fit", and its full-depth figures.
 
 Most candidates the planner meets cannot fit; it only has to prove that. For a model built of ``L`` alike blocks (a
 transformer's layers), the bytes alive at any moment of a step are a sum of terms each affine in the depth: every
@@ -14,9 +14,14 @@ first 2 and 3 blocks::
 with equality where the peak is affine (the usual case: the peak where backward starts, or in the forward's last
 block). Two copies of 2 and 3 blocks cost a fraction of the full model's run (5 of an 8B Llama's 32 blocks).
 
-The bound only rejects: a candidate whose bound passes the budget cannot fit; every other one is run at full depth,
-so each figure the planner reports for a fitting candidate is a full-depth run's. (The exact peak is not
-extrapolated: where another phase overtakes at depth, the secant is below it, a bound still but not the figure.)
+The bound only rejects: a candidate whose bound passes the budget cannot fit. (The secant is not the figure: where
+another phase overtakes at depth, it is below the peak, a bound still.) The forward's ``f(2)`` is not run but read
+off the 3-block copy's forward cut where its second and last blocks start (:func:`one_block_fewer`).
+
+A candidate the bound does not reject gets its exact full-depth figures from the segments of the 3-block copy's
+whole step (:func:`deeper_step`): cut at its blocks' forward and backward starts, it shows every kind of moment of
+the deep step, each shifted in the deep one by what the extra middle blocks hold then. The figures are taken only
+where the 4-block copy's step is what the same arithmetic says (the planner's check), else the full depth runs.
 
 The argument holds for blocks that behave alike under techniques that treat every block alike. :func:`depth_stack`
 finds none (``None``) in a model with fewer than :data:`MIN_BLOCKS` blocks, blocks of different classes, shapes
@@ -36,7 +41,18 @@ from torch import nn
 
 from lightning_lowmem.memory.report import CATEGORIES
 
-__all__ = ["DEPTHS", "DEPTH_FREE_FIELDS", "MIN_BLOCKS", "DepthStack", "depth_free", "depth_stack", "secant_bound"]
+__all__ = [
+    "DEPTHS",
+    "DEPTH_FREE_FIELDS",
+    "MIN_BLOCKS",
+    "DepthStack",
+    "depth_free",
+    "depth_stack",
+    "deeper_step",
+    "one_block_fewer",
+    "secant_bound",
+    "step_cuts",
+]
 
 DEPTHS = (2, 3)
 """The shallow copies' depths: two consecutive depths from 2 on (see the module docstring)."""
@@ -134,6 +150,100 @@ def secant_bound(
         breakdown = dict(high[1])
     breakdown["other"] += bound - sum(breakdown.values())
     return bound, breakdown
+
+
+def one_block_fewer(segments: Any) -> tuple[int, dict[str, int]]:
+    """The forward's peak of the copy with one block fewer (and its breakdown), read off a forward of the copy of
+    :data:`DEPTHS` ``[1]`` blocks cut where its second and last blocks start (``probe_model``'s ``cut_at``, with the
+    last block's tensors read): no run of the shallower copy.
+
+    Both copies run the same ops up to the second block; the deeper one's second block (a middle one) has no
+    counterpart, and from its last block on it runs what the shallower one runs from its own last block. So the
+    shallower copy's moments are the deeper one's before its second block, less the bytes its last block holds
+    from the start (``held``: its weights, their gradients), and the deeper one's from its last block on, less that
+    and what the middle block left alive (the live state at the last block's start less that at the middle
+    one's). The peak is the larger (the earlier on a tie, as a tracker keeps the first)."""
+    (first, _, rest), (middle_start, last_start) = segments.peaks, segments.starts
+    held = segments.held
+    before = (first[0] - sum(held.values()), {c: first[1][c] - held[c] for c in CATEGORIES})
+    shift = {c: held[c] + last_start[1][c] - middle_start[1][c] for c in CATEGORIES}
+    after = (
+        rest[0] - (last_start[0] - middle_start[0]) - sum(held.values()),
+        {c: rest[1][c] - shift[c] for c in CATEGORIES},
+    )
+    return after if after[0] > before[0] else before
+
+
+def step_cuts(path: str) -> Any:
+    """Where :func:`deeper_step` needs the copy of :data:`DEPTHS` ``[1]`` blocks (its stack at ``path``) cut: as its
+    second and last blocks' forwards start, as its second and first blocks' backwards start; the last block read."""
+    from lightning_lowmem.planning._components import Cuts
+
+    last = DEPTHS[1] - 1
+    return Cuts((f"{path}.1", f"{path}.{last}"), f"{path}.{last}", (f"{path}.1", f"{path}.0"))
+
+
+def deeper_step(probe: Any, depth: int) -> Any:
+    """The model-side figures (a ``ModelProbe``) of the model with ``depth`` blocks, from a whole step of its copy
+    of :data:`DEPTHS` ``[1]`` blocks cut at :func:`step_cuts`: no run of the deep model. ``None`` where this does
+    not apply (a cut was not reached; gradients alive before the step, as Lightning's loop keeps them).
+
+    The deep model runs the copy's step with ``n = depth - 3`` more middle blocks. Each extra block holds its
+    weights (``held``) throughout; its forward leaves what the copy's middle forward left (``forward``: the live
+    state as the last block starts less as the middle one starts), and its backward changes that by what the
+    middle backward did (``backward``: as the first block's backward starts less as the middle one's starts). So
+    every moment of a segment of the copy's step (before the middle block, the middle forward, the last block's
+    forward and backward with the head between, the middle backward, the rest) happens in the deep model with
+    ``n`` such contributions more, those of a repeated segment growing by one ``forward`` (``backward``) per
+    repetition: its highest repetition is the last if that grows the total, else the first. The peak is the
+    highest (the first on a tie, as a tracker keeps it); the bytes at ``step()`` follow the last segment's.
+    """
+    from lightning_lowmem.planning._components import ModelProbe
+
+    segments = probe.segments
+    if segments is None or segments.held["gradients"] or probe.stopped_at is not None or probe.forward_only:
+        return None
+    n = depth - DEPTHS[1]
+    held = (sum(segments.held.values()), segments.held)
+    middle_start, last_start, back_start, first_back = segments.starts
+    forward, backward = _minus(last_start, middle_start), _minus(first_back, back_start)
+    grows = [forward if forward[0] > 0 else _ZERO, backward if backward[0] > 0 else _ZERO]
+    offsets = [
+        [held],
+        [held, grows[0]],
+        [held, forward],
+        [held, forward, grows[1]],
+        [held, forward, backward],
+    ]
+    peak = None
+    for (total, breakdown), parts in zip(segments.peaks, offsets, strict=True):
+        moment = _plus((total, breakdown), parts, n)
+        if peak is None or moment[0] > peak[0]:
+            peak = moment
+    assert peak is not None
+    step = _plus((probe.step_bytes, probe.step_breakdown), offsets[-1], n)
+    first, count = segments.held_trainable
+    block = probe.trainable[first : first + count]
+    trainable = probe.trainable[:first] + block * n + probe.trainable[first:]
+    return ModelProbe(peak[0], peak[1], step[0], step[1], trainable)
+
+
+_ZERO = (0, dict.fromkeys(CATEGORIES, 0))
+
+
+def _minus(a: tuple[int, dict[str, int]], b: tuple[int, dict[str, int]]) -> tuple[int, dict[str, int]]:
+    return a[0] - b[0], {c: a[1][c] - b[1][c] for c in CATEGORIES}
+
+
+def _plus(
+    base: tuple[int, dict[str, int]], parts: list[tuple[int, dict[str, int]]], times: int
+) -> tuple[int, dict[str, int]]:
+    total, breakdown = base[0], dict(base[1])
+    for part_total, part in parts:
+        total += times * part_total
+        for c in CATEGORIES:
+            breakdown[c] += times * part[c]
+    return total, breakdown
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -8,7 +8,8 @@ set, and one full estimate per configuration asked for. Candidates that differ o
 share a probe; candidates that differ only on the model side (with the same trainable parameters, e.g.
 ``32-true`` and ``bf16-mixed``) share a profile. On a model of alike blocks, a model side is first bounded from
 below by two shallow copies of the model (``planning/_depth.py``): one whose bound passes the limit is ruled out
-without a full-depth run.
+without a full-depth run; one that it does not rule out gets its full-depth figures from a 3-block copy's step,
+where a 4-block copy's agrees (else the full depth runs).
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from torch import nn
 
 from lightning_lowmem.functional.config import OptimizerConfig
 from lightning_lowmem.planning.attention_kernels import validate_attention_kernel
-from lightning_lowmem.planning._components import ModelProbe, OptimizerProfile, combine, probe_model, profile_optimizer
+from lightning_lowmem.planning._components import (
+    Cuts,
+    ModelProbe,
+    OptimizerProfile,
+    combine,
+    probe_model,
+    profile_optimizer,
+)
 from lightning_lowmem.planning._fake_step import device_optimizer_kwargs, resolve_loop
 from lightning_lowmem.planning.axes import model_side_key
 from lightning_lowmem.planning.estimate import (
@@ -39,7 +47,7 @@ _WEIGHTS_KEPT = ("precision", "checkpointing", "compression", "optimizer", "micr
 WHOLE_STEP_FROM = 0.8
 """The shallow copies' whole steps are run only for a forward whose bound is at least this share of the limit: a
 backward rarely adds a fifth to the model side's peak, and where the bound cannot reject, the full-depth run
-follows anyway (speed only: every candidate not rejected is run at full depth)."""
+follows anyway (speed only: every candidate not rejected gets its full-depth figures)."""
 
 
 class CandidateEvaluator:
@@ -206,6 +214,11 @@ class CandidateEvaluator:
         if bound is not None:  # the secant of two shallow copies passes it: no full-depth run
             return ModelProbe(bound[0], bound[1], 0, dict.fromkeys(CATEGORIES, 0), (), limit), limit
         self.probes += 1
+        deep = None if forward_only else self._deeper(config, limit)
+        if deep is not None:  # the full depth's figures from two shallow copies' steps: no full-depth run
+            self._probes[key] = deep
+            self._trainable[(config.precision, config.lora)] = deep.trainable
+            return deep, limit
         try:
             with data_dependent_errors_explained(self.module, config, steps=2):
                 probe = probe_model(
@@ -257,30 +270,64 @@ class CandidateEvaluator:
         """The secant bound of ``config``'s model-side peak (``whole_step``) or of its forward's peak (a lower one),
         with its breakdown, cached by model side; ``None`` if a shallow copy failed (the full-depth run then says
         why)."""
-        from lightning_lowmem.planning._depth import DEPTHS, secant_bound
+        from lightning_lowmem.planning._depth import DEPTHS, one_block_fewer, secant_bound
 
         key = (model_side_key(config), whole_step)
         if key not in self._depth_bounds:
             peaks = []
             try:
-                for depth in DEPTHS:
-                    probe = probe_model(
-                        self._stack.shallow(self.module, depth),
-                        self.batch,
-                        config,
-                        loss_fn=self.loss_fn,
-                        device=self.device,
-                        loop=self.loop,
-                        attention_kernel=self.attention_kernel,
-                        forward_only=not whole_step,
-                        accumulate=self.accumulate,
-                    )
-                    peaks.append((probe.peak_bytes, probe.peak_breakdown))
+                for depth in reversed(DEPTHS):
+                    # a forward of the deeper copy, cut where its blocks start, also tells the shallower one's
+                    path = self._stack.path
+                    cut = None if whole_step else Cuts((f"{path}.1", f"{path}.{depth - 1}"), f"{path}.{depth - 1}")
+                    probe = self._shallow_probe(config, depth, whole_step, cut)
+                    self.depth_bounds += 1
+                    peaks.insert(0, (probe.peak_bytes, probe.peak_breakdown))
+                    if probe.segments is not None:
+                        peaks.insert(0, one_block_fewer(probe.segments))
+                        break
             except Exception:  # noqa: BLE001 - no bound; the full-depth run raises what the search expects
                 peaks = []
-            self.depth_bounds += len(peaks)
             self._depth_bounds[key] = secant_bound(peaks[0], peaks[1], self._stack.depth) if peaks else None
         return self._depth_bounds[key]
+
+    def _shallow_probe(self, config: TrainingConfig, depth: int, whole_step: bool, cut: Any) -> ModelProbe:
+        return probe_model(
+            self._stack.shallow(self.module, depth),
+            self.batch,
+            config,
+            loss_fn=self.loss_fn,
+            device=self.device,
+            loop=self.loop,
+            attention_kernel=self.attention_kernel,
+            forward_only=not whole_step,
+            accumulate=self.accumulate,
+            cut_at=cut,
+        )
+
+    def _deeper(self, config: TrainingConfig, limit: int | None) -> ModelProbe | None:
+        """``config``'s full-depth model side from whole steps of the copies of 3 and 4 blocks (``planning/_depth.py``:
+        :func:`~lightning_lowmem.planning._depth.deeper_step` from the first, checked on the second), or ``None``: not
+        a model and step it applies to (torch's loop, one batch per step, alike blocks), the check failed, or the run
+        would pass ``limit`` (the full-depth run then stops where it passes it, as the search expects)."""
+        from lightning_lowmem.planning._depth import DEPTHS, deeper_step, step_cuts
+
+        if self.loop != "torch" or self.accumulate != 1 or config.microbatch is not None:
+            return None
+        if not self._depth_free(config):
+            return None
+        try:
+            copy = self._shallow_probe(config, DEPTHS[1], True, step_cuts(self._stack.path))
+            check = self._shallow_probe(config, DEPTHS[1] + 1, True, None)
+        except Exception:  # noqa: BLE001 - the full-depth run raises what the search expects
+            return None
+        self.depth_bounds += 2
+        if deeper_step(copy, DEPTHS[1] + 1) != check:
+            return None  # one block more than the copy is not what the segments say: run the full depth
+        deep = deeper_step(copy, self._stack.depth)
+        if deep is None or (limit is not None and deep.peak_bytes > limit):
+            return None
+        return deep
 
     def _weight_bytes(self, config: TrainingConfig) -> int | None:
         """A lower bound of ``config``'s model side: its weights in the precision's dtype (adapters left out), or

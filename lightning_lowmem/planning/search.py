@@ -438,7 +438,8 @@ class PlanSearch:
             f"optimizer profiles; {evaluator.full_estimates} full estimate(s)."
             + (f" {dominated} ruled out by a leaner twin (the chunked loss never adds memory)." if dominated else "")
             + (
-                f" {evaluator.depth_bounds} runs of shallow copies (2 and 3 blocks) bounded model sides from below."
+                f" {evaluator.depth_bounds} runs of shallow copies (2 to 4 blocks) bounded model sides from below or"
+                " stood in for full-depth runs."
                 if evaluator.depth_bounds
                 else ""
             )

@@ -9,8 +9,16 @@ from torch import nn
 
 from lightning_lowmem.demo import CharLM
 from lightning_lowmem.planning import _depth
-from lightning_lowmem.planning._components import probe_model
-from lightning_lowmem.planning._depth import DEPTHS, depth_free, depth_stack, secant_bound
+from lightning_lowmem.planning._components import Cuts, probe_model
+from lightning_lowmem.planning._depth import (
+    DEPTHS,
+    deeper_step,
+    depth_free,
+    depth_stack,
+    one_block_fewer,
+    secant_bound,
+    step_cuts,
+)
 from lightning_lowmem.planning.estimate import TrainingConfig, default_loss
 from lightning_lowmem.planning.plan import plan_memory
 
@@ -135,3 +143,96 @@ def test_the_plan_is_the_same_with_the_bound_and_fewer_full_depth_runs(monkeypat
         c.config: verdicts[c.config] for c in with_bound.candidates if c.config in verdicts
     }
     assert any("shallow" in note for note in with_bound.notes)
+
+
+def _figures(probe):
+    return probe.peak_bytes, probe.peak_breakdown, probe.step_bytes, probe.step_breakdown, probe.trainable
+
+
+@pytest.mark.parametrize("loop", ["torch", "lightning"])
+def test_the_two_block_forward_is_read_off_the_three_block_one(loop):
+    """``one_block_fewer``: the 2-block copy's forward peak and breakdown from the 3-block copy's forward, cut where
+    its second and last blocks start, to the byte (no 2-block run in the planner's forward bound)."""
+    model, batch = _llama(6), _batch()
+    stack = depth_stack(model)
+    cut = Cuts(("model.layers.1", "model.layers.2"), "model.layers.2")
+    for mix in MIXES:
+        config = TrainingConfig(optimizer="adamw", **mix)
+        for device in ("cuda", "cpu"):
+            kwargs = {"loss_fn": default_loss, "device": device, "loop": loop, "forward_only": True}
+            deeper = probe_model(stack.shallow(model, 3), batch, config, cut_at=cut, **kwargs)
+            shallow = probe_model(stack.shallow(model, 2), batch, config, **kwargs)
+            assert deeper.segments is not None and deeper.segments.held["parameters"] > 0
+            assert one_block_fewer(deeper.segments) == (shallow.peak_bytes, shallow.peak_breakdown), mix
+
+
+STEP_MIXES = [
+    {"precision": "32-true"},
+    {"precision": "bf16-true", "lora": {"r": 4}, "checkpointing": "auto", "cross_entropy": "chunked"},
+    {"precision": "bf16-true", "lora": {"r": 4, "quantize_base": "int8"}, "checkpointing": "auto"},
+    {"precision": "bf16-mixed", "checkpointing": "auto"},
+    {"precision": "32-true", "activation_compression": "bf16", "compression_min_bytes": 0},
+    {"precision": "32-true", "cross_entropy": "chunked"},
+]
+
+
+@pytest.mark.parametrize("layers, tokens", [(6, 96), (8, 128), (12, 32)])
+def test_a_deep_step_is_read_off_the_three_block_one(layers, tokens):
+    """``deeper_step``: the full depth's model-side figures (peak, bytes at ``step()``, their breakdowns, trained
+    parameters) from the 3-block copy's whole step cut at its blocks' forward and backward starts, to the byte,
+    wherever the 4-block copy agrees with it (the planner's check; it agrees on each of these)."""
+    model, batch = _llama(layers), _batch(tokens)
+    stack = depth_stack(model)
+    for mix in STEP_MIXES:
+        config = TrainingConfig(optimizer="adamw", **mix)
+        for device in ("cuda", "cpu"):
+            kwargs = {"loss_fn": default_loss, "device": device, "loop": "torch"}
+            copy = probe_model(stack.shallow(model, 3), batch, config, cut_at=step_cuts(stack.path), **kwargs)
+            check = probe_model(stack.shallow(model, 4), batch, config, **kwargs)
+            assert _figures(deeper_step(copy, 4)) == _figures(check), (mix, device)
+            deep, full = deeper_step(copy, layers), probe_model(model, batch, config, **kwargs)
+            assert _figures(deep) == _figures(full), (mix, device)
+            assert sum(deep.peak_breakdown.values()) == deep.peak_bytes
+            assert sum(deep.step_breakdown.values()) == deep.step_bytes
+
+
+def test_a_deep_step_is_not_read_where_it_does_not_apply():
+    """Lightning's loop keeps the last step's gradients into the forward: no figures from the segments; bf16-mixed
+    with LoRA leaves per block what the segments do not tell: the 4-block check refuses it."""
+    model, batch = _llama(6), _batch()
+    stack = depth_stack(model)
+    lora = TrainingConfig(optimizer="adamw", precision="bf16-true", lora={"r": 4})
+    kwargs = {"loss_fn": default_loss, "device": "cuda"}
+    kept = probe_model(stack.shallow(model, 3), batch, lora, cut_at=step_cuts(stack.path), loop="lightning", **kwargs)
+    assert kept.segments.held["gradients"] > 0 and deeper_step(kept, 6) is None
+    mixed = TrainingConfig(optimizer="adamw", precision="bf16-mixed", lora={"r": 4})
+    copy = probe_model(stack.shallow(model, 3), batch, mixed, cut_at=step_cuts(stack.path), loop="torch", **kwargs)
+    check = probe_model(stack.shallow(model, 4), batch, mixed, loop="torch", **kwargs)
+    assert deeper_step(copy, 4) != check
+
+
+@pytest.mark.parametrize("full_check", ["near-budget", "always"])
+def test_every_figure_of_the_plan_is_the_same_without_the_depth_shortcuts(monkeypatch, full_check):
+    """The plan with the shallow copies (bounds, the 2-block forward read off the 3-block one, full-depth figures
+    read off the 3-block step) and without them (every candidate at full depth): every candidate's figure and
+    breakdown, the baseline's, the choice, to the byte."""
+    model, batch = _llama(8), _batch(128)
+    kwargs = {"device": "cuda", "loras": [None, {"r": 4}], "full_check": full_check}
+
+    def figures(plan):
+        rows = {c.config: (c.method, c.report.peak_bytes, c.report.breakdown, c.fits) for c in plan.candidates}
+        return plan.chosen.config, plan.predicted_peak_bytes, rows
+
+    with_shortcuts = plan_memory(model, batch, 9 * 2**20, **kwargs)
+    assert any("stood in for full-depth runs" in note for note in with_shortcuts.notes)
+    monkeypatch.setattr(_depth, "MIN_BLOCKS", 10**6)  # no stack: every candidate runs at full depth
+    without = plan_memory(model, batch, 9 * 2**20, **kwargs)
+    (chosen, peak, rows), (full_chosen, full_peak, full_rows) = figures(with_shortcuts), figures(without)
+    assert (chosen, peak) == (full_chosen, full_peak)
+    assert rows[with_shortcuts.baseline.config] == full_rows[without.baseline.config]  # the "as configured" figure
+    complete = [config for config, row in rows.items() if row[0] != "lower bound" and config in full_rows]
+    assert len(complete) >= 2  # the baseline and the chosen, at least
+    assert {config: rows[config] for config in complete} == {config: full_rows[config] for config in complete}
+    assert {config: row[3] for config, row in rows.items() if config in full_rows} == {
+        config: full_rows[config][3] for config in rows if config in full_rows
+    }
