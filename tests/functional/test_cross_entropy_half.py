@@ -27,18 +27,18 @@ def _inputs(tokens=64, hidden=16, vocab=300, seed=0, dtype=torch.bfloat16):
     return h, w, targets
 
 
-@pytest.mark.parametrize("grad_output", [1.0, 2.0])
+@pytest.mark.parametrize("grad_output", [1.0, 0.25, 2.0, 0.3])
 def test_kept_rows_are_not_recomputed_in_backward(grad_output):
     """64 tokens, chunk_size 16: the work block is 8 rows, so the forward keeps 2 * (16 - 8) = 16 tokens' gradient
-    and the backward recomputes 48 tokens' logits (all 64 for a grad_output other than 1, which the kept gradient
-    was not scaled by); its weight-gradient matmul runs over all 64 tokens."""
+    and the backward recomputes 48 tokens' logits (all 64 for a grad_output not a power of two, which the kept
+    gradient cannot be scaled by exactly); its weight-gradient matmul runs over all 64 tokens."""
     h, w, targets = _inputs()
     tokens, hidden, vocab = 64, 16, 300
     assert work_rows(vocab, 16) == 8
     loss = linear_cross_entropy(h, w, targets, chunk_size=16)
     with FlopCounterMode(display=False) as counter:
         loss.backward(torch.tensor(grad_output))
-    recomputed = 48 if grad_output == 1.0 else 64
+    recomputed = 64 if grad_output == 0.3 else 48
     assert counter.get_total_flops() == 2 * hidden * vocab * (recomputed + tokens)
     reference_h, reference_w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     F.cross_entropy((reference_h @ reference_w.T).float(), targets).backward(torch.tensor(grad_output))
@@ -71,6 +71,30 @@ def test_kept_gradient_equals_the_recomputed_one_bit_for_bit(smoothing, rows):
 
     assert torch.equal(weight_grad(kept[4]), weight_grad(None))
     assert all(part is None for part in kept[4].slices)  # each kept slice freed once used
+
+
+@pytest.mark.parametrize(("dtype", "grad_output", "kept"), [
+    (torch.bfloat16, 0.25, True), (torch.bfloat16, -8.0, True), (torch.bfloat16, 0.3, False),
+    (torch.float16, 0.25, False), (torch.float16, 1.0, True),
+])  # fmt: skip
+def test_kept_gradient_scaled_by_a_power_of_two_equals_recomputing_bit_for_bit(dtype, grad_output, kept):
+    """Lightning's ``loss / accumulate_grad_batches``: a bf16 kept gradient times a power of two has the bits of
+    recomputing it at that scale; any other scale (or fp16, whose exponent range is narrow) recomputes every token."""
+    h, w, targets = _inputs(dtype=dtype)
+    counted = targets != -100
+    safe = torch.where(counted, targets, 0)
+    args = (h.detach(), w.detach(), None, safe, counted, 0.0, "mean", (16, 16), dtype)
+    forward = fused_loss_and_hidden_grad(*args, cache_columns=75)
+
+    def weight_grad(cache):
+        grads = weight_and_bias_grads(
+            h.detach(), w.detach(), None, safe, counted, forward[1:3], 0.0, "mean", 75, torch.tensor(grad_output),
+            (True, False), cache,
+        )  # fmt: skip
+        return grads[0]
+
+    assert torch.equal(weight_grad(forward[4]), weight_grad(None))
+    assert all(part is None for part in forward[4].slices) == kept  # the kept slices were used (and freed)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 16, 64])

@@ -121,6 +121,17 @@ def _scale(counted: torch.Tensor, reduction: str, grad_output: torch.Tensor | No
     return torch.where(counted, scale.expand(counted.shape), torch.zeros((), device=counted.device))
 
 
+def _scales_exactly(grad_output: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kept gradient (for ``grad_output = 1``) times ``grad_output`` is what recomputing gives: 1, or,
+    in bf16, a power of two (fp16's narrow exponent range would flush scaled-down entries recomputing keeps)."""
+    if is_fake(grad_output):
+        return True  # the same bytes either way
+    if bool(grad_output == 1):
+        return True
+    mantissa, _ = torch.frexp(grad_output.detach().float())
+    return dtype == torch.bfloat16 and bool(mantissa.abs() == 0.5)
+
+
 def fused_loss_and_hidden_grad(
     hidden: torch.Tensor,  # (N, H) in the matmul dtype
     weight: torch.Tensor,  # (V, H) in the matmul dtype
@@ -199,10 +210,12 @@ def weight_and_bias_grads(
     """The weight's and the bias' gradients (``None`` where ``needs`` is false), a vocabulary slice of ``columns``
     classes at a time: the slice's logits recomputed for the tokens ``cache`` does not hold (all without one), their
     gradient rounded once, the weight's rows one matmul over all tokens. The cache holds the gradient for
-    ``grad_output = 1``: for any other, every token's is recomputed."""
+    ``grad_output = 1``; a bf16 one is scaled by a ``grad_output`` that is a power of two (Lightning's
+    ``loss / accumulate_grad_batches`` for 2, 4, 8 ... batches: the same bits as recomputing, bf16 having fp32's
+    exponent range); for any other, every token's is recomputed."""
     num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
     row_max, total = stats
-    if cache is not None and ((needs[1] and bias is not None) or (not is_fake(grad_output) and bool(grad_output != 1))):
+    if cache is not None and ((needs[1] and bias is not None) or not _scales_exactly(grad_output, hidden.dtype)):
         cache = None  # dropped: the kept gradient is for grad_output = 1 (and the bias' needs its fp32 sums)
     first = cache.first if cache is not None else num_tokens
     scale = _scale(counted, reduction, grad_output)
@@ -236,6 +249,8 @@ def weight_and_bias_grads(
             grad_logits[tokens].copy_(work)
         if cache is not None:
             grad_logits[first:].copy_(cache.take(index))
+            if not is_fake(grad_output) and bool(grad_output != 1):
+                grad_logits[first:].mul_(grad_output)  # a power of two: exact (in place: no memory)
         if grad_weight is not None:
             torch.mm(grad_logits.T, hidden, out=grad_weight[start:stop])
     return grad_weight, grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else None
