@@ -176,7 +176,7 @@ STEP_MIXES = [
 ]
 
 
-@pytest.mark.parametrize("layers, tokens", [(6, 96), (8, 128), (12, 32)])
+@pytest.mark.parametrize("layers, tokens", [(6, 96), (12, 32)])
 def test_a_deep_step_is_read_off_the_three_block_one(layers, tokens):
     """``deeper_step``: the full depth's model-side figures (peak, bytes at ``step()``, their breakdowns, trained
     parameters) from the 3-block copy's whole step cut at its blocks' forward and backward starts, to the byte,
