@@ -164,13 +164,9 @@ def one_block_fewer(segments: Any) -> tuple[int, dict[str, int]]:
     and what the middle block left alive (the live state at the last block's start less that at the middle
     one's). The peak is the larger (the earlier on a tie, as a tracker keeps the first)."""
     (first, _, rest), (middle_start, last_start) = segments.peaks, segments.starts
-    held = segments.held
-    before = (first[0] - sum(held.values()), {c: first[1][c] - held[c] for c in CATEGORIES})
-    shift = {c: held[c] + last_start[1][c] - middle_start[1][c] for c in CATEGORIES}
-    after = (
-        rest[0] - (last_start[0] - middle_start[0]) - sum(held.values()),
-        {c: rest[1][c] - shift[c] for c in CATEGORIES},
-    )
+    held = (sum(segments.held.values()), segments.held)
+    before = _minus(first, held)
+    after = _minus(rest, _plus(held, [_minus(last_start, middle_start)], 1))
     return after if after[0] > before[0] else before
 
 
