@@ -30,32 +30,37 @@ def _assert_same_figures(fast, every):
     assert fast.breakdown == every.breakdown
 
 
+def _runs_shortcut_and_everything(monkeypatch, model, batch, mix, starts):
+    """``(the most starts one loop ran, the estimate as the shortcuts run, the estimate with every chunk run)``;
+    ``starts``: ``(module, name)`` of each loop-start function, all of one signature ``(total, step, tensor)``."""
+    runs: list[int] = []
+    real = getattr(*starts[0])
+
+    def counted(total, step, tensor):
+        found = real(total, step, tensor)
+        runs.append(len(found))
+        return found
+
+    for module, name in starts:
+        monkeypatch.setattr(module, name, counted)
+    fast = estimate_memory(model, batch, device="cuda", config=mix)
+    for module, name in starts:
+        monkeypatch.setattr(module, name, lambda total, step, tensor: list(range(0, total, step)))
+    every = estimate_memory(model, batch, device="cuda", config=mix)
+    return max(runs, default=0), fast, every
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_two_slices_on_fake_tensors_estimate_what_all_slices_do(monkeypatch, precision):
     model, batch = _llama_and_batch()
     # a full fine-tune: the head's weight gradient is made a vocabulary slice at a time in every precision (with a
     # frozen head, bf16's one-pass forward leaves backward no vocabulary loop)
     mix = TrainingConfig(precision=precision, cross_entropy={"mode": "chunked", "chunk_size": 48})
-    runs: list[int] = []
-    real = linear._slice_starts
-
-    def counted(vocab_size, columns, tensor):
-        starts = real(vocab_size, columns, tensor)
-        runs.append(len(starts))
-        return starts
-
-    monkeypatch.setattr(linear, "_slice_starts", counted)
-    monkeypatch.setattr(half, "chunk_starts", counted)  # bf16-true: the token chunks, work blocks and slices
-    fast = estimate_memory(model, batch, device="cuda", config=mix)
-    assert (
-        runs and max(runs) == 3
-    )  # the first two and the last only (of 11 slices: 3001 classes, 48 of 512 tokens a slice)
-    runs.clear()
-    monkeypatch.setattr(
-        linear, "_slice_starts", lambda vocab_size, columns, tensor: list(range(0, vocab_size, columns))
+    # bf16-true: half's token chunks, work blocks and slices too
+    most, fast, every = _runs_shortcut_and_everything(
+        monkeypatch, model, batch, mix, [(linear, "_slice_starts"), (half, "chunk_starts")]
     )
-    monkeypatch.setattr(half, "chunk_starts", lambda total, step, tensor: list(range(0, total, step)))
-    every = estimate_memory(model, batch, device="cuda", config=mix)
+    assert most == 3  # the first two and the last only (of 11 slices: 3001 classes, 48 of 512 tokens a slice)
     _assert_same_figures(fast, every)
 
 
@@ -68,19 +73,8 @@ def test_first_two_and_last_token_chunks_on_fake_tensors_estimate_what_all_chunk
     # a frozen head (LoRA): the one-pass paths walk the tokens in chunks (bf16: matmul chunks of fp32 softmax chunks)
     model, batch = _llama_and_batch()
     mix = TrainingConfig(precision=precision, cross_entropy={"mode": "chunked", "chunk_size": 16}, lora={"r": 4})
-    runs: list[int] = []
-    real = fused.chunk_starts
-
-    def counted(total, step, tensor):
-        starts = real(total, step, tensor)
-        runs.append(len(starts))
-        return starts
-
-    monkeypatch.setattr(fused, "chunk_starts", counted)
-    monkeypatch.setattr(half, "chunk_starts", counted)
-    fast = estimate_memory(model, batch, device="cuda", config=mix)
-    assert runs and max(runs) == 3  # 512 tokens, 16 at a time: 3 of 32 chunks
-    monkeypatch.setattr(fused, "chunk_starts", lambda total, step, tensor: list(range(0, total, step)))
-    monkeypatch.setattr(half, "chunk_starts", lambda total, step, tensor: list(range(0, total, step)))
-    every = estimate_memory(model, batch, device="cuda", config=mix)
+    most, fast, every = _runs_shortcut_and_everything(
+        monkeypatch, model, batch, mix, [(fused, "chunk_starts"), (half, "chunk_starts")]
+    )
+    assert most == 3  # 512 tokens, 16 at a time: 3 of 32 chunks
     _assert_same_figures(fast, every)
